@@ -1,0 +1,66 @@
+"""Packing prompt+response pairs into right-padded tensors, and token alignment.
+
+A leaf module (imports nothing of the project), shared by the learner and the reference scorer.
+For a row whose prompt has p tokens, the logits/values that score response token t live at
+position p-1+t of the packed sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def pack_sequences(
+    prompts: Sequence[np.ndarray | Sequence[int]],
+    responses: Sequence[np.ndarray | Sequence[int]],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad prompt+response rows.
+
+    Returns `input_ids [B, L]`, `attention_mask [B, L]`, `prompt_lens [B]` and
+    `response_mask [B, R]` where R is the longest response (mask 1 on real response tokens).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("cannot pack an empty batch")
+    p_lens = [len(p) for p in prompts]
+    r_lens = [len(r) for r in responses]
+    if min(p_lens) < 1:
+        raise ValueError("every prompt needs at least one token (the response is scored from position p-1)")
+    L = max(p + r for p, r in zip(p_lens, r_lens))
+    R = max(max(r_lens), 1)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), L), dtype=torch.long)
+    rmask = torch.zeros((len(prompts), R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        row = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)])
+        ids[i, : len(row)] = torch.from_numpy(row)
+        attn[i, : len(row)] = 1
+        rmask[i, : len(r)] = 1.0
+    return ids, attn, torch.tensor(p_lens, dtype=torch.long), rmask
+
+
+def response_positions(prompt_lens: torch.Tensor, response_len: int, seq_len: int) -> torch.Tensor:
+    """Index [B, R] of the positions whose outputs score response tokens: p-1 .. p+R-2 (clamped)."""
+    offsets = torch.arange(response_len, device=prompt_lens.device)
+    pos = prompt_lens.unsqueeze(1) - 1 + offsets.unsqueeze(0)
+    return pos.clamp(max=seq_len - 1)
+
+
+def gather_response(x: torch.Tensor, prompt_lens: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Select, per row, the R positions scoring the response from `x [B, L, ...]` -> `[B, R, ...]`."""
+    pos = response_positions(prompt_lens.to(x.device), response_len, x.shape[1])
+    if x.dim() == 2:
+        return torch.gather(x, 1, pos)
+    idx = pos.view(*pos.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return torch.gather(x, 1, idx)
+
+
+def response_tokens(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response_len: int) -> torch.Tensor:
+    """The response token ids [B, R] (position p+t), for gathering their log-probabilities."""
+    pos = response_positions(prompt_lens.to(input_ids.device), response_len, input_ids.shape[1]) + 1
+    return torch.gather(input_ids, 1, pos.clamp(max=input_ids.shape[1] - 1))

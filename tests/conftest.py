@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny models on disk, a local Ray cluster, DeepSpeed /dev/shm clean-up."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory) -> Path:
+    from tiny_models import build_policy
+
+    return build_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_dir(tmp_path_factory) -> Path:
+    from tiny_models import build_classifier
+
+    return build_classifier(tmp_path_factory.mktemp("tiny_reward"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One real local Ray cluster for the session (logical CPUs > cores so fractional actors fit)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def _clean_shm() -> None:
+    for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer*"):
+        try:
+            os.remove(f)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deepspeed_shm_cleanup():
+    yield
+    _clean_shm()

@@ -1,0 +1,61 @@
+"""Tiny random models and a word-level tokenizer for unit tests (built in well under a second)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+WORDS = [
+    "the", "movie", "film", "was", "is", "great", "terrible", "good", "bad", "fun", "boring",
+    "i", "loved", "hated", "it", "and", "but", "a", "plot", "acting", "story", "very", "not", ".",
+]
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _config(tokenizer, n_layer: int, n_embd: int) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def build_policy(out: Path, seed: int = 0) -> Path:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(_config(tokenizer, n_layer=2, n_embd=32))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_classifier(out: Path, seed: int = 1) -> Path:
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = _config(tokenizer, n_layer=1, n_embd=16)
+    cfg.num_labels = 2
+    model = GPT2ForSequenceClassification(cfg)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
