@@ -12,7 +12,9 @@ class _Strict(BaseModel):
 
 
 class KLConfig(_Strict):
-    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator in the shaped reward.")
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="Per-token KL estimator in the shaped reward."
+    )
     coef: float = Field(0.05, ge=0.0, description="Initial (or fixed) KL coefficient beta.")
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
     target: float = Field(6.0, gt=0.0, description="Target KL per sequence for the adaptive controller.")
@@ -24,30 +26,56 @@ class LearnerConfig(_Strict):
     num_cpus_per_rank: float = Field(0.5, gt=0.0, description="Ray CPUs per learner rank.")
     num_gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per rank.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto = nccl with GPUs, else gloo.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto = nccl with GPUs, else gloo."
+    )
     zero_stage: Literal[2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training precision (bfloat16 on GPU).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Training precision (bfloat16 on GPU)."
+    )
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate (policy and value head).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
-    num_minibatches: int = Field(1, ge=1, description="Optimizer steps per epoch (the rollout batch is split into this many).")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation fills a minibatch).")
-    clip_eps: float = Field(0.2, gt=0.0, description="PPO ratio clip (lower side, and upper unless clip_eps_high).")
-    clip_eps_high: float | None = Field(None, gt=0.0, description="Upper ratio clip (asymmetric clipping); None = clip_eps.")
-    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1 for negative advantages; None = off.")
+    num_minibatches: int = Field(
+        1, ge=1, description="Optimizer steps per epoch (the rollout batch is split into this many)."
+    )
+    micro_batch_size: int = Field(
+        16,
+        ge=1,
+        description="Sequences per forward/backward on one rank (gradient accumulation fills a minibatch).",
+    )
+    clip_eps: float = Field(
+        0.2, gt=0.0, description="PPO ratio clip (lower side, and upper unless clip_eps_high)."
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, description="Upper ratio clip (asymmetric clipping); None = clip_eps."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual-clip constant c > 1 for negative advantages; None = off."
+    )
     value_clip_eps: float = Field(0.2, gt=0.0, description="Value-function clip around the old values.")
     vf_coef: float = Field(0.1, ge=0.0, description="Weight of the value loss.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
-    whiten_advantages: bool = Field(True, description="Whiten advantages over the valid tokens of the whole batch (all ranks).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation.")
-    tis_cap: float | None = Field(None, gt=0.0, description="Truncated importance weight cap min(pi_old/pi_behav, C) for rollout/learner mismatch; None = off.")
+    whiten_advantages: bool = Field(
+        True, description="Whiten advantages over the valid tokens of the whole batch (all ranks)."
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="Loss aggregation."
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="Truncated importance weight cap min(pi_old/pi_behav, C) for rollout/learner mismatch; None = off.",
+    )
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty in the reward.")
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (large models).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (large models)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

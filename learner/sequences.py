@@ -31,12 +31,12 @@ def pack_sequences(
     r_lens = [len(r) for r in responses]
     if min(p_lens) < 1:
         raise ValueError("every prompt needs at least one token (the response is scored from position p-1)")
-    L = max(p + r for p, r in zip(p_lens, r_lens))
+    L = max(p + r for p, r in zip(p_lens, r_lens, strict=False))
     R = max(max(r_lens), 1)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(prompts), L), dtype=torch.long)
     rmask = torch.zeros((len(prompts), R), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=False)):
         row = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)])
         ids[i, : len(row)] = torch.from_numpy(row)
         attn[i, : len(row)] = 1

@@ -12,25 +12,51 @@ class _Strict(BaseModel):
 
 
 class RewardConfig(_Strict):
-    kind: Literal["model", "rule", "remote"] = Field("model", description="Reward source: a sequence-classification model, a registered rule function, or a remote HTTP endpoint.")
-    model_path: str | None = Field(None, description="Folder of the reward model (save_pretrained layout); kind='model'.")
-    score: Literal["logit", "logit_diff", "prob"] = Field("logit_diff", description="Scalar taken from the classifier: positive-class logit, logit(pos) - logit(neg), or P(pos).")
+    kind: Literal["model", "rule", "remote"] = Field(
+        "model",
+        description="Reward source: a sequence-classification model, a registered rule function, or a remote HTTP endpoint.",
+    )
+    model_path: str | None = Field(
+        None, description="Folder of the reward model (save_pretrained layout); kind='model'."
+    )
+    score: Literal["logit", "logit_diff", "prob"] = Field(
+        "logit_diff",
+        description="Scalar taken from the classifier: positive-class logit, logit(pos) - logit(neg), or P(pos).",
+    )
     positive_label: int = Field(1, ge=0, description="Index of the class that counts as reward.")
     rule: str | None = Field(None, description="Name of a registered rule reward function; kind='rule'.")
+    rule_module: str | None = Field(
+        None,
+        description="Module (dotted name or .py file) imported before the rule lookup, so it can register its own rules.",
+    )
     url: str | None = Field(None, description="Remote reward endpoint; kind='remote'.")
-    token_env: str = Field("REWARD_API_TOKEN", description="Environment variable holding the remote endpoint's bearer token.")
+    token_env: str = Field(
+        "REWARD_API_TOKEN", description="Environment variable holding the remote endpoint's bearer token."
+    )
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one remote reward request.")
     max_retries: int = Field(2, ge=0, description="Bounded retries of a failed remote request.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="First delay before a remote retry; doubles on each further retry."
+    )
     num_replicas: int = Field(1, ge=1, description="Reward scorer actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reward actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reward actor.")
-    batch_size: int = Field(64, ge=1, description="Samples per reward-model forward.")
+    batch_size: int = Field(
+        64, ge=1, description="Samples per reward-model forward (and per remote request)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Reward model weights dtype; scores are computed in float32."
+    )
 
 
 class ReferenceConfig(_Strict):
-    model_path: str | None = Field(None, description="Frozen reference policy; defaults to the initial policy.")
+    model_path: str | None = Field(
+        None, description="Frozen reference policy; defaults to the initial policy."
+    )
     num_replicas: int = Field(1, ge=1, description="Reference policy actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reference actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reference actor.")
     batch_size: int = Field(64, ge=1, description="Sequences per reference forward.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Reference weights dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Reference weights dtype."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
@@ -42,10 +43,8 @@ def ray_local():
 
 def _clean_shm() -> None:
     for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer*"):
-        try:
+        with contextlib.suppress(OSError):
             os.remove(f)
-        except OSError:
-            pass
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,8 +9,30 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 WORDS = [
-    "the", "movie", "film", "was", "is", "great", "terrible", "good", "bad", "fun", "boring",
-    "i", "loved", "hated", "it", "and", "but", "a", "plot", "acting", "story", "very", "not", ".",
+    "the",
+    "movie",
+    "film",
+    "was",
+    "is",
+    "great",
+    "terrible",
+    "good",
+    "bad",
+    "fun",
+    "boring",
+    "i",
+    "loved",
+    "hated",
+    "it",
+    "and",
+    "but",
+    "a",
+    "plot",
+    "acting",
+    "story",
+    "very",
+    "not",
+    ".",
 ]
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 

@@ -1,0 +1,311 @@
+"""The PPO math for language models, as pure tensor functions.
+
+Conventions: tensors are batch-first `[B, T]` over response tokens; `mask` is 1 on valid response
+tokens (a row's valid tokens are a prefix, padding follows). Every function reads only valid
+entries, so whatever sits in padded positions (even NaN) changes no output, and writes 0 there.
+
+References: Schulman et al. 2017 (PPO), Schulman et al. 2015 (GAE), Ziegler et al. 2019 (KL
+control), Ye et al. 2020 (dual-clip PPO). This module imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask.to(torch.bool)
+
+
+def _zero_invalid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`x` with invalid entries replaced by 0 (where, not multiply: 0 * NaN is NaN)."""
+    return torch.where(_valid(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over valid entries (0 where there are none)."""
+    m = mask.to(x.dtype)
+    total = _zero_invalid(x, mask).sum() if dim is None else _zero_invalid(x, mask).sum(dim)
+    count = m.sum() if dim is None else m.sum(dim)
+    return total / count.clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over all valid entries; Bessel-corrected when `unbiased` and there are >= 2."""
+    mean = masked_mean(x, mask)
+    centered = _zero_invalid(x - mean, mask)
+    count = mask.to(x.dtype).sum()
+    var = (centered**2).sum() / count.clamp(min=1.0)
+    if unbiased and count >= 2:
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over valid entries; `shift_mean=False` adds the mean back (as TRL does)."""
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _zero_invalid(whitened, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL penalty and reward shaping
+# ---------------------------------------------------------------------------------------------
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        # r = pi_ref / pi = exp(-d);  k3 = (r - 1) - log r  >= 0, unbiased.
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {', '.join(KL_ESTIMATORS)}")
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last valid token ([B], -1 for a row with none)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(_valid(mask), positions, torch.full_like(positions, -1)).max(dim=-1).values
+
+
+def shape_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -kl_coef * KL_t on every valid token, plus the score on the last one.
+
+    The score goes on the last *valid* token (EOS or truncation point), never on padding.
+    Returns `(rewards, kl)`, both 0 on invalid tokens.
+    """
+    kl = _zero_invalid(kl_penalty(logprobs, ref_logprobs, estimator), mask)
+    rewards = -kl_coef * kl
+    last = last_valid_index(mask)
+    has_tokens = last >= 0
+    rows = torch.arange(mask.shape[0], device=mask.device)[has_tokens]
+    rewards = rewards.clone()
+    rewards[rows, last[has_tokens]] += scores.to(rewards.dtype)[has_tokens]
+    return _zero_invalid(rewards, mask), kl
+
+
+# ---------------------------------------------------------------------------------------------
+# Generalised advantage estimation
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) over each row's valid prefix; V after the last valid token is 0.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  R_t = A_t + V_t.
+    Vectorised over the batch; the only loop is backwards over time.
+    """
+    r = _zero_invalid(rewards, mask)
+    v = _zero_invalid(values, mask)
+    valid = mask.to(r.dtype)
+    T = r.shape[-1]
+    advantages = torch.zeros_like(r)
+    next_adv = torch.zeros_like(r[..., 0])
+    next_value = torch.zeros_like(r[..., 0])
+    for t in range(T - 1, -1, -1):
+        delta = r[..., t] + gamma * next_value - v[..., t]
+        next_adv = (delta + gamma * lam * next_adv) * valid[..., t]
+        advantages[..., t] = next_adv
+        next_value = v[..., t]
+    returns = _zero_invalid(advantages + v, mask)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss `[B, T]` to a scalar.
+
+    "token-mean": sum over valid tokens / number of valid tokens, or / `global_tokens`, the count
+    over all ranks and micro-batches, so that pieces of a batch add up to the whole-batch loss.
+    "seq-mean-token-mean" / "seq-mean-token-sum": per-sequence mean / sum of its valid tokens,
+    then the mean over sequences (or sum / `global_seqs` for the same additivity).
+    """
+    masked = _zero_invalid(loss_mat, mask)
+    if agg == "token-mean":
+        denom = mask.to(loss_mat.dtype).sum() if global_tokens is None else global_tokens
+        return masked.sum() / max(float(denom), 1.0)
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        per_seq = masked.sum(-1)
+        if agg == "seq-mean-token-mean":
+            per_seq = per_seq / mask.to(loss_mat.dtype).sum(-1).clamp(min=1.0)
+        denom = per_seq.shape[0] if global_seqs is None else global_seqs
+        return per_seq.sum() / max(float(denom), 1.0)
+    raise ValueError(f"unknown loss aggregation {agg!r}; allowed: {', '.join(LOSS_AGGS)}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (Schulman et al. 2017), optional asymmetric and dual clip.
+
+    Per token: max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)); with `dual_clip=c`, tokens
+    with A < 0 are further capped at -c * A (Ye et al. 2020). `is_weights` (e.g. truncated
+    importance weights for a behaviour/proximal mismatch) multiply the per-token loss.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = _zero_invalid(logprobs - old_logprobs, mask)
+    adv = _zero_invalid(advantages, mask)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    per_token = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        capped = torch.minimum(per_token, -dual_clip * adv)
+        per_token = torch.where(adv < 0, capped, per_token)
+    if is_weights is not None:
+        per_token = per_token * _zero_invalid(is_weights, mask)
+    loss = aggregate_loss(per_token, mask, agg, global_tokens, global_seqs)
+
+    with torch.no_grad():
+        valid = _valid(mask)
+        n = int(valid.sum())
+        metrics = {
+            "clip_frac": float(masked_mean((clipped > unclipped).to(ratio.dtype), mask)),
+            "approx_kl": float(masked_mean(0.5 * log_ratio**2, mask)),
+            "ratio_mean": float(masked_mean(ratio, mask)),
+            "ratio_max": float(ratio[valid].max()) if n else 0.0,
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    agg: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss: 1/2 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)."""
+    v = _zero_invalid(values, mask)
+    v_old = _zero_invalid(old_values, mask)
+    ret = _zero_invalid(returns, mask)
+    v_clipped = v_old + torch.clamp(v - v_old, -clip_eps, clip_eps)
+    err = (v - ret) ** 2
+    err_clipped = (v_clipped - ret) ** 2
+    per_token = 0.5 * torch.maximum(err, err_clipped)
+    loss = aggregate_loss(per_token, mask, agg, global_tokens, global_seqs)
+    with torch.no_grad():
+        metrics = {"clip_frac": float(masked_mean((err_clipped > err).to(v.dtype), mask))}
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities and entropy from logits
+# ---------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] as logit[token] - logsumexp(logits), in float32.
+
+    Never materialises a full log-softmax tensor; low-precision logits are upcast in chunks of
+    rows so the float32 copy stays small.
+    """
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    if logits.dtype == torch.float32 or logits.dtype == torch.float64:
+        return picked - torch.logsumexp(logits, dim=-1).to(picked.dtype)
+    flat = logits.reshape(-1, logits.shape[-1])
+    lse = torch.cat([torch.logsumexp(chunk.float(), dim=-1) for chunk in flat.split(1024)])
+    return picked - lse.reshape(picked.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum softmax(z) * z."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient beta."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, kl: float, n_steps: int) -> None:
+        """Nothing to adapt; kept so both controllers share one interface."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional control of beta towards a target KL (Ziegler et al. 2019, sec. 2.2).
+
+    error = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + error * n_steps / horizon).
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0 (got target={target}, horizon={horizon})")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, kl: float, n_steps: int) -> None:
+        error = min(max(float(kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = int(state.get("horizon", self.horizon))

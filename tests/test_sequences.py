@@ -1,0 +1,40 @@
+"""Token alignment: outputs at positions p-1 .. p+r-2 score a response that starts at p."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner.sequences import gather_response, pack_sequences, response_positions, response_tokens
+
+
+def test_pack_and_positions_by_hand():
+    prompts = [np.array([5, 6, 7]), np.array([8])]
+    responses = [np.array([9, 10]), np.array([11, 12, 13])]
+    ids, attn, p_lens, rmask = pack_sequences(prompts, responses, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert p_lens.tolist() == [3, 1]
+    assert rmask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    # Row 0 (p=3, r=2): positions 2, 3 score tokens 9, 10.  Row 1 (p=1, r=3): positions 0, 1, 2.
+    pos = response_positions(p_lens, 3, ids.shape[1])
+    assert pos[0, :2].tolist() == [2, 3] and pos[1].tolist() == [0, 1, 2]
+    assert response_tokens(ids, p_lens, 3)[0, :2].tolist() == [9, 10]
+    assert response_tokens(ids, p_lens, 3)[1].tolist() == [11, 12, 13]
+
+
+def test_gather_response_picks_the_predicting_position():
+    # x[b, l] = 100 * b + l: the value at position l predicts token l + 1.
+    x = torch.arange(2 * 5).view(2, 5).float() + torch.tensor([[0.0], [95.0]])
+    out = gather_response(x, torch.tensor([3, 1]), 2)
+    assert out.tolist() == [[2.0, 3.0], [100.0, 101.0]]
+    h = x.unsqueeze(-1).expand(-1, -1, 4)
+    assert torch.equal(gather_response(h, torch.tensor([3, 1]), 2), out.unsqueeze(-1).expand(-1, -1, 4))
+
+
+def test_pack_rejects_empty_prompts_and_mismatches():
+    with pytest.raises(ValueError, match="at least one token"):
+        pack_sequences([np.array([], dtype=np.int64)], [np.array([1])], 0)
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        pack_sequences([np.array([1]), np.array([2])], [np.array([1])], 0)
