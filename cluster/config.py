@@ -1,0 +1,190 @@
+"""The run schema: each role's own section composed with the run-level ones, loaded from YAML.
+
+Every field is typed, has its default here and a one-line description; unknown keys and wrong
+types are rejected with the dotted path of the field (`ConfigError`, exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from learner.config import LearnerConfig
+from reward_service.config import ReferenceConfig, RewardConfig
+from rollout_workers.config import RolloutConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field or file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Strict):
+    name: str = Field("run", description="Run name; the run folder is <output_dir>/<name>-<timestamp>.")
+    output_dir: str = Field("runs", description="Parent folder of run folders.")
+    seed: int = Field(0, description="Seed of data order, sampling and learner initialisation.")
+    steps: int = Field(100, ge=1, description="PPO iterations (rollout batch -> update -> weight push).")
+    sample_log_count: int = Field(4, ge=0, description="Sampled responses printed before and after training.")
+    tensorboard: bool = Field(
+        True, description="Also write TensorBoard events (if tensorboard is installed)."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar on the controller.")
+
+
+class ModelSection(_Strict):
+    policy_path: str = Field(..., description="Initial policy folder (save_pretrained layout, local path).")
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to policy_path.")
+    demo_assets: str | None = Field(
+        None, description="If set, build the tiny demo assets into this folder when missing."
+    )
+
+
+class DataSection(_Strict):
+    prompts_path: str = Field(..., description="JSONL file of prompts, one object per line.")
+    prompt_key: str = Field("prompt", description="Key of the prompt text in each JSONL object.")
+    meta_keys: list[str] = Field(
+        default_factory=list, description="Extra JSONL keys passed to rule rewards as meta."
+    )
+    prompts_per_step: int = Field(
+        64, ge=1, description="Prompts per PPO iteration (rollout batch = this x sampling.n)."
+    )
+    max_prompt_tokens: int = Field(64, ge=1, description="Longest prompt in tokens.")
+    long_prompt: Literal["truncate", "skip"] = Field(
+        "truncate", description="Over-long prompts: keep the last tokens, or skip them (counted)."
+    )
+    add_bos: bool = Field(True, description="Prepend the tokenizer's BOS token when it has one.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+
+
+class ClusterSection(_Strict):
+    address: str | None = Field(
+        None, description="Ray address ('auto', ray://host:10001); None starts a local Ray."
+    )
+    num_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="Logical CPUs of a local Ray (None = what the actors need, at least the cores).",
+    )
+    num_gpus: int | None = Field(None, ge=0, description="GPUs of a local Ray (None = detect).")
+    dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray.")
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="Dashboard bind address; the job API runs arbitrary code, keep it on loopback.",
+    )
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="Dashboard port.")
+
+
+class TimeoutSection(_Strict):
+    actor_start_s: float = Field(300.0, gt=0, description="Longest wait for actors to start and load models.")
+    generate_s: float = Field(600.0, gt=0, description="Longest wait for one generate call.")
+    score_s: float = Field(600.0, gt=0, description="Longest wait for one reference or reward call.")
+    train_s: float = Field(1800.0, gt=0, description="Longest wait for one learner step.")
+    weight_sync_s: float = Field(600.0, gt=0, description="Longest wait for exporting and loading weights.")
+
+
+class RunConfig(_Strict):
+    run: RunSection = Field(default_factory=RunSection, description="Run-level settings.")
+    model: ModelSection = Field(..., description="Policy and tokenizer.")
+    data: DataSection = Field(..., description="Prompt data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward scorer.")
+    reference: ReferenceConfig = Field(
+        default_factory=ReferenceConfig, description="Frozen reference policy."
+    )
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="DeepSpeed learner.")
+    cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster connection.")
+    timeouts: TimeoutSection = Field(default_factory=TimeoutSection, description="Remote call timeouts.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> RunConfig:
+        samples = self.data.prompts_per_step * self.rollout.sampling.n
+        per_rank = samples // self.learner.num_ranks
+        if per_rank < 1:
+            raise ValueError(
+                f"learner.num_ranks={self.learner.num_ranks} is more than the {samples} samples per step "
+                "(data.prompts_per_step x rollout.sampling.n)"
+            )
+        if self.learner.num_minibatches > per_rank:
+            raise ValueError(
+                f"learner.num_minibatches={self.learner.num_minibatches} makes minibatches smaller than one "
+                f"sample: each rank gets {per_rank} samples per step"
+            )
+        if self.reward.kind == "model" and not self.reward.model_path:
+            raise ValueError("reward.model_path is required when reward.kind='model'")
+        if self.reward.kind == "rule" and not self.reward.rule:
+            raise ValueError("reward.rule is required when reward.kind='rule'")
+        if self.reward.kind == "remote" and not self.reward.url:
+            raise ValueError("reward.url is required when reward.kind='remote'")
+        if self.rollout.engine == "vllm" and self.rollout.num_gpus_per_worker <= 0:
+            raise ValueError("rollout.engine='vllm' needs rollout.num_gpus_per_worker > 0")
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.model.tokenizer_path or self.model.policy_path
+
+    @property
+    def reference_path(self) -> str:
+        return self.reference.model_path or self.model.policy_path
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides; values are parsed as YAML scalars (so 3, 1e-4, true, null work)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. learner.lr=1e-5")
+        key, raw = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"--set {item!r}: empty key")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"  {path}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return build_config(apply_overrides(tree, overrides or []))

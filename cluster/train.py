@@ -1,0 +1,132 @@
+"""Command line: `python -m cluster.train CONFIG [--set a.b=c ...]`.
+
+Everything that can be checked before an actor starts is checked first; a bad config or a
+missing file exits with code 2 and a message that names the field or file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, RunConfig, load_config
+
+EXIT_BAD_INPUT = 2
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Build the demo assets if asked, then check every path the actors will open."""
+    if cfg.model.demo_assets:
+        from .demo_assets import ensure_assets
+
+        ensure_assets(cfg.model.demo_assets)
+    checks = [("model.policy_path", cfg.model.policy_path, "config.json")]
+    if cfg.model.tokenizer_path:
+        checks.append(("model.tokenizer_path", cfg.model.tokenizer_path, None))
+    if cfg.reference.model_path:
+        checks.append(("reference.model_path", cfg.reference.model_path, "config.json"))
+    if cfg.reward.kind == "model":
+        checks.append(("reward.model_path", cfg.reward.model_path, "config.json"))
+    for field, path, must_hold in checks:
+        p = Path(path)
+        if not p.is_dir():
+            raise ConfigError(f"{field}: folder not found: {path}")
+        if must_hold and not (p / must_hold).is_file():
+            raise ConfigError(f"{field}: {path} has no {must_hold} (expected a save_pretrained folder)")
+    if not Path(cfg.data.prompts_path).is_file():
+        raise ConfigError(f"data.prompts_path: file not found: {cfg.data.prompts_path}")
+    if cfg.reward.kind == "rule":
+        from reward_service.rules import get_reward
+
+        try:
+            get_reward(cfg.reward.rule, getattr(cfg.reward, "rule_module", None))
+        except (ValueError, ImportError) as err:
+            raise ConfigError(f"reward.rule: {err}") from None
+
+
+def local_cpus(cfg: RunConfig) -> float:
+    want = (
+        cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+        + cfg.reference.num_replicas * cfg.reference.num_cpus
+        + cfg.reward.num_replicas * cfg.reward.num_cpus
+        + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
+    )
+    return max(float(os.cpu_count() or 1), want)
+
+
+def init_ray(cfg: RunConfig) -> str | None:
+    """Connect to the configured cluster, or start a local one; returns the dashboard URL."""
+    import ray
+
+    if ray.is_initialized():
+        return None
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return ray.init(address=address, log_to_driver=True).dashboard_url
+    return ray.init(
+        num_cpus=cfg.cluster.num_cpus or local_cpus(cfg),
+        num_gpus=cfg.cluster.num_gpus,
+        include_dashboard=cfg.cluster.dashboard,
+        dashboard_host=cfg.cluster.dashboard_host,
+        dashboard_port=cfg.cluster.dashboard_port,
+        log_to_driver=True,
+    ).dashboard_url
+
+
+def run_dir_for(cfg: RunConfig, explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    return Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.train", description="Train a policy with PPO on Ray."
+    )
+    ap.add_argument("config", help="YAML run config, e.g. configs/sentiment_tiny.yaml")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set learner.lr=1e-5 (repeatable)",
+    )
+    ap.add_argument(
+        "--run-dir", default=None, help="run folder (default: <run.output_dir>/<run.name>-<time>)"
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from .controller import Trainer
+
+    dashboard = init_ray(cfg)
+    run_dir = run_dir_for(cfg, args.run_dir)
+    print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
+    print(f"run folder: {run_dir}", flush=True)
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    print("\n=== run summary ===")
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Config errors name the field and the allowed values; the CLI exits 2 before any actor starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, apply_overrides, build_config, load_config
+from cluster.train import main
+
+BASE = {
+    "model": {"policy_path": "p"},
+    "data": {"prompts_path": "prompts.jsonl"},
+    "reward": {"model_path": "r"},
+}
+
+
+def tree(**sections):
+    out = {k: dict(v) for k, v in BASE.items()}
+    for key, value in sections.items():
+        out.setdefault(key, {}).update(value)
+    return out
+
+
+def test_defaults_fill_every_section():
+    cfg = build_config(tree())
+    assert (
+        cfg.learner.zero_stage == 2
+        and cfg.rollout.engine == "hf"
+        and cfg.cluster.dashboard_host == "127.0.0.1"
+    )
+    assert cfg.tokenizer_path == "p" and cfg.reference_path == "p"
+
+
+def test_unknown_key_is_named_with_its_path():
+    with pytest.raises(ConfigError, match=r"learner\.lrr: unknown field"):
+        build_config(tree(learner={"lrr": 1.0}))
+
+
+def test_wrong_literal_names_field_and_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        build_config(tree(rollout={"engine": "sglang"}))
+    assert "rollout.engine" in str(info.value) and "'hf'" in str(info.value) and "'vllm'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"learner\.kl\.estimator"):
+        build_config(tree(learner={"kl": {"estimator": "k9"}}))
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"data\.prompts_per_step"):
+        build_config(tree(data={"prompts_per_step": "many"}))
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="num_minibatches"):
+        build_config(tree(data={"prompts_per_step": 4}, learner={"num_minibatches": 8}))
+    with pytest.raises(ConfigError, match="num_ranks"):
+        build_config(tree(data={"prompts_per_step": 2}, learner={"num_ranks": 4}))
+    with pytest.raises(ConfigError, match="reward.url"):
+        build_config(tree(reward={"kind": "remote"}))
+    with pytest.raises(ConfigError, match="num_gpus_per_worker"):
+        build_config(tree(rollout={"engine": "vllm"}))
+
+
+def test_overrides_parse_yaml_scalars():
+    t = apply_overrides(
+        tree(), ["learner.lr=1e-5", "learner.kl.adaptive=true", "run.steps=3", "reference.model_path=null"]
+    )
+    cfg = build_config(t)
+    assert cfg.learner.lr == 1e-5 and cfg.learner.kl.adaptive is True and cfg.run.steps == 3
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_overrides(tree(), ["learner.lr"])
+
+
+def test_load_config_errors_name_the_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_shipped_configs_are_valid():
+    for path in Path(__file__).parent.parent.glob("configs/*.yaml"):
+        load_config(path)
+
+
+def test_cli_exits_2_on_bad_input(tmp_path: Path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tree(learner={"zero_stage": 1})))
+    assert main([str(cfg)]) == 2
+    assert "learner.zero_stage" in capsys.readouterr().err
+    cfg.write_text(yaml.safe_dump(tree()))
+    assert main([str(cfg)]) == 2
+    assert "model.policy_path: folder not found" in capsys.readouterr().err
