@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,10 +124,9 @@ def start_roles(cfg: RunConfig, pad_token_id: int) -> Roles:
 
 def stop_roles(roles: Roles) -> None:
     for rank in roles.ranks:
-        try:
+        # best effort: the actor is killed next anyway
+        with contextlib.suppress(Exception):
             ray.get(rank.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - best effort: the actor is killed next anyway
-            pass
     for actor in roles.all_actors():
         ray.kill(actor, no_restart=True)
     if roles.learner_pg is not None:
