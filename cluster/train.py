@@ -42,7 +42,7 @@ def preflight(cfg: RunConfig) -> None:
         from reward_service.rules import get_reward
 
         try:
-            get_reward(cfg.reward.rule, getattr(cfg.reward, "rule_module", None))
+            get_reward(cfg.reward.rule, cfg.reward.rule_module)
         except (ValueError, ImportError) as err:
             raise ConfigError(f"reward.rule: {err}") from None
 

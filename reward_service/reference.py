@@ -1,0 +1,103 @@
+"""The frozen reference policy: per-token log-probabilities of sampled responses for the KL penalty."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner.algorithms import logprobs_from_logits
+from learner.sequences import gather_response, pack_sequences, response_tokens
+from reward_service.config import ReferenceConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device() -> torch.device:
+    """A GPU when Ray (or the user) left one visible to this process, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ReferencePolicy:
+    """Scores responses under the initial policy, with the sampling temperature applied as everywhere else.
+
+    A plain class: `cluster/` wraps it with `ray.remote`; tests call it directly.
+    """
+
+    def __init__(
+        self, model_path: str, config: ReferenceConfig, temperature: float = 1.0, torch_threads: int = 1
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        torch.set_num_threads(torch_threads)
+        self.config = config
+        self.temperature = float(temperature)
+        self.device = pick_device()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype])
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        # Right padding sits after every real token, so under causal attention its id never matters.
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+        # Models that accept `logits_to_keep` project only the tail of the sequence onto the vocabulary.
+        self._can_trim = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._sequences = 0
+        self._tokens = 0
+        self._batches = 0
+        self._busy_s = 0.0
+
+    def ping(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "sequences": float(self._sequences),
+            "tokens": float(self._tokens),
+            "batches": float(self._batches),
+            "busy_s": self._busy_s,
+        }
+
+    def logprobs(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
+        """float32 log-probability of every response token, one array of length len(response) per row."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        start = time.perf_counter()
+        out: list[np.ndarray] = []
+        bs = self.config.batch_size
+        for i in range(0, len(prompts), bs):
+            out.extend(self._batch(prompts[i : i + bs], responses[i : i + bs]))
+        self._busy_s += time.perf_counter() - start
+        return out
+
+    @torch.no_grad()
+    def _batch(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
+        ids, attn, p_lens, _ = pack_sequences(prompts, responses, self.pad_id)
+        R = max(max(len(r) for r in responses), 1)
+        tokens = response_tokens(ids, p_lens, R).to(self.device)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        if self._can_trim:
+            # Keep positions from the earliest response-scoring position (min p - 1) to the end.
+            first = int(p_lens.min()) - 1
+            logits = self.model(
+                input_ids=ids, attention_mask=attn, logits_to_keep=ids.shape[1] - first
+            ).logits
+            p_lens = p_lens - first
+        else:
+            logits = self.model(input_ids=ids, attention_mask=attn).logits
+        logits = gather_response(logits, p_lens.to(self.device), R)
+        # Row by row, so a low-precision model never holds a float32 copy of the whole [B, R, V] block.
+        lp = torch.cat(
+            [
+                logprobs_from_logits(row.float() / self.temperature, tok)
+                for row, tok in zip(logits.split(1), tokens.split(1), strict=True)
+            ]
+        )
+        lp = lp.cpu().numpy().astype(np.float32)
+        self._sequences += len(responses)
+        self._tokens += sum(len(r) for r in responses)
+        self._batches += 1
+        return [lp[j, : len(r)].copy() for j, r in enumerate(responses)]

@@ -1,0 +1,172 @@
+"""The reward scorer actor: policy token ids in, one scalar per sample out, failures reported per sample."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from reward_service.config import RewardConfig
+
+
+@dataclass
+class ScoreBatch:
+    """Scores of one batch. A failed sample has ok=False, score NaN and an error text: never a silent 0."""
+
+    scores: np.ndarray  # float32 [n]
+    ok: np.ndarray  # bool [n]
+    errors: list[str | None] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, n: int) -> ScoreBatch:
+        return cls(np.full(n, np.nan, dtype=np.float32), np.zeros(n, dtype=bool), [None] * n)
+
+    def set(self, i: int, value: Any, source: str) -> None:
+        """Record a score after checking it is a finite number; anything else marks the sample failed."""
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.number)):
+            self.fail(i, f"{source} returned {type(value).__name__} {value!r}, not a number")
+        elif not math.isfinite(float(value)):
+            self.fail(i, f"{source} returned a non-finite score ({value})")
+        else:
+            self.scores[i] = float(value)
+            self.ok[i] = True
+            self.errors[i] = None
+
+    def fail(self, i: int, error: str) -> None:
+        self.scores[i] = np.nan
+        self.ok[i] = False
+        self.errors[i] = error
+
+
+class RewardScorer:
+    """Scores samples with a reward model, a registered rule, or a remote endpoint (`config.kind`).
+
+    A plain class: `cluster/` wraps it with `ray.remote`; tests call it directly.
+    """
+
+    def __init__(self, config: RewardConfig, policy_tokenizer_path: str, torch_threads: int = 1) -> None:
+        torch.set_num_threads(torch_threads)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_tokenizer_path)
+        self._classifier = None
+        self._rule = None
+        self._remote = None
+        if config.kind == "model":
+            if not config.model_path:
+                raise ValueError("reward.kind='model' needs reward.model_path")
+            from reward_service.classifier import ClassifierReward
+
+            self._classifier = ClassifierReward(
+                config.model_path, config.score, config.positive_label, config.batch_size, config.dtype
+            )
+        elif config.kind == "rule":
+            from reward_service.rules import get_reward
+
+            if not config.rule:
+                raise ValueError("reward.kind='rule' needs reward.rule (a registered rule name)")
+            self._rule = get_reward(config.rule, config.rule_module)
+        else:
+            from reward_service.remote import RemoteRewardClient
+
+            self._remote = RemoteRewardClient.from_config(config)
+        self._samples = 0
+        self._failures = 0
+        self._calls = 0
+        self._busy_s = 0.0
+
+    def ping(self) -> bool:
+        return True
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "samples": float(self._samples),
+            "failures": float(self._failures),
+            "calls": float(self._calls),
+            "busy_s": self._busy_s,
+        }
+
+    def score(
+        self, prompts: list[np.ndarray], responses: list[np.ndarray], meta: list[dict] | None = None
+    ) -> ScoreBatch:
+        n = len(prompts)
+        meta = [{} for _ in range(n)] if meta is None else list(meta)
+        if len(responses) != n or len(meta) != n:
+            raise ValueError(f"{n} prompts, {len(responses)} responses, {len(meta)} meta entries")
+        start = time.perf_counter()
+        out = ScoreBatch.empty(n)
+        prompt_text, response_text, full_text = self._decode(prompts, responses, out)
+        live = [i for i in range(n) if out.errors[i] is None]
+        if self._classifier is not None:
+            self._score_model([full_text[i] for i in live], live, out)
+        elif self._rule is not None:
+            for i in live:
+                try:
+                    value = self._rule(prompt_text[i], response_text[i], meta[i])
+                except Exception as e:  # one bad sample must not sink the batch
+                    out.fail(i, f"rule {self.config.rule!r} raised {type(e).__name__}: {e}")
+                    continue
+                out.set(i, value, f"rule {self.config.rule!r}")
+        else:
+            self._score_remote(prompt_text, response_text, meta, live, out)
+        self._samples += n
+        self._failures += int((~out.ok).sum())
+        self._calls += 1
+        self._busy_s += time.perf_counter() - start
+        return out
+
+    def _decode(
+        self, prompts: list[np.ndarray], responses: list[np.ndarray], out: ScoreBatch
+    ) -> tuple[list[str], list[str], list[str]]:
+        """Prompt, response and prompt+response texts; the joint decode keeps the tokenizer's own spacing."""
+        texts: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            p_ids = np.asarray(p, dtype=np.int64).tolist()
+            r_ids = np.asarray(r, dtype=np.int64).tolist()
+            try:
+                parts = [
+                    self.tokenizer.decode(x, skip_special_tokens=True) for x in (p_ids, r_ids, p_ids + r_ids)
+                ]
+            except Exception as e:
+                out.fail(i, f"cannot decode policy token ids: {type(e).__name__}: {e}")
+                parts = ["", "", ""]
+            for acc, text in zip(texts, parts, strict=True):
+                acc.append(text)
+        return texts
+
+    def _score_model(self, texts: list[str], index: list[int], out: ScoreBatch) -> None:
+        assert self._classifier is not None
+        if not index:
+            return
+        scores, errors = self._classifier.score_texts(texts)
+        for i, s, err in zip(index, scores, errors, strict=True):
+            if err is None:
+                out.set(i, s, "reward model")
+            else:
+                out.fail(i, err)
+
+    def _score_remote(
+        self, prompts: list[str], responses: list[str], meta: list[dict], live: list[int], out: ScoreBatch
+    ) -> None:
+        assert self._remote is not None
+        bs = self.config.batch_size
+        for k in range(0, len(live), bs):
+            rows = live[k : k + bs]
+            try:
+                scores = self._remote.score(
+                    [prompts[i] for i in rows], [responses[i] for i in rows], [meta[i] for i in rows]
+                )
+            except Exception as e:  # one failed request fails its own samples only
+                for i in rows:
+                    out.fail(i, f"remote reward failed: {type(e).__name__}: {e}")
+                continue
+            for i, s in zip(rows, scores, strict=True):
+                if s is None:
+                    out.fail(i, "remote reward returned null for this sample")
+                else:
+                    out.set(i, s, "remote reward")
