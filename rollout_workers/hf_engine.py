@@ -1,0 +1,172 @@
+"""transformers backend: batched sampling with a KV cache, on CPU or one GPU.
+
+Why a small decode loop instead of `model.generate`: `generate(output_logits=True)` keeps every
+step's raw logits ([steps, B*n, V] floats: gigabytes for real vocabularies) only to gather one value
+per token, it samples from the global RNG, and it merges the checkpoint's `generation_config`
+(repetition penalties, default top_k=50, ...) into the sampling. Here the behaviour logprob is
+gathered at each step, sampling uses a private `torch.Generator`, and only `SamplingConfig` applies.
+
+Behaviour logprobs are log_softmax(raw_logits / temperature) at the sampled token: the full
+tempered distribution, the one the learner and the reference recompute. With top_k/top_p on, the
+token is drawn from the truncated, renormalised distribution, so those logprobs are not exactly
+the probabilities the token was sampled with (they are lower by the log of the kept mass).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
+from rollout_workers.weights import check_state_keys, state_checksum, torch_dtype
+
+
+class HFEngine(RolloutEngine):
+    name = "hf"
+
+    def __init__(self, model_path: str, config: RolloutConfig) -> None:
+        torch.set_num_threads(config.torch_threads)
+        self._dtype = torch_dtype(config.dtype)
+        self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._dtype, local_files_only=True)
+        self.model = model.to(self._device).eval()
+        self.model.requires_grad_(False)
+        self._eos, self._pad = read_special_ids(model_path)
+        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        cfg = self.model.config.get_text_config()
+        self._max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
+        kwargs = {"logits_to_keep": 1} if self._keep_last else {}
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=past,
+            use_cache=True,
+            **kwargs,
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
+    ) -> list[list[GenerationOutput]]:
+        n, steps = sampling.n, sampling.max_new_tokens
+        rows = [p for p in prompts for _ in range(n)]  # row i*n+k = sample k of prompt i
+        B, P = len(rows), max(len(p) for p in rows)
+        dev = self._device
+        ids = torch.full((B, P), self._pad, dtype=torch.long)
+        attn = torch.zeros((B, P), dtype=torch.long)
+        for r, p in enumerate(rows):  # left padding: every row's last prompt token sits at column P-1
+            ids[r, P - len(p) :] = torch.from_numpy(np.asarray(p, dtype=np.int64))
+            attn[r, P - len(p) :] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0..p-1, as in an unpadded forward
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        eos = torch.tensor(sorted(self._eos), device=dev)
+
+        tokens = torch.full((B, steps), self._pad, dtype=torch.long, device=dev)
+        logps = torch.zeros((B, steps), dtype=torch.float32, device=dev)
+        lengths = torch.full((B,), steps, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        next_pos = pos[:, -1:] + 1
+
+        logits, past = self._forward(ids, attn, pos)
+        for t in range(steps):
+            scaled = logits / sampling.temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            probs = torch.softmax(truncate_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            tok = torch.where(done, torch.full_like(tok, self._pad), tok)
+            tokens[:, t] = tok
+            logps[:, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+            hit = ~done & torch.isin(tok, eos)
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done |= hit
+            if t == steps - 1 or bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
+            logits, past = self._forward(tok.unsqueeze(1), attn, next_pos, past)
+            next_pos = next_pos + 1
+
+        tokens, logps, lengths, done = (
+            tokens.cpu().numpy(),
+            logps.cpu().numpy(),
+            lengths.tolist(),
+            done.tolist(),
+        )
+        outs = [
+            GenerationOutput(
+                response_ids=tokens[r, : lengths[r]].copy(),
+                logprobs=logps[r, : lengths[r]].copy(),
+                finish_reason="stop" if done[r] else "length",
+            )
+            for r in range(B)
+        ]
+        return [outs[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        check_state_keys(state, {k: tuple(v.shape) for k, v in own.items()}, what=type(self.model).__name__)
+        _check_tied_copies_agree(own, state)
+        for name, target in own.items():
+            target.copy_(state[name])  # casts to the engine dtype/device; tied names share storage
+
+    def weights_checksum(self) -> str:
+        return state_checksum(self.model.state_dict(), self._dtype)
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top_k most likely and outside the top_p nucleus.
+
+    top_k=0 and top_p=1.0 are off. The nucleus keeps the smallest prefix of tokens, by decreasing
+    probability, whose mass reaches top_p (always at least one token).
+    """
+    out = scaled
+    if 0 < top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = torch.sort(out, dim=-1, descending=True)
+        p = torch.softmax(srt, dim=-1)
+        drop = (p.cumsum(-1) - p) >= top_p  # mass strictly before this token already reaches top_p
+        srt = srt.masked_fill(drop, float("-inf"))
+        out = torch.empty_like(out).scatter_(-1, idx, srt)
+    return out
+
+
+def _check_tied_copies_agree(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Tied names (e.g. GPT-2's wte and lm_head) share storage: differing bundle copies would leave
+    the model holding whichever was written last."""
+    first_by_ptr: dict[tuple[int, tuple[int, ...]], str] = {}
+    for name, t in own.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in first_by_ptr:
+            first_by_ptr[key] = name
+            continue
+        other = first_by_ptr[key]
+        if not torch.equal(state[name], state[other]):
+            raise ValueError(f"tied weights {other!r} and {name!r} differ in the bundle; they must be equal")

@@ -1,0 +1,76 @@
+"""Weight bundles: a checksum both ends of a weight sync agree on, and key/shape validation.
+
+The controller checksums the bundle it sends (cast to the engine dtype); a worker checksums what it
+holds after loading. Equal strings prove the worker generates with exactly the weights of that version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype name ('float32', 'bfloat16', 'float16')."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def state_checksum(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """sha256 over sorted keys, shapes, dtypes and bytes; floating tensors are cast to `dtype` first.
+
+    Integer tensors (buffers such as position ids) are never cast. Device and memory layout do not matter.
+    """
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.to("cpu").contiguous()
+        h.update(f"{len(name)}:{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def check_state_keys(
+    state: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    optional: Collection[str] = (),
+    what: str = "model",
+) -> None:
+    """Raise KeyError/ValueError naming every missing or unknown key and every shape mismatch.
+
+    `expected` maps required names to shapes; names in `optional` may be present (and are then
+    shape-checked when they also appear in `expected`) or absent.
+    """
+    missing = sorted(k for k in expected if k not in state and k not in optional)
+    unknown = sorted(k for k in state if k not in expected and k not in optional)
+    if missing or unknown:
+        raise KeyError(
+            f"weight bundle does not match the {what}: "
+            f"{len(missing)} missing key(s) {_head(missing)}, {len(unknown)} unknown key(s) {_head(unknown)}"
+        )
+    bad = [
+        f"{k}: bundle {tuple(state[k].shape)} vs {what} {tuple(shape)}"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(shape)
+    ]
+    if bad:
+        raise ValueError(f"weight bundle shapes do not match the {what}: {_head(bad)}")
+
+
+def _head(items: list[str], n: int = 8) -> str:
+    return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")

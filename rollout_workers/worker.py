@@ -1,0 +1,180 @@
+"""RolloutWorker: one engine, the policy version it holds, and the samples it returns.
+
+A plain class; `cluster/` runs it as a Ray actor with `ray.remote(RolloutWorker)`. Loading weights
+and generating never overlap: a Ray actor with the default max_concurrency=1 runs one method at a
+time, and a lock keeps that true when the worker is used directly from threads or a threaded actor.
+So every token of a sample comes from the weights of the version the sample is tagged with.
+
+Seeding policy: the engine gets the caller's `seed` unchanged, so a chunk of prompts handed again
+(for example to another worker after a failure) with the same seed and weights gives the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+
+from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.engine import GenerationOutput, make_engine
+from rollout_workers.types import Sample
+
+_MAX_SEED = 2**63 - 1
+
+
+class RolloutWorker:
+    def __init__(
+        self, model_path: str, config: RolloutConfig, worker_index: int = 0, initial_version: int = 0
+    ) -> None:
+        if initial_version < 0:
+            raise ValueError(f"initial_version must be >= 0, got {initial_version}")
+        self.config = config
+        self.worker_index = worker_index
+        self._engine = make_engine(str(model_path), config)
+        self._version = initial_version
+        self._checksum: str | None = None  # of the weights held now; computed lazily
+        self._lock = threading.Lock()
+        self._stats = {
+            "generate_calls": 0,
+            "prompts": 0,
+            "samples": 0,
+            "tokens": 0,
+            "weight_loads": 0,
+            "generate_s": 0.0,
+            "load_s": 0.0,
+        }
+
+    def generate(
+        self,
+        prompt_indices: list[int],
+        prompts: list[np.ndarray],
+        seed: int,
+        sampling: SamplingConfig | None = None,
+    ) -> list[Sample]:
+        """`n` samples per prompt (prompt order, then sample index), tagged with the current version.
+
+        `prompt_indices[i]` is the caller's id for `prompts[i]`; `sampling` overrides the config's.
+        """
+        sampling = sampling or self.config.sampling
+        if len(prompt_indices) != len(prompts):
+            raise ValueError(f"{len(prompt_indices)} prompt indices but {len(prompts)} prompts")
+        if not 0 <= int(seed) <= _MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if not prompts:
+            return []
+        ids = [self._check_prompt(idx, p, sampling) for idx, p in zip(prompt_indices, prompts, strict=True)]
+        with self._lock:
+            t0 = time.perf_counter()
+            version = self._version
+            outputs = self._engine.generate(ids, sampling, int(seed))
+            self._check_outputs(outputs, len(ids), sampling)
+            samples = [
+                Sample(
+                    prompt_index=int(idx),
+                    prompt_ids=p,
+                    response_ids=o.response_ids,
+                    logprobs=o.logprobs,
+                    finish_reason=o.finish_reason,
+                    policy_version=version,
+                    sample_index=k,
+                )
+                for idx, p, outs in zip(prompt_indices, ids, outputs, strict=True)
+                for k, o in enumerate(outs)
+            ]
+            s = self._stats
+            s["generate_calls"] += 1
+            s["prompts"] += len(ids)
+            s["samples"] += len(samples)
+            s["tokens"] += sum(len(x.response_ids) for x in samples)
+            s["generate_s"] += time.perf_counter() - t0
+        return samples
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> tuple[int, str]:
+        """Load a full weight bundle tagged `version`; returns (version, checksum of what is now held).
+
+        The checksum is `state_checksum(held_weights, engine dtype)`, so the caller can compare it
+        with `state_checksum(bundle, engine dtype)`. Versions never go backwards.
+        """
+        with self._lock:
+            if version < self._version:
+                raise ValueError(
+                    f"worker {self.worker_index} holds version {self._version}; refusing older {version}"
+                )
+            t0 = time.perf_counter()
+            self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
+            self._engine.load_weights(state)
+            self._version = int(version)
+            self._checksum = self._engine.weights_checksum()
+            self._stats["weight_loads"] += 1
+            self._stats["load_s"] += time.perf_counter() - t0
+            return self._version, self._checksum
+
+    def version(self) -> int:
+        return self._version
+
+    def checksum(self) -> str:
+        """Checksum of the weights held now (at the engine dtype); see `rollout_workers.weights`."""
+        with self._lock:
+            if self._checksum is None:
+                self._checksum = self._engine.weights_checksum()
+            return self._checksum
+
+    def ping(self) -> str:
+        return f"rollout worker {self.worker_index} ({self._engine.name}) pid {os.getpid()} on {socket.gethostname()}"
+
+    def stats(self) -> dict:
+        """Counters since start: prompts, samples and response tokens generated, busy seconds."""
+        s = dict(self._stats)
+        s["busy_s"] = s["generate_s"] + s["load_s"]
+        s.update(worker_index=self.worker_index, engine=self._engine.name, policy_version=self._version)
+        return s
+
+    def _check_prompt(self, index: int, prompt: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
+        p = np.asarray(prompt)
+        if p.ndim != 1 or p.size == 0:
+            raise ValueError(
+                f"prompt {index} must be a non-empty 1-D array of token ids, got shape {p.shape}"
+            )
+        if not np.issubdtype(p.dtype, np.integer):
+            raise ValueError(f"prompt {index} has dtype {p.dtype}; token ids must be integers")
+        vocab = self._engine.vocab_size
+        if p.min() < 0 or p.max() >= vocab:
+            raise ValueError(
+                f"prompt {index} has token ids outside [0, {vocab}): min {p.min()}, max {p.max()}"
+            )
+        limit = self._engine.max_model_len
+        if limit is not None and p.size + sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {index} has {p.size} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                f"it exceeds the model's {limit} positions"
+            )
+        return np.array(p, dtype=np.int64)  # an owned, writable copy (Ray hands in read-only views)
+
+    def _check_outputs(
+        self, outputs: list[list[GenerationOutput]], n_prompts: int, sampling: SamplingConfig
+    ) -> None:
+        """Hold every backend to the same contract, so a backend bug fails here and not in the learner."""
+        name = self._engine.name
+        if len(outputs) != n_prompts or any(len(o) != sampling.n for o in outputs):
+            raise RuntimeError(
+                f"{name} engine returned {[len(o) for o in outputs]} samples for {n_prompts} prompts x n={sampling.n}"
+            )
+        eos = self._engine.eos_token_ids
+        for outs in outputs:
+            for o in outs:
+                r = len(o.response_ids)
+                if r < 1 or r > sampling.max_new_tokens or len(o.logprobs) != r:
+                    raise RuntimeError(f"{name} engine returned {r} tokens with {len(o.logprobs)} logprobs")
+                ends_with_eos = int(o.response_ids[-1]) in eos
+                if any(int(t) in eos for t in o.response_ids[:-1]):
+                    raise RuntimeError(f"{name} engine returned tokens after an EOS token: {o.response_ids}")
+                if (o.finish_reason == "stop") != ends_with_eos:
+                    raise RuntimeError(
+                        f"{name} engine: finish_reason {o.finish_reason!r} but last token {o.response_ids[-1]}"
+                    )
+                o.response_ids = np.asarray(o.response_ids, dtype=np.int64)
+                o.logprobs = np.asarray(o.logprobs, dtype=np.float32)
