@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,6 +35,8 @@ class LearnerConfig(_Strict):
     )
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate (policy and value head).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
@@ -75,6 +77,15 @@ class LearnerConfig(_Strict):
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models)."
+    )
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="torch.distributed timeout: rendezvous and any one collective (a rank waiting on a stuck peer fails after this).",
+    )
+    deepspeed_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Deep-merged into the generated DeepSpeed config (e.g. offload, bucket sizes, stage3_param_persistence_threshold).",
     )
 
     @model_validator(mode="after")

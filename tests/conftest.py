@@ -51,3 +51,12 @@ def _clean_shm() -> None:
 def _deepspeed_shm_cleanup():
     yield
     _clean_shm()
+
+
+@pytest.fixture(scope="session")
+def demo_assets():
+    """The real demo assets, built once into the repo's assets/ folder (shared with `make train`)."""
+    from cluster.demo_assets import ensure_assets
+
+    root = Path(__file__).resolve().parent.parent / "assets" / "sentiment_tiny"
+    return ensure_assets(root, quiet=True)

@@ -1,0 +1,173 @@
+"""DeepSpeed config, optimizer, LR schedule and torch.distributed start-up for one learner rank.
+
+CPU trap (DeepSpeed 0.19): `TorchBackend.__init__` JIT-builds the `deepspeed_shm_comm` op (about a
+minute on 2 cores, the first time) whenever `deepspeed.ops.__compatible_ops__` says it can, and when
+LOCAL_SIZE equals the world size each rank also maps a 69 MB `/dev/shm/deepspeed_allreduce_buffer_*`
+file that nothing deletes. The op only serves `inference_all_reduce` (tensor-parallel inference), which
+a ZeRO learner never calls, so `disable_shm_allreduce` marks it incompatible before the backend starts
+(no env var or config key exists for this) and `remove_shm_buffers` deletes this rank's file anyway.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from learner.config import LearnerConfig
+
+SHM_OP_NAME = "deepspeed_shm_comm"
+SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
+
+
+def resolve_backend(config: LearnerConfig) -> str:
+    """'auto' means NCCL when this process sees a GPU, gloo otherwise."""
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated recursively by `override` (dicts merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def ds_config(config: LearnerConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict for a learner rank.
+
+    `gradient_accumulation_steps` is 1 on purpose: a rank's shard size changes from step to step, so
+    the PPO loop marks the accumulation boundary itself (`engine.set_gradient_accumulation_boundary`)
+    and scales its losses so micro-batches and ranks add up to the whole-batch loss.
+    """
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": config.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if config.dtype == "bfloat16":
+        # check_grad_overflow: a non-finite gradient norm skips the step (as in fp32), never applies it.
+        cfg["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    return deep_merge(cfg, config.deepspeed_overrides)
+
+
+class LinearWarmup:
+    """LR factor rising linearly over `warmup_steps` optimizer steps, then 1 (a picklable callable)."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / self.warmup_steps)
+
+
+def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
+    """torch AdamW over every trainable parameter: no JIT-built DeepSpeed op needed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: LearnerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(config.warmup_steps))
+
+
+def disable_shm_allreduce() -> None:
+    """Keep DeepSpeed from building and mapping its shared-memory allreduce op (see module doc)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__[SHM_OP_NAME] = False
+
+
+def shm_buffer_path(master_addr: str, master_port: int, rank: int) -> str:
+    """The /dev/shm name DeepSpeed's shm op gives this rank's buffer (csrc/cpu/comm/shm.cpp)."""
+    return f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{master_addr}_{master_port}_{rank}"
+
+
+def remove_shm_buffers(master_addr: str, master_port: int, rank: int) -> list[str]:
+    """Delete this rank's DeepSpeed shm allreduce buffer, if one was made; returns what was removed."""
+    removed = []
+    for path in glob.glob(shm_buffer_path(master_addr, master_port, rank)):
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def node_ip() -> str:
+    """This node's address as Ray knows it (127.0.0.1 outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside a Ray worker any failure means "no Ray address"
+        pass
+    return "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free right now on this node (the rendezvous store binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(
+    rank: int, world_size: int, master_addr: str, master_port: int, backend: str, timeout_s: float
+) -> None:
+    """Join the learner's torch.distributed world through DeepSpeed (env:// rendezvous).
+
+    Under Ray each rank sees only its own GPU(s), so the local device index is always 0.
+    """
+    import deepspeed
+
+    os.environ.update(
+        MASTER_ADDR=str(master_addr),
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
+    # LOCAL_SIZE is what makes DeepSpeed's shm op map /dev/shm buffers; never inherit one.
+    os.environ.pop("LOCAL_SIZE", None)
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    disable_shm_allreduce()
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
+    )
+
+
+def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
+    """`deepspeed.initialize` with torch AdamW and the warm-up schedule; returns the engine."""
+    import deepspeed
+
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config)
+    )
+    return engine

@@ -1,0 +1,133 @@
+"""The trained network: a causal LM policy and a scalar value head on its shared backbone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from learner.sequences import gather_response
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Files a rollout worker needs besides the weights to rebuild the tokenizer from a saved policy.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def zero_dropout(config) -> list[str]:
+    """Set every float `*dropout` / `*pdrop` field to 0: RL needs a deterministic policy (and RNG).
+
+    Dropout makes the learner's log-probs disagree with the generator's and consumes the global RNG.
+    Returns the names of the fields changed.
+    """
+    changed = []
+    for name, value in list(vars(config).items()):
+        if (name.endswith("dropout") or name.endswith("pdrop")) and isinstance(value, float) and value != 0.0:
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
+class PolicyWithValueHead(nn.Module):
+    """Policy logits and values from one backbone pass, projected only where response tokens are scored.
+
+    For a row with prompt length p, position p-1+t scores response token t (see learner.sequences);
+    the vocabulary projection runs on those R positions only, which keeps the [B, R, V] logits small.
+    """
+
+    def __init__(self, policy: PreTrainedModel, value_head_std: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        self.policy = policy
+        hidden = policy.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=next(policy.parameters()).dtype)
+        # A private generator: every rank must start from the same head whatever its own seed.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            if value_head_std > 0:
+                w = torch.randn(self.value_head.weight.shape, generator=gen) * value_head_std
+                self.value_head.weight.copy_(w)
+            else:
+                self.value_head.weight.zero_()
+            self.value_head.bias.zero_()
+        text_cfg = policy.config.get_text_config()
+        self._softcap = getattr(text_cfg, "final_logit_softcapping", None)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str = "float32",
+        value_head_std: float = 0.0,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+    ) -> PolicyWithValueHead:
+        """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown learner dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        zero_dropout(config)
+        text_cfg = config.get_text_config()
+        if text_cfg is not config:
+            zero_dropout(text_cfg)
+        policy = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=_DTYPES[dtype], local_files_only=True
+        )
+        if gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model = cls(policy, value_head_std=value_head_std, seed=seed)
+        model.train()  # from_pretrained leaves eval mode, in which HF skips gradient checkpointing
+        saved_head = Path(path) / VALUE_HEAD_FILE
+        if saved_head.exists():
+            model.value_head.load_state_dict(load_file(str(saved_head)))
+        return model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        response_len: int,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens."""
+        out = self.policy.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = gather_response(out.last_hidden_state, prompt_lens, response_len)
+        logits = self.policy.get_output_embeddings()(hidden)
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        values = self.value_head(hidden).squeeze(-1)
+        return logits / temperature, values
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The HF model's own parameter names (what a rollout worker's `load_state_dict` expects)."""
+        return self.policy.state_dict()
+
+    def save_pretrained(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
+        """Write the HF policy (safetensors) and `value_head.safetensors`; copy the tokenizer files along."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(path)
+        head = {k: v.detach().to("cpu").contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(head, str(path / VALUE_HEAD_FILE))
+        if tokenizer_from is not None:
+            for name in _TOKENIZER_FILES:
+                src = Path(tokenizer_from) / name
+                if src.exists():
+                    shutil.copyfile(src, path / name)

@@ -1,0 +1,369 @@
+"""One PPO update on one learner rank: pack, proximal pass, targets, whitening, epochs of minibatches.
+
+Every rank runs this concurrently on its own shard; shards may differ in size (even be empty). Ranks
+agree on counts with all_reduce and a rank that runs out of data runs zero-weight micro-batches, so
+all ranks make the same forward/backward/step calls (ZeRO-3 gathers parameters in every forward).
+
+Loss scaling: each micro-batch loss is divided by the minibatch's GLOBAL token (or sequence) count,
+so the micro-batches of all ranks add up to the loss of one big batch. DeepSpeed then averages the
+gradients over ranks (and divides by `gradient_accumulation_steps`, which is 1 here and switched off
+with `scale_wrt_gas=False`), so each loss is multiplied by the world size before `engine.backward`.
+
+Skipping a bad step: a rank whose micro-batch loss is not finite back-propagates NaN instead. The
+ZeRO optimizer computes one global gradient norm over all ranks, finds it invalid, and skips the
+step on every rank (no weight, optimizer-state or LR-schedule change) - DeepSpeed's own overflow path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from learner.algorithms import (
+    aggregate_loss,
+    compute_gae,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    shape_rewards,
+    value_loss,
+)
+from learner.batch import Trajectory
+from learner.config import LearnerConfig
+from learner.sequences import pack_sequences, response_tokens
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(values: Sequence[float] | torch.Tensor, op: str = "sum", device="cpu") -> torch.Tensor:
+    """float64 all_reduce over the learner world (a no-op in a single process without a world)."""
+    if isinstance(values, torch.Tensor):
+        t = values.detach().to(device=device, dtype=torch.float64).clone()
+    else:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if _world() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.cpu()
+
+
+@dataclass
+class Batch:
+    """A rank's packed shard. Per-token fields are `[B, R]` over response tokens."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_lens: torch.Tensor
+    mask: torch.Tensor
+    scores: torch.Tensor
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def take(self, idx: torch.Tensor) -> Batch:
+        """Rows `idx`, trimmed to their own longest sequence and response."""
+        attn = self.attention_mask[idx]
+        mask = self.mask[idx]
+        L = max(int(attn.sum(1).max()), 2)
+        R = max(int(mask.sum(1).max()), 1)
+        return Batch(
+            self.input_ids[idx, :L],
+            attn[:, :L],
+            self.prompt_lens[idx],
+            mask[:, :R],
+            self.scores[idx],
+            {k: v[idx, :R] for k, v in self.tokens.items()},
+        )
+
+    def to(self, device) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.prompt_lens.to(device),
+            self.mask.to(device),
+            self.scores.to(device),
+            {k: v.to(device) for k, v in self.tokens.items()},
+        )
+
+
+def _pad_rows(rows: Sequence[np.ndarray], R: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), R), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.float32))
+    return out
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
+    """Right-padded tensors of a shard (an empty shard gives a 0-row batch)."""
+    if not trajectories:
+        z = torch.zeros((0, 2), dtype=torch.long)
+        tokens = {"behaviour_logprobs": torch.zeros((0, 1)), "ref_logprobs": torch.zeros((0, 1))}
+        return Batch(
+            z, z.clone(), torch.ones(0, dtype=torch.long), torch.zeros((0, 1)), torch.zeros(0), tokens
+        )
+    for i, t in enumerate(trajectories):
+        r = len(t.response_ids)
+        if len(t.behaviour_logprobs) != r or len(t.ref_logprobs) != r:
+            raise ValueError(
+                f"trajectory {i}: {r} response tokens but {len(t.behaviour_logprobs)} behaviour and "
+                f"{len(t.ref_logprobs)} reference logprobs"
+            )
+    ids, attn, p_lens, mask = pack_sequences(
+        [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], pad_id
+    )
+    R = mask.shape[1]
+    scores = torch.tensor([float(t.score) for t in trajectories], dtype=torch.float32)
+    tokens = {
+        "behaviour_logprobs": _pad_rows([t.behaviour_logprobs for t in trajectories], R),
+        "ref_logprobs": _pad_rows([t.ref_logprobs for t in trajectories], R),
+    }
+    return Batch(ids, attn, p_lens, mask, scores, tokens)
+
+
+def dummy_batch(pad_id: int) -> Batch:
+    """One all-padding row with no valid token: the input of a zero-weight micro-batch."""
+    ids = torch.full((1, 2), pad_id, dtype=torch.long)
+    return Batch(
+        ids, torch.ones_like(ids), torch.ones(1, dtype=torch.long), torch.zeros((1, 1)), torch.zeros(1)
+    )
+
+
+def forward_scores(model, b: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logprobs [b, R] float32, values [b, R] float32, logits [b, R, V])` of the response tokens."""
+    R = b.mask.shape[1]
+    logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
+    logprobs = logprobs_from_logits(logits, response_tokens(b.input_ids, b.prompt_lens, R))
+    return logprobs, values.float(), logits
+
+
+def _micro_batches(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(idx.split(size)) if len(idx) else []
+
+
+@torch.no_grad()
+def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device):
+    """No-grad `old_logprobs` and `values` `[B, R]` of the shard, in micro-batches (same count on all ranks)."""
+    micro = _micro_batches(torch.arange(len(batch)), config.micro_batch_size)
+    n = int(all_reduce([len(micro)], "max", device)[0])
+    B, R = batch.mask.shape
+    old_lp = torch.zeros((B, R), dtype=torch.float32)
+    values = torch.zeros((B, R), dtype=torch.float32)
+    for i in range(n):
+        if i < len(micro):
+            mb = batch.take(micro[i])
+            lp, v, _ = forward_scores(engine, mb.to(device), temperature)
+            r = mb.mask.shape[1]
+            old_lp[micro[i], :r] = lp.cpu()
+            values[micro[i], :r] = v.cpu()
+        else:
+            forward_scores(engine, dummy_batch(pad_id).to(device), temperature)
+    return old_lp, values
+
+
+def distributed_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, device="cpu"
+) -> torch.Tensor:
+    """`algorithms.masked_whiten` over the valid tokens of ALL ranks' shards (two-pass, float64)."""
+    valid = mask.to(torch.bool)
+    xv = torch.where(valid, x.double(), torch.zeros((), dtype=torch.float64))
+    total, count = all_reduce([xv.sum(), valid.sum()], "sum", device).tolist()
+    mean = total / max(count, 1.0)
+    dev = torch.where(valid, x.double() - mean, torch.zeros((), dtype=torch.float64))
+    sq = float(all_reduce([(dev**2).sum()], "sum", device)[0]) / max(count, 1.0)
+    var = sq * count / (count - 1) if count >= 2 else sq
+    out = (x.double() - mean) / math.sqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(valid, out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
+
+
+def _is_weights(
+    old_lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weight min(pi_old / pi_behaviour, cap) per valid token (1 elsewhere)."""
+    w = torch.exp(old_lp - behaviour).clamp(max=cap)
+    return torch.where(mask.to(torch.bool), w, torch.ones_like(w))
+
+
+def prepare(
+    engine, batch: Batch, config: LearnerConfig, kl_coef: float, temperature: float, pad_id: int, device
+) -> dict[str, float]:
+    """Proximal pass, shaped rewards, GAE, global whitening. Fills `batch.tokens`; returns global stats."""
+    old_lp, values = proximal_pass(engine, batch, config, temperature, pad_id, device)
+    mask = batch.mask
+    rewards, kl = shape_rewards(
+        batch.scores, old_lp, batch.tokens["ref_logprobs"], mask, kl_coef, config.kl.estimator
+    )
+    adv, returns = compute_gae(rewards, values, mask, config.gamma, config.lam)
+    valid = mask.to(torch.bool)
+    gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
+    local = [
+        mask.sum(),  # tokens
+        float(len(batch)),  # sequences
+        batch.scores.sum(),
+        kl.sum(),  # per-sequence sums, summed
+        gap.sum(),
+        (values * mask).sum(),
+        (returns * mask).sum(),
+        (adv * mask).sum(),
+    ]
+    g = all_reduce(local, "sum", device).tolist()
+    tokens, seqs = max(g[0], 1.0), max(g[1], 1.0)
+    stats = {
+        "train/tokens": g[0],
+        "train/sequences": g[1],
+        "rollout/reward_mean": g[2] / seqs,
+        "objective/kl": g[3] / seqs,
+        "rollout/logprob_gap": g[4] / tokens,
+        "values/mean": g[5] / tokens,
+        "returns/mean": g[6] / tokens,
+        "advantages/mean": g[7] / tokens,
+    }
+    if config.whiten_advantages:
+        adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
+    batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
+    if config.tis_cap is not None:
+        batch.tokens["is_weights"] = _is_weights(
+            old_lp, batch.tokens["behaviour_logprobs"], mask, config.tis_cap
+        )
+    return stats
+
+
+def micro_batch_loss(
+    engine, mb: Batch, config: LearnerConfig, temperature: float, g_tokens: float, g_seqs: float
+):
+    """The PPO loss of one micro-batch, normalised by the minibatch's global counts, and its local metrics."""
+    logprobs, values, logits = forward_scores(engine, mb, temperature)
+    t, agg = mb.tokens, config.loss_agg
+    pg, pg_m = policy_loss(
+        logprobs,
+        t["old_logprobs"],
+        t["advantages"],
+        mb.mask,
+        clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high,
+        dual_clip=config.dual_clip,
+        is_weights=t.get("is_weights"),
+        agg=agg,
+        global_tokens=g_tokens,
+        global_seqs=g_seqs,
+    )
+    vf, vf_m = value_loss(
+        values, t["old_values"], t["returns"], mb.mask, config.value_clip_eps, agg, g_tokens, g_seqs
+    )
+    with torch.set_grad_enabled(config.entropy_coef > 0 and torch.is_grad_enabled()):
+        ent = aggregate_loss(entropy_from_logits(logits), mb.mask, agg, g_tokens, g_seqs)
+    loss = pg + config.vf_coef * vf - config.entropy_coef * ent
+    n = float(mb.mask.sum())
+    local = [
+        float(pg.detach()),
+        float(vf.detach()),
+        float(ent.detach()),
+        pg_m["approx_kl"] * n,
+        pg_m["clip_frac"] * n,
+        vf_m["clip_frac"] * n,
+        n,
+    ]
+    return loss, (logits, values), local
+
+
+def ppo_update(
+    engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device, generator
+):
+    """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks."""
+    world = _world()
+    n_local = len(batch)
+    sums = torch.zeros(7, dtype=torch.float64)  # pg, vf, ent, kl*n, clip*n, vclip*n, n (applied steps only)
+    applied, skipped, grad_norm = 0, 0, 0.0
+    zero_w = dummy_batch(pad_id).to(device)
+    for _ in range(config.ppo_epochs):
+        perm = torch.randperm(n_local, generator=generator)
+        minibatches = list(torch.tensor_split(perm, config.num_minibatches))
+        micro = [_micro_batches(mb, config.micro_batch_size) for mb in minibatches]
+        k = len(minibatches)
+        n_micro = all_reduce([float(len(m)) for m in micro], "max", device).long().tolist()
+        local_counts = [float(batch.mask[mb].sum()) for mb in minibatches] + [
+            float(len(mb)) for mb in minibatches
+        ]
+        counts = all_reduce(local_counts, "sum", device).tolist()  # k token counts, then k sequence counts
+        for j in range(k):
+            if n_micro[j] == 0:  # no rank has data for this minibatch (fewer sequences than minibatches)
+                continue
+            step_sums = torch.zeros(7, dtype=torch.float64)
+            poisoned = False
+            for i in range(n_micro[j]):
+                engine.set_gradient_accumulation_boundary(i == n_micro[j] - 1)
+                if i < len(micro[j]):
+                    mb = batch.take(micro[j][i]).to(device)
+                    loss, (logits, values), local = micro_batch_loss(
+                        engine, mb, config, temperature, counts[j], counts[k + j]
+                    )
+                    if torch.isfinite(loss):
+                        engine.backward(loss * world, scale_wrt_gas=False)
+                        step_sums += torch.tensor(local, dtype=torch.float64)
+                        continue
+                    poisoned = True
+                    scale = float("nan")
+                else:
+                    _, values, logits = forward_scores(engine, zero_w, temperature)
+                    scale = 0.0
+                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip).
+                engine.backward((logits.float().sum() + values.sum()) * scale, scale_wrt_gas=False)
+            engine.step()
+            if engine.was_step_applied():
+                if poisoned:
+                    raise RuntimeError(
+                        "DeepSpeed applied an optimizer step whose gradients were NaN on purpose"
+                    )
+                applied += 1
+                sums += step_sums
+                grad_norm += float(engine.get_global_grad_norm() or 0.0)
+            else:
+                skipped += 1
+    tot = all_reduce(sums, "sum", device).tolist()
+    steps, n = max(applied, 1), max(tot[6], 1.0)
+    nan = float("nan")
+    return {
+        "loss/policy": tot[0] / steps if applied else nan,
+        "loss/value": tot[1] / steps if applied else nan,
+        "loss/entropy": tot[2] / steps if applied else nan,
+        "params/approx_kl": tot[3] / n if applied else nan,
+        "params/policy_clip_frac": tot[4] / n if applied else nan,
+        "params/value_clip_frac": tot[5] / n if applied else nan,
+        "params/grad_norm": grad_norm / steps if applied else nan,
+        "train/skipped_steps": float(skipped),
+        "train/optimizer_steps": float(applied),
+    }
+
+
+def train_step(
+    engine,
+    trajectories: Sequence[Trajectory],
+    config: LearnerConfig,
+    kl_controller,
+    temperature: float,
+    pad_id: int,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks)."""
+    start = time.perf_counter()
+    device = engine.device
+    engine.train()
+    batch = pack_trajectories(trajectories, pad_id)
+    kl_coef = float(kl_controller.value)
+    stats = prepare(engine, batch, config, kl_coef, temperature, pad_id, device)
+    metrics = ppo_update(engine, batch, config, temperature, pad_id, device, generator)
+    if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
+        kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))
+    metrics.update(stats)
+    metrics["objective/kl_coef"] = kl_coef
+    metrics["time/train"] = float(all_reduce([time.perf_counter() - start], "max", device)[0])
+    return metrics

@@ -1,0 +1,206 @@
+"""One learner rank: a DeepSpeed ZeRO engine over the policy+value model, in one torch.distributed world.
+
+A plain class; `cluster/` wraps it with `ray.remote` (one actor per rank inside a placement group)
+and calls every collective method on all ranks concurrently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from learner.algorithms import AdaptiveKLController, FixedKLController
+from learner.batch import Trajectory
+from learner.config import LearnerConfig
+from learner.deepspeed_setup import (
+    free_port,
+    init_distributed,
+    initialize_engine,
+    node_ip,
+    remove_shm_buffers,
+    resolve_backend,
+)
+from learner.model import PolicyWithValueHead
+from learner.ppo_step import train_step
+
+_STATE_KEY = "_learner_rank"
+
+
+class LearnerRank:
+    """Owns this rank's engine, KL controller and RNG; the controller drives it step by step."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_path: str,
+        config: LearnerConfig,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a world of size {world_size}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.rank, self.world_size = rank, world_size
+        self.model_path = str(model_path)
+        self.config = config
+        self.seed = int(seed)
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        kl = config.kl
+        self.kl_controller = (
+            AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+            if kl.adaptive
+            else FixedKLController(kl.coef)
+        )
+        # Same seed on every rank: identical shuffling logic, each over its own shard.
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.engine = None
+        self._addr: tuple[str, int] | None = None
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
+        return node_ip(), free_port()
+
+    def ping(self) -> bool:
+        return True
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the world and build the engine (all ranks at once: rendezvous and ZeRO partitioning)."""
+        if self.engine is not None:
+            raise RuntimeError(f"learner rank {self.rank} is already set up")
+        torch.set_num_threads(self.config.torch_threads)
+        self._addr = (str(master_addr), int(master_port))
+        init_distributed(
+            self.rank,
+            self.world_size,
+            master_addr,
+            master_port,
+            resolve_backend(self.config),
+            self.config.dist_timeout_s,
+        )
+        model = PolicyWithValueHead.from_pretrained(
+            self.model_path,
+            dtype=self.config.dtype,
+            value_head_std=self.config.value_head_std,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+            seed=self.seed,
+        )
+        torch.manual_seed(self.seed + self.rank)
+        self.engine = initialize_engine(model, self.config)
+
+    def _require_engine(self):
+        if self.engine is None:
+            raise RuntimeError(
+                f"learner rank {self.rank} is not set up: call setup(master_addr, master_port) first"
+            )
+        return self.engine
+
+    @property
+    def _zero3(self) -> bool:
+        return self.config.zero_stage == 3
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One PPO iteration on this rank's shard; metrics are global and identical on every rank."""
+        engine = self._require_engine()
+        return train_step(
+            engine,
+            trajectories,
+            self.config,
+            self.kl_controller,
+            self.temperature,
+            self.pad_token_id,
+            self.generator,
+        )
+
+    def kl_coef(self) -> float:
+        return float(self.kl_controller.value)
+
+    def _gathered(self):
+        """Full parameters for the duration of the block (a collective under ZeRO-3; nothing otherwise)."""
+        engine = self._require_engine()
+        if not self._zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
+
+        All ranks must call it (ZeRO-3 gathers shards). Tied weights stay one shared tensor.
+        """
+        engine = self._require_engine()
+        with self._gathered():
+            if self.rank != 0:
+                return None
+            copies: dict[int, torch.Tensor] = {}
+            out = {}
+            for name, t in engine.module.policy_state_dict().items():
+                key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+                if key not in copies:
+                    copies[key] = t.detach().to("cpu", copy=True).contiguous()
+                out[name] = copies[key]
+            return out
+
+    def save_pretrained(self, path: str) -> None:
+        """Rank 0 writes the HF policy, value head and tokenizer files to `path`; all ranks must call it."""
+        engine = self._require_engine()
+        with self._gathered():
+            if self.rank == 0:
+                engine.module.save_pretrained(path, tokenizer_from=self.model_path)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save_checkpoint(self, path: str, client_state: dict) -> None:
+        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller and every rank's RNG."""
+        engine = self._require_engine()
+        rng = {"torch": torch.get_rng_state(), "shuffle": self.generator.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        # DeepSpeed keeps one client_state (rank 0's), so every rank's RNG travels in it.
+        rngs: list = [None] * self.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        mine = {"client": dict(client_state), "kl_controller": self.kl_controller.state_dict(), "rng": rngs}
+        engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what `save_checkpoint` wrote; returns the caller's `client_state`."""
+        engine = self._require_engine()
+        load_path, state = engine.load_checkpoint(
+            str(path), load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise FileNotFoundError(
+                f"no DeepSpeed checkpoint under {path!r} (missing 'latest' or tag folder)"
+            )
+        mine = (state or {}).get(_STATE_KEY)
+        if mine is None:
+            raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
+        self.kl_controller.load_state_dict(mine["kl_controller"])
+        rngs = mine["rng"]
+        if len(rngs) != self.world_size:
+            raise ValueError(
+                f"checkpoint has RNG state of {len(rngs)} ranks; this world has {self.world_size}"
+            )
+        torch.set_rng_state(rngs[self.rank]["torch"])
+        self.generator.set_state(rngs[self.rank]["shuffle"])
+        if "cuda" in rngs[self.rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rngs[self.rank]["cuda"])
+        return mine["client"]
+
+    def shutdown(self) -> None:
+        """Leave the process group and delete any DeepSpeed /dev/shm buffer of this rank."""
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self.engine = None
+        if self._addr is not None:
+            remove_shm_buffers(*self._addr, self.rank)
