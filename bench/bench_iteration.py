@@ -73,7 +73,9 @@ def main() -> int:
     step_med = statistics.median(m["time/step"] for m in hist)
     for k in PHASES:
         vals = [m[k] for m in hist]
-        print(f"{k:<22}{statistics.median(vals):>10.3f}{statistics.mean(vals):>10.3f}{statistics.median(vals) / step_med:>8.0%}")
+        print(
+            f"{k:<22}{statistics.median(vals):>10.3f}{statistics.mean(vals):>10.3f}{statistics.median(vals) / step_med:>8.0%}"
+        )
     for k in ["throughput/tokens_per_s", "throughput/samples_per_s"]:
         print(f"{k:<22}{statistics.median(m[k] for m in hist):>10.1f}")
     print(f"{'actor':<22}{'peak RSS MB':>12}")

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from learner.rank import LearnerRank
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from learner.rank import LearnerRank
 from reward_service.reference import ReferencePolicy
 from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker

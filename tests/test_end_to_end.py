@@ -25,10 +25,25 @@ pytestmark = pytest.mark.slow
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.yaml"
 REQUIRED = [
-    "rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/logprob_gap",
-    "objective/kl", "objective/kl_coef", "loss/policy", "loss/value", "loss/entropy", "params/approx_kl",
-    "params/policy_clip_frac", "params/value_clip_frac", "params/grad_norm", "time/generate", "time/score",
-    "time/train", "time/weight_sync", "throughput/tokens_per_s", "policy_version",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_length",
+    "rollout/logprob_gap",
+    "objective/kl",
+    "objective/kl_coef",
+    "loss/policy",
+    "loss/value",
+    "loss/entropy",
+    "params/approx_kl",
+    "params/policy_clip_frac",
+    "params/value_clip_frac",
+    "params/grad_norm",
+    "time/generate",
+    "time/score",
+    "time/train",
+    "time/weight_sync",
+    "throughput/tokens_per_s",
+    "policy_version",
 ]
 
 
@@ -52,7 +67,10 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
 
 @pytest.mark.parametrize("zero_stage,steps", [(2, 6), (3, 3)])
 def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, steps):
-    cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **{"learner.num_ranks": 2, "learner.zero_stage": zero_stage}))
+    cfg = load_config(
+        CONFIG,
+        demo_overrides(demo_assets, steps, **{"learner.num_ranks": 2, "learner.zero_stage": zero_stage}),
+    )
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
@@ -83,7 +101,14 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
 
 def test_cli_trains_and_saves_a_loadable_policy(ray_local, demo_assets, tmp_path, capsys):
     run_dir = tmp_path / "cli-run"
-    rc = main([str(CONFIG), "--run-dir", str(run_dir), *sum((["--set", s] for s in demo_overrides(demo_assets, 2)), [])])
+    rc = main(
+        [
+            str(CONFIG),
+            "--run-dir",
+            str(run_dir),
+            *sum((["--set", s] for s in demo_overrides(demo_assets, 2)), []),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "before training" in out and "after training" in out and "run summary" in out
