@@ -56,12 +56,8 @@ def main() -> int:
         while trainer.step < cfg.run.steps:
             trainer.iteration()
         roles = trainer.roles
-        named = (
-            [(n, a) for n, a in zip(roles.worker_names, roles.workers, strict=True)]
-            + [(f"reference-{i}", a) for i, a in enumerate(roles.references)]
-            + [(f"reward-scorer-{i}", a) for i, a in enumerate(roles.scorers)]
-            + [(f"learner-rank-{i}", a) for i, a in enumerate(roles.ranks)]
-        )
+        named = [(m.name, m.handle) for pool in roles.pools() for m in pool.members]
+        named += [(f"learner-rank-{i}", a) for i, a in enumerate(roles.ranks)]
         peaks = {n: ray.get(a.__ray_call__.remote(_peak_rss_mb), timeout=60) for n, a in named}
     finally:
         trainer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,109 +17,106 @@ from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
 
 from .config import RunConfig
-
-
-class ActorStartError(RuntimeError):
-    """An actor did not come up in time; the message names it."""
+from .pools import ActorPool, ActorStartError, wait_ready
 
 
 @dataclass
 class Roles:
-    workers: list[Any] = field(default_factory=list)
-    references: list[Any] = field(default_factory=list)
-    scorers: list[Any] = field(default_factory=list)
+    workers: ActorPool
+    references: ActorPool
+    scorers: ActorPool
     ranks: list[Any] = field(default_factory=list)
-    worker_names: list[str] = field(default_factory=list)
     learner_pg: Any = None
 
-    def all_actors(self) -> list[Any]:
-        return [*self.workers, *self.references, *self.scorers, *self.ranks]
+    def pools(self) -> list[ActorPool]:
+        return [self.workers, self.references, self.scorers]
 
 
-def _wait_ready(handles: list[Any], names: list[str], timeout: float) -> None:
-    refs = [h.ping.remote() for h in handles]
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    if pending:
-        late = [names[refs.index(r)] for r in pending]
-        raise ActorStartError(
-            f"actors not ready after {timeout:.0f}s (timeouts.actor_start_s): {', '.join(late)}"
+def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | None = None) -> Roles:
+    """Pools for the scalable roles; actors start when the pools grow."""
+    r, ref, rew = cfg.rollout, cfg.reference, cfg.reward
+    temperature = r.sampling.temperature
+    wait = cfg.timeouts.actor_start_s
+
+    def worker(name: str, slot: int) -> Any:
+        return (
+            ray.remote(RolloutWorker)
+            .options(name=name, num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)
+            .remote(cfg.model.policy_path, r, slot, 0)
         )
-    ray.get(ready)  # surfaces constructor errors (bad model path, ...) with the actor's traceback
 
-
-def start_rollout_worker(cfg: RunConfig, index: int, version: int = 0) -> Any:
-    r = cfg.rollout
-    return (
-        ray.remote(RolloutWorker)
-        .options(
-            name=f"rollout-worker-{index}",
-            num_cpus=r.num_cpus_per_worker,
-            num_gpus=r.num_gpus_per_worker,
-            max_restarts=0,
+    def reference(name: str, _slot: int) -> Any:
+        return (
+            ray.remote(ReferencePolicy)
+            .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus)
+            .remote(cfg.reference_path, ref, temperature)
         )
-        .remote(cfg.model.policy_path, r, index, version)
+
+    def scorer(name: str, _slot: int) -> Any:
+        return (
+            ray.remote(RewardScorer)
+            .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus)
+            .remote(rew, cfg.tokenizer_path)
+        )
+
+    return Roles(
+        workers=ActorPool("rollout-worker", worker, wait, on_worker_start),
+        references=ActorPool("reference", reference, wait),
+        scorers=ActorPool("reward-scorer", scorer, wait),
     )
 
 
-def start_roles(cfg: RunConfig, pad_token_id: int) -> Roles:
-    roles = Roles()
-    temperature = cfg.rollout.sampling.temperature
-    names: list[str] = []
-    for i in range(cfg.rollout.num_workers):
-        roles.workers.append(start_rollout_worker(cfg, i))
-        roles.worker_names.append(f"rollout-worker-{i}")
-    names += roles.worker_names
-    ref = cfg.reference
-    for i in range(ref.num_replicas):
-        roles.references.append(
-            ray.remote(ReferencePolicy)
-            .options(name=f"reference-{i}", num_cpus=ref.num_cpus, num_gpus=ref.num_gpus)
-            .remote(cfg.reference_path, ref, temperature)
-        )
-        names.append(f"reference-{i}")
-    rew = cfg.reward
-    for i in range(rew.num_replicas):
-        roles.scorers.append(
-            ray.remote(RewardScorer)
-            .options(name=f"reward-scorer-{i}", num_cpus=rew.num_cpus, num_gpus=rew.num_gpus)
-            .remote(rew, cfg.tokenizer_path)
-        )
-        names.append(f"reward-scorer-{i}")
-
+def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
+    """N ranks in one placement group, joined into one torch.distributed world."""
     lc = cfg.learner
+    wait = cfg.timeouts.actor_start_s
     bundle = {"CPU": lc.num_cpus_per_rank, **({"GPU": lc.num_gpus_per_rank} if lc.num_gpus_per_rank else {})}
     roles.learner_pg = placement_group([dict(bundle) for _ in range(lc.num_ranks)], strategy="PACK")
     try:
-        ray.get(roles.learner_pg.ready(), timeout=cfg.timeouts.actor_start_s)
+        ray.get(roles.learner_pg.ready(), timeout=wait)
     except ray.exceptions.GetTimeoutError:
         raise ActorStartError(
-            f"learner placement group of {lc.num_ranks} x {bundle} not schedulable within "
-            f"{cfg.timeouts.actor_start_s:.0f}s: the cluster lacks the resources"
+            f"learner placement group of {lc.num_ranks} x {bundle} not schedulable within {wait:.0f}s: "
+            "the cluster lacks the resources"
         ) from None
-    for rank in range(lc.num_ranks):
+    names = [f"learner-rank-{rank}" for rank in range(lc.num_ranks)]
+    for rank, name in enumerate(names):
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=roles.learner_pg, placement_group_bundle_index=rank
+        )
         roles.ranks.append(
             ray.remote(LearnerRank)
             .options(
-                name=f"learner-rank-{rank}",
+                name=name,
                 num_cpus=lc.num_cpus_per_rank,
                 num_gpus=lc.num_gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=roles.learner_pg, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=strategy,
             )
-            .remote(rank, lc.num_ranks, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id, temperature)
+            .remote(
+                rank,
+                lc.num_ranks,
+                cfg.model.policy_path,
+                lc,
+                cfg.run.seed,
+                pad_token_id,
+                cfg.rollout.sampling.temperature,
+            )
         )
-        names.append(f"learner-rank-{rank}")
-    _wait_ready(roles.all_actors(), names, cfg.timeouts.actor_start_s)
-
-    addr, port = ray.get(roles.ranks[0].node_address.remote(), timeout=cfg.timeouts.actor_start_s)
+    wait_ready(roles.ranks, names, wait)
+    addr, port = ray.get(roles.ranks[0].node_address.remote(), timeout=wait)
     setups = [r.setup.remote(addr, port) for r in roles.ranks]
-    ready, pending = ray.wait(setups, num_returns=len(setups), timeout=cfg.timeouts.actor_start_s)
+    _, pending = ray.wait(setups, num_returns=len(setups), timeout=wait)
     if pending:
-        raise ActorStartError(
-            f"learner ranks did not form a process group within {cfg.timeouts.actor_start_s:.0f}s"
-        )
-    ray.get(ready)
+        raise ActorStartError(f"learner ranks did not form a process group within {wait:.0f}s")
+    ray.get(setups)
+
+
+def start_roles(cfg: RunConfig, pad_token_id: int, on_worker_start=None) -> Roles:
+    roles = make_pools(cfg, on_worker_start)
+    roles.workers.grow(cfg.rollout.num_workers)
+    roles.references.grow(cfg.reference.num_replicas)
+    roles.scorers.grow(cfg.reward.num_replicas)
+    start_learner(cfg, roles, pad_token_id)
     return roles
 
 
@@ -127,7 +125,11 @@ def stop_roles(roles: Roles) -> None:
         # best effort: the actor is killed next anyway
         with contextlib.suppress(Exception):
             ray.get(rank.shutdown.remote(), timeout=30)
-    for actor in roles.all_actors():
-        ray.kill(actor, no_restart=True)
+    for rank in roles.ranks:
+        with contextlib.suppress(Exception):
+            ray.kill(rank, no_restart=True)
+    for pool in roles.pools():
+        pool.kill_all()
     if roles.learner_pg is not None:
-        remove_placement_group(roles.learner_pg)
+        with contextlib.suppress(Exception):
+            remove_placement_group(roles.learner_pg)

@@ -88,6 +88,13 @@ class TimeoutSection(_Strict):
     weight_sync_s: float = Field(600.0, gt=0, description="Longest wait for exporting and loading weights.")
 
 
+class CheckpointSection(_Strict):
+    every_steps: int = Field(
+        0, ge=0, description="Checkpoint every N steps (0 = only at the end of the run)."
+    )
+    keep: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+
+
 class RunConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection, description="Run-level settings.")
     model: ModelSection = Field(..., description="Policy and tokenizer.")
@@ -100,6 +107,9 @@ class RunConfig(_Strict):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="DeepSpeed learner.")
     cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster connection.")
     timeouts: TimeoutSection = Field(default_factory=TimeoutSection, description="Remote call timeouts.")
+    checkpoint: CheckpointSection = Field(
+        default_factory=CheckpointSection, description="Checkpoints and resume."
+    )
 
     @model_validator(mode="after")
     def _combinations(self) -> RunConfig:

@@ -1,15 +1,17 @@
 """The synchronous PPO loop: prompts -> rollout -> scoring -> learner -> weight push.
 
-The controller owns no model; it moves records between roles, times every phase, and keeps the
-only state needed to resume besides the learner's own (data position, step, policy version).
+The controller owns no model; it moves records between roles, times every phase, applies
+scaling requests between iterations, and keeps the only state needed to resume besides the
+learner's own (step, policy version, data position).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
@@ -17,61 +19,43 @@ import yaml
 from transformers import AutoTokenizer
 
 from .actors import Roles, start_roles, stop_roles
+from .checkpoint import read_state, save_checkpoint
 from .config import RunConfig
-from .data import DataStats, Prompt, PromptStream, read_prompts, tokenize_prompts
-from .metrics import MetricsWriter
-from .rollout import RolloutBatch, chunk_seed, collect_rollout
-from .weight_sync import push_weights
+from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
+from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
+from .metrics import MetricsWriter, read_metrics
+from .pools import DEAD_ACTOR_ERRORS
+from .rollout import RolloutBatch, RolloutCollector
+from .summary import RunSummary, reward_to_prob
+from .weight_sync import load_into, push_weights
 
 
 class LearnerStepError(RuntimeError):
     """The learner failed or timed out; the run stops (its last checkpoint stays resumable)."""
 
 
-@dataclass
-class RunSummary:
-    run_dir: str
-    steps: int
-    samples: int
-    wall_s: float
-    final_reward: float
-    final_reward_prob: float | None
-    final_kl: float
-    policy_path: str
-    metrics_path: str
-
-    def lines(self) -> list[str]:
-        prob = f" (P(positive) {self.final_reward_prob:.3f})" if self.final_reward_prob is not None else ""
-        return [
-            f"steps {self.steps}, samples {self.samples}, wall {self.wall_s:.1f}s",
-            f"final reward {self.final_reward:.3f}{prob}, KL to reference {self.final_kl:.3f}",
-            f"run folder   {self.run_dir}",
-            f"metrics      {self.metrics_path}",
-            f"final policy {self.policy_path}",
-        ]
-
-
-def reward_to_prob(scores: np.ndarray, kind: str, score: str) -> np.ndarray | None:
-    """P(positive) for classifier rewards, so the demo reads in the classifier's own units."""
-    if kind != "model":
-        return None
-    if score == "logit_diff":
-        return 1.0 / (1.0 + np.exp(-scores))
-    if score == "prob":
-        return scores
-    return None
+class RewardFailureError(RuntimeError):
+    """Too many rewards of one step failed (reward.max_failure_frac)."""
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
-        self.run_dir = run_dir
+        self.run_dir = Path(run_dir)
+        self.resume_from = resume_from
+        self.run_id = current_run_id(self.run_dir)
         self.version = 0
         self.step = 0
         self.samples_seen = 0
         self.roles: Roles | None = None
         self.writer: MetricsWriter | None = None
+        self.control: Any = None
         self.history: list[dict[str, float]] = []
+        self.trained_prompts: collections.Counter[int] = collections.Counter()
+        self.last_checkpoint: Path | None = None
+        self._bundle: Any = None
+        self._checksum: str | None = None
+        self.t_start = time.perf_counter()
 
     # ------------------------------------------------------------------ set-up
 
@@ -88,73 +72,164 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        self.roles = start_roles(cfg, pad)
+        self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
+        self.collector = RolloutCollector(
+            self.roles.workers,
+            self.roles.references,
+            self.roles.scorers,
+            cfg.timeouts.generate_s,
+            cfg.timeouts.score_s,
+        )
+        self.control = (
+            ray.remote(RunControl)
+            .options(name=control_name(self.run_id), namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
+            .remote(self._counts())
+        )
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
+
+    def _counts(self) -> dict[str, int]:
+        r = self.roles
+        return {"rollout": len(r.workers), "reference": len(r.references), "reward": len(r.scorers)}
+
+    def _bring_up_to_date(self, handle: Any, name: str) -> None:
+        """A new or replaced worker loads the current weights before its first sample."""
+        if self.version > 0 and self._bundle is not None:
+            load_into(
+                handle, name, self._bundle, self.version, self._checksum, self.cfg.timeouts.weight_sync_s
+            )
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+        if self.control is not None:
+            ray.kill(self.control, no_restart=True)
+            self.control = None
         if self.roles is not None:
             stop_roles(self.roles)
             self.roles = None
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self) -> Path:
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "samples_seen": self.samples_seen,
+            "stream": self.stream.state_dict(),
+            "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
+        }
+        self.last_checkpoint = save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.roles.ranks,
+            state,
+            self.cfg.checkpoint.keep,
+            self.cfg.timeouts.train_s,
+        )
+        return self.last_checkpoint
+
+    def restore(self, ckpt: Path) -> None:
+        state = read_state(ckpt)
+        refs = [r.load_checkpoint.remote(str(ckpt / "learner")) for r in self.roles.ranks]
+        ray.get(refs, timeout=self.cfg.timeouts.train_s)
+        self.step = int(state["step"])
+        self.samples_seen = int(state["samples_seen"])
+        self.stream.load_state_dict(state["stream"])
+        self.trained_prompts = collections.Counter({int(k): v for k, v in state["trained_prompts"].items()})
+        self.last_checkpoint = ckpt
+        self.sync_weights(int(state["version"]))
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if metrics_path.is_file():  # drop rows written after the checkpoint by the interrupted run
+            rows = [r for r in read_metrics(metrics_path) if r["step"] <= self.step]
+            metrics_path.write_text("".join(_json_line(r) for r in rows))
+            self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows]
+
     # ------------------------------------------------------------------ one iteration
 
-    def rollout(self, prompts: list[Prompt], step: int) -> RolloutBatch:
-        cfg, roles = self.cfg, self.roles
-        return collect_rollout(
-            prompts,
-            step,
-            cfg.run.seed,
-            cfg.rollout.chunk_size,
-            roles.workers,
-            roles.worker_names,
-            roles.references,
-            roles.scorers,
-            cfg.timeouts.generate_s,
-            cfg.timeouts.score_s,
+    def apply_scaling(self) -> list[str]:
+        targets = ray.get(self.control.targets.remote(), timeout=30)
+        pools = dict(zip(ROLES, self.roles.pools(), strict=True))
+        events = []
+        for role, want in targets.items():
+            added, removed = pools[role].resize(int(want))
+            events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
+        return events
+
+    def sync_weights(self, version: int) -> float:
+        r = self.roles
+        result, bundle = push_weights(
+            r.ranks,
+            r.workers.handles,
+            r.workers.names,
+            version,
+            self.cfg.rollout.dtype,
+            self.cfg.timeouts.weight_sync_s,
         )
+        self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
+        return result.seconds
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
         ranks = self.roles.ranks
         shards = [list(s) for s in np.array_split(np.asarray(batch.trajectories, dtype=object), len(ranks))]
         refs = [r.train_step.remote(shard) for r, shard in zip(ranks, shards, strict=True)]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeouts.train_s)
-        if pending:
-            raise LearnerStepError(
-                f"learner step not done within {self.cfg.timeouts.train_s:.0f}s (timeouts.train_s)"
-            )
-        try:
-            return ray.get(refs)[0]
-        except ray.exceptions.RayError as err:
-            raise LearnerStepError(f"learner step failed: {err}") from err
+        names = {ref: f"learner-rank-{i}" for i, ref in enumerate(refs)}
+        pending, results = list(refs), {}
+        deadline = time.monotonic() + self.cfg.timeouts.train_s
+        resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise LearnerStepError(
+                    f"learner step not done within {self.cfg.timeouts.train_s:.0f}s (timeouts.train_s){resume}"
+                )
+            try:
+                results[ready[0]] = ray.get(ready[0])
+            except DEAD_ACTOR_ERRORS as err:
+                raise LearnerStepError(f"{names[ready[0]]} died during step {self.step + 1}{resume}") from err
+            except ray.exceptions.RayTaskError as err:
+                raise LearnerStepError(f"{names[ready[0]]} failed: {err.cause!r}{resume}") from err
+        return results[refs[0]]
 
     def iteration(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         step = self.step + 1
+        scaling = self.apply_scaling()
         prompts = self.stream.next_batch(cfg.data.prompts_per_step)
-        batch = self.rollout(prompts, step)
-        if not batch.trajectories:
-            raise RuntimeError(f"step {step}: every sample's reward failed, e.g. {batch.reward_errors[:1]}")
+        batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
+        total = len(batch.samples) + batch.dropped
+        if batch.dropped > cfg.reward.max_failure_frac * total:
+            raise RewardFailureError(
+                f"step {step}: {batch.dropped}/{total} rewards failed (> reward.max_failure_frac="
+                f"{cfg.reward.max_failure_frac}); first errors: {batch.reward_errors[:3]}"
+            )
         if step == 1:
             self.print_samples("before training (step 1 samples)", batch)
         t1 = time.perf_counter()
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
-        sync, _ = push_weights(
-            self.roles.ranks,
-            self.roles.workers,
-            self.roles.worker_names,
-            step,
-            cfg.rollout.dtype,
-            cfg.timeouts.weight_sync_s,
-        )
-        self.version = sync.version
+        t_sync = self.sync_weights(step)
         self.step = step
         self.samples_seen += len(batch.samples)
+        self.trained_prompts.update({s.prompt_index for s in batch.samples})
         wall = time.perf_counter() - t0
+        metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
+        metrics["scale/events"] = float(len(scaling))
+        self.writer.write(step, metrics)
+        self.history.append(metrics)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            self.checkpoint()
+        return metrics
+
+    def step_metrics(
+        self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
+    ) -> dict:
         lengths = np.array([len(s.response_ids) for s in batch.samples])
+        staleness = [self.version - 1 - s.policy_version for s in batch.samples]
+        stats = self.data_stats
         metrics = {
             "rollout/reward_mean": float(batch.scores.mean()),
             "rollout/reward_std": float(batch.scores.std()),
@@ -162,27 +237,32 @@ class Trainer:
             "rollout/truncated_frac": float(np.mean([s.finish_reason == "length" for s in batch.samples])),
             "rollout/samples": float(len(batch.samples)),
             "rollout/reward_failures": float(batch.dropped),
-            **learner_metrics,
+            "rollout/queue_depth": float(batch.queue_depth),
+            "rollout/staleness_mean": float(np.mean(staleness)),
+            **learner,
             "time/generate": batch.time_generate,
             "time/score": batch.time_score,
             "time/train": t_train,
-            "time/weight_sync": sync.seconds,
+            "time/weight_sync": t_sync,
             "time/step": wall,
             "throughput/tokens_per_s": float(lengths.sum()) / wall,
             "throughput/samples_per_s": len(batch.samples) / wall,
             "policy_version": float(self.version),
+            "scale/rollout_workers": float(len(self.roles.workers)),
+            "faults/actor_replacements": float(batch.replacements),
+            "faults/redispatched_chunks": float(batch.redispatched),
+            "data/empty_prompts": float(stats.empty),
+            "data/truncated_prompts": float(stats.truncated),
+            "data/skipped_prompts": float(stats.skipped_long),
         }
-        probs = reward_to_prob(batch.scores, cfg.reward.kind, cfg.reward.score)
+        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
         if probs is not None:
             metrics["rollout/reward_prob_mean"] = float(probs.mean())
-        self.writer.write(step, metrics)
-        self.history.append(metrics)
         return metrics
 
     # ------------------------------------------------------------------ whole run
 
     def train(self) -> RunSummary:
-        t0 = time.perf_counter()
         bar = None
         if self.cfg.run.progress_bar:
             from tqdm import tqdm
@@ -190,19 +270,19 @@ class Trainer:
             bar = tqdm(
                 total=self.cfg.run.steps, initial=self.step, desc="ppo", unit="step", dynamic_ncols=True
             )
-        while self.step < self.cfg.run.steps:
-            m = self.iteration()
+        try:
+            while self.step < self.cfg.run.steps:
+                m = self.iteration()
+                if bar is not None:
+                    bar.set_postfix(_postfix(m))
+                    bar.update(1)
+        except KeyboardInterrupt:
             if bar is not None:
-                post = {
-                    "reward": f"{m['rollout/reward_mean']:.3f}",
-                    "kl": f"{m.get('objective/kl', math.nan):.3f}",
-                }
-                if "rollout/reward_prob_mean" in m:
-                    post["p_pos"] = f"{m['rollout/reward_prob_mean']:.3f}"
-                bar.set_postfix(post)
-                bar.update(1)
+                bar.close()
+            return self.summary(interrupted=True)
         if bar is not None:
             bar.close()
+        self.checkpoint()
         final_dir = self.run_dir / "final"
         ray.get(
             [r.save_pretrained.remote(str(final_dir)) for r in self.roles.ranks],
@@ -210,24 +290,29 @@ class Trainer:
         )
         self.tokenizer.save_pretrained(str(final_dir))
         self.print_samples("after training", self.evaluate())
+        return self.summary(final_dir=final_dir)
+
+    def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
         tail = self.history[-5:]
         prob = [m["rollout/reward_prob_mean"] for m in tail if "rollout/reward_prob_mean" in m]
         return RunSummary(
             run_dir=str(self.run_dir),
             steps=self.step,
             samples=self.samples_seen,
-            wall_s=time.perf_counter() - t0,
-            final_reward=float(np.mean([m["rollout/reward_mean"] for m in tail])),
+            wall_s=time.perf_counter() - self.t_start,
+            final_reward=float(np.mean([m["rollout/reward_mean"] for m in tail])) if tail else math.nan,
             final_reward_prob=float(np.mean(prob)) if prob else None,
-            final_kl=float(np.mean([m.get("objective/kl", math.nan) for m in tail])),
-            policy_path=str(final_dir),
-            metrics_path=str(self.writer.path),
+            final_kl=float(np.mean([m.get("objective/kl", math.nan) for m in tail])) if tail else math.nan,
+            policy_path=str(final_dir) if final_dir else None,
+            metrics_path=str(self.run_dir / "metrics.jsonl"),
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            interrupted=interrupted,
         )
 
     def evaluate(self) -> RolloutBatch:
         """Sample the fixed first prompts with the current weights (for the 'after' printout)."""
         k = max(self.cfg.run.sample_log_count, 1)
-        return self.rollout(self.prompts[:k], step=10**9)
+        return self.collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
 
     def print_samples(self, title: str, batch: RolloutBatch) -> None:
         k = self.cfg.run.sample_log_count
@@ -242,4 +327,14 @@ class Trainer:
             print(f"[reward {batch.scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
 
 
-__all__ = ["Trainer", "RunSummary", "DataStats", "chunk_seed"]
+def _postfix(m: dict[str, float]) -> dict[str, str]:
+    post = {"reward": f"{m['rollout/reward_mean']:.3f}", "kl": f"{m.get('objective/kl', math.nan):.3f}"}
+    if "rollout/reward_prob_mean" in m:
+        post["p_pos"] = f"{m['rollout/reward_prob_mean']:.3f}"
+    return post
+
+
+def _json_line(row: dict) -> str:
+    import json
+
+    return json.dumps(row) + "\n"

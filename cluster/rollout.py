@@ -1,7 +1,9 @@
 """One rollout batch: generate in chunks across workers, score each chunk as soon as it lands.
 
-Scoring (reference logprobs and reward) of finished chunks overlaps the generation of the
-others. A sample whose reward failed is dropped and counted; nothing is silently scored 0.
+Scoring (reference logprobs and reward) of finished chunks overlaps the generation of others.
+Every call has a deadline. A worker, reference or scorer that dies or is stuck past its timeout
+is replaced and its chunk handed out again with the same seed, so each prompt is trained on
+exactly once per epoch. A sample whose reward failed is dropped and counted, never scored 0.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from learner.batch import Trajectory
 from rollout_workers.types import Sample
 
 from .data import Prompt
+from .pools import DEAD_ACTOR_ERRORS, ActorPool
 
 
-class RolloutTimeout(TimeoutError):
-    """A remote call exceeded its configured timeout; the message names the actor."""
+class RolloutError(RuntimeError):
+    """A rollout could not be completed; the message names the actor and the cause."""
+
+
+class RolloutTimeout(RolloutError, TimeoutError):
+    """A chunk kept timing out after its replacements."""
 
 
 @dataclass
@@ -32,6 +39,31 @@ class RolloutBatch:
     reward_errors: list[str] = field(default_factory=list)
     time_generate: float = 0.0
     time_score: float = 0.0
+    queue_depth: int = 0  # most chunks generated and waiting for their scores at once
+    replacements: int = 0
+    redispatched: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Chunk:
+    index: int
+    prompts: list[Prompt]
+    seed: int
+    samples: list[Sample] | None = None
+    ref_logprobs: list[np.ndarray] | None = None
+    scores: Any = None
+    attempts: int = 0
+
+
+@dataclass
+class _Call:
+    kind: str  # "generate" | "reference" | "reward"
+    chunk: _Chunk
+    pool: ActorPool
+    handle: Any
+    name: str
+    deadline: float
 
 
 def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
@@ -39,102 +71,137 @@ def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
     return int(np.random.SeedSequence([run_seed, step, chunk]).generate_state(1)[0])
 
 
-def _wait_all(refs: list[Any], names: dict[Any, str], timeout: float, what: str) -> list[Any]:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    if pending:
-        late = sorted({names[r] for r in pending})
-        raise RolloutTimeout(f"{what} not done within {timeout:.0f}s; stuck: {', '.join(late)}")
-    return ray.get(refs)
+class RolloutCollector:
+    def __init__(
+        self,
+        workers: ActorPool,
+        references: ActorPool,
+        scorers: ActorPool,
+        generate_timeout: float,
+        score_timeout: float,
+        max_attempts: int = 3,
+    ) -> None:
+        self.pools = {"generate": workers, "reference": references, "reward": scorers}
+        self.timeouts = {"generate": generate_timeout, "reference": score_timeout, "reward": score_timeout}
+        self.max_attempts = max_attempts
 
+    # ------------------------------------------------------------------ submission
 
-def collect_rollout(
-    prompts: list[Prompt],
-    step: int,
-    run_seed: int,
-    chunk_size: int,
-    workers: list[Any],
-    worker_names: list[str],
-    references: list[Any],
-    scorers: list[Any],
-    generate_timeout: float,
-    score_timeout: float,
-) -> RolloutBatch:
-    t0 = time.perf_counter()
-    by_index = {p.index: p for p in prompts}
-    names: dict[Any, str] = {}
-    gen_refs = []
-    for ci, start in enumerate(range(0, len(prompts), chunk_size)):
-        chunk = prompts[start : start + chunk_size]
-        w = ci % len(workers)
-        ref = workers[w].generate.remote(
-            [p.index for p in chunk], [p.ids for p in chunk], chunk_seed(run_seed, step, ci)
-        )
-        gen_refs.append(ref)
-        names[ref] = worker_names[w]
-
-    order = {ref: i for i, ref in enumerate(gen_refs)}
-    chunk_samples: list[list[Sample] | None] = [None] * len(gen_refs)
-    score_jobs: list[tuple[int, Any, Any]] = []
-    pending = list(gen_refs)
-    deadline = time.monotonic() + generate_timeout
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            late = sorted({names[r] for r in pending})
-            raise RolloutTimeout(
-                f"generate not done within {generate_timeout:.0f}s (timeouts.generate_s); stuck: {', '.join(late)}"
+    def _submit(self, kind: str, chunk: _Chunk, index: int | None = None) -> tuple[Any, _Call]:
+        pool = self.pools[kind]
+        member = pool.members[pool.next() if index is None else index]
+        h = member.handle
+        if kind == "generate":
+            ref = h.generate.remote(
+                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed
             )
-        ref = ready[0]
-        i = order[ref]
-        samples = ray.get(ref)
-        chunk_samples[i] = samples
-        p_ids = [s.prompt_ids for s in samples]
-        r_ids = [s.response_ids for s in samples]
-        meta = [by_index[s.prompt_index].meta for s in samples]
-        ref_actor = references[i % len(references)]
-        scorer = scorers[i % len(scorers)]
-        lp_ref = ref_actor.logprobs.remote(p_ids, r_ids)
-        sc_ref = scorer.score.remote(p_ids, r_ids, meta)
-        names[lp_ref] = f"reference-{i % len(references)}"
-        names[sc_ref] = f"reward-scorer-{i % len(scorers)}"
-        score_jobs.append((i, lp_ref, sc_ref))
-    t_gen = time.perf_counter() - t0
+        else:
+            p_ids = [s.prompt_ids for s in chunk.samples]
+            r_ids = [s.response_ids for s in chunk.samples]
+            if kind == "reference":
+                ref = h.logprobs.remote(p_ids, r_ids)
+            else:
+                by_index = {p.index: p.meta for p in chunk.prompts}
+                ref = h.score.remote(p_ids, r_ids, [by_index[s.prompt_index] for s in chunk.samples])
+        return ref, _Call(kind, chunk, pool, h, member.name, time.monotonic() + self.timeouts[kind])
 
-    refs = [r for _, a, b in score_jobs for r in (a, b)]
-    results = _wait_all(refs, names, score_timeout, "scoring (timeouts.score_s)")
-    by_chunk = {}
-    for k, (i, _, _) in enumerate(score_jobs):
-        by_chunk[i] = (results[2 * k], results[2 * k + 1])
+    def _retry(self, call: _Call, why: str, batch: RolloutBatch) -> tuple[Any, _Call]:
+        chunk = call.chunk
+        chunk.attempts += 1
+        if chunk.attempts >= self.max_attempts:
+            cls = RolloutTimeout if why.startswith("stuck") else RolloutError
+            raise cls(
+                f"{call.kind} of chunk {chunk.index} failed {chunk.attempts} times; last: {call.name} {why}"
+            )
+        pool = call.pool
+        try:
+            index = pool.index_of(call.handle)
+        except KeyError:  # already replaced because of another call on the same actor
+            index = None
+        if index is not None:
+            new = pool.replace(index)
+            batch.replacements += 1
+            batch.events.append(f"{call.name} {why}; replaced by {new.name}")
+        batch.redispatched += 1
+        return self._submit(call.kind, chunk, index)
 
-    kept: list[Sample] = []
-    trajectories: list[Trajectory] = []
-    scores: list[float] = []
-    dropped, errors = 0, []
-    for i, samples in enumerate(chunk_samples):
-        ref_lps, score_batch = by_chunk[i]
-        for j, s in enumerate(samples or []):
-            if not score_batch.ok[j]:
-                dropped += 1
-                errors.append(score_batch.errors[j] or "unknown reward error")
+    # ------------------------------------------------------------------ one batch
+
+    def collect(self, prompts: list[Prompt], step: int, run_seed: int, chunk_size: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        batch = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
+        chunks = [
+            _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci))
+            for ci, s in enumerate(range(0, len(prompts), chunk_size))
+        ]
+        inflight: dict[Any, _Call] = dict(self._submit("generate", c) for c in chunks)
+        generating = len(chunks)
+        t_gen = None
+        while inflight:
+            now = time.monotonic()
+            wait_s = max(0.0, min(c.deadline for c in inflight.values()) - now)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+            if not ready:
+                for ref in [r for r, c in inflight.items() if c.deadline <= time.monotonic()]:
+                    call = inflight.pop(ref)
+                    timeout = self.timeouts[call.kind]
+                    new_ref, new_call = self._retry(call, f"stuck for {timeout:.0f}s", batch)
+                    inflight[new_ref] = new_call
                 continue
-            kept.append(s)
-            scores.append(float(score_batch.scores[j]))
-            trajectories.append(
-                Trajectory(
-                    prompt_ids=s.prompt_ids,
-                    response_ids=s.response_ids,
-                    behaviour_logprobs=s.logprobs,
-                    ref_logprobs=ref_lps[j],
-                    score=float(score_batch.scores[j]),
-                    policy_version=s.policy_version,
+            ref = ready[0]
+            call = inflight.pop(ref)
+            try:
+                value = ray.get(ref)
+            except DEAD_ACTOR_ERRORS:
+                new_ref, new_call = self._retry(call, "died", batch)
+                inflight[new_ref] = new_call
+                continue
+            except ray.exceptions.RayTaskError as err:
+                raise RolloutError(f"{call.name} failed in {call.kind}: {err.cause!r}") from err
+            chunk = call.chunk
+            if call.kind == "generate":
+                chunk.samples = value
+                generating -= 1
+                for kind in ("reference", "reward"):
+                    new_ref, new_call = self._submit(kind, chunk)
+                    inflight[new_ref] = new_call
+                waiting = sum(
+                    1
+                    for c in chunks
+                    if c.samples is not None and (c.scores is None or c.ref_logprobs is None)
                 )
-            )
-    return RolloutBatch(
-        samples=kept,
-        trajectories=trajectories,
-        scores=np.asarray(scores, dtype=np.float64),
-        dropped=dropped,
-        reward_errors=errors,
-        time_generate=t_gen,
-        time_score=time.perf_counter() - t0 - t_gen,
-    )
+                batch.queue_depth = max(batch.queue_depth, waiting)
+                if generating == 0:
+                    t_gen = time.perf_counter() - t0
+            elif call.kind == "reference":
+                chunk.ref_logprobs = value
+            else:
+                chunk.scores = value
+        batch.time_generate = t_gen or 0.0
+        batch.time_score = time.perf_counter() - t0 - batch.time_generate
+        self._assemble(chunks, batch)
+        return batch
+
+    @staticmethod
+    def _assemble(chunks: list[_Chunk], batch: RolloutBatch) -> None:
+        scores: list[float] = []
+        for chunk in chunks:
+            sb = chunk.scores
+            for j, s in enumerate(chunk.samples):
+                if not sb.ok[j]:
+                    batch.dropped += 1
+                    batch.reward_errors.append(sb.errors[j] or "unknown reward error")
+                    continue
+                batch.samples.append(s)
+                scores.append(float(sb.scores[j]))
+                batch.trajectories.append(
+                    Trajectory(
+                        prompt_ids=s.prompt_ids,
+                        response_ids=s.response_ids,
+                        behaviour_logprobs=s.logprobs,
+                        ref_logprobs=chunk.ref_logprobs[j],
+                        score=float(sb.scores[j]),
+                        policy_version=s.policy_version,
+                    )
+                )
+        batch.scores = np.asarray(scores, dtype=np.float64)

@@ -10,10 +10,13 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
+from .checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
 from .config import ConfigError, RunConfig, load_config
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
@@ -98,7 +101,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--run-dir", default=None, help="run folder (default: <run.output_dir>/<run.name>-<time>)"
     )
+    ap.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR|auto",
+        help="continue a run from its newest complete checkpoint ('auto': newest run of this name)",
+    )
     return ap.parse_args(argv)
+
+
+def resolve_resume(cfg: RunConfig, resume: str | None) -> tuple[Path | None, Path | None]:
+    """(run folder, checkpoint folder) to continue, or (None, None) for a fresh run."""
+    if not resume:
+        return None, None
+    run_dir = find_auto_resume(cfg.run.output_dir, cfg.run.name) if resume == "auto" else Path(resume)
+    return run_dir, latest_checkpoint(run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,20 +123,43 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)
-    except ConfigError as err:
+        resume_dir, ckpt = resolve_resume(cfg, args.resume)
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from .controller import Trainer
+    from .controller import LearnerStepError, RewardFailureError, Trainer
+    from .pools import ActorStartError
+    from .rollout import RolloutError
+    from .weight_sync import WeightSyncError
+
+    RUN_ERRORS = (
+        LearnerStepError,
+        RewardFailureError,
+        RolloutError,
+        WeightSyncError,
+        ActorStartError,
+        CheckpointError,
+    )
 
     dashboard = init_ray(cfg)
-    run_dir = run_dir_for(cfg, args.run_dir)
+    run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
-    print(f"run folder: {run_dir}", flush=True)
-    trainer = Trainer(cfg, run_dir)
+    print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
+    trainer = Trainer(cfg, run_dir, resume_from=ckpt)
     try:
         trainer.setup()
+        print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)
         summary = trainer.train()
+    except Exception as err:  # noqa: BLE001 - any failure ends the run with its message and a summary
+        if not isinstance(err, RUN_ERRORS):
+            traceback.print_exc()
+        print(f"\nerror: {err}", file=sys.stderr)
+        if trainer.step:
+            print("\n=== run summary (failed) ===")
+            for line in trainer.summary().lines():
+                print(line)
+        return EXIT_FAILED
     finally:
         trainer.close()
     print("\n=== run summary ===")

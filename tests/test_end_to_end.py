@@ -74,7 +74,7 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
-        workers = trainer.roles.workers
+        workers = trainer.roles.workers.handles
         for step in range(1, steps + 1):
             m = trainer.iteration()
             versions = ray.get([w.version.remote() for w in workers], timeout=60)

@@ -1,0 +1,119 @@
+"""Atomic, pruned run checkpoints: the learner's DeepSpeed state plus the controller's run state.
+
+A checkpoint is written into a hidden `.step-N.partial` folder and renamed to `step-N` only
+after every part is on disk and a COMPLETE marker (holding the state file's sha256) is written,
+so a crash mid-write never leaves a folder that looks complete. Resuming from a folder that is
+empty or corrupt is an error, never a silent fresh start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ray
+
+FORMAT = 1
+STATE_FILE = "state.json"
+COMPLETE = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for; the message names the folder."""
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, ranks: list[Any], state: dict, keep: int, timeout: float
+) -> Path:
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    refs = [r.save_checkpoint.remote(str(tmp / "learner"), {}) for r in ranks]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        raise CheckpointError(f"learner checkpoint into {tmp} not written within {timeout:.0f}s")
+    ray.get(refs)
+    state_path = tmp / STATE_FILE
+    state_path.write_text(json.dumps({"format": FORMAT, **state}, indent=1))
+    marker = tmp / COMPLETE
+    marker.write_text(_sha256(state_path) + "\n")
+    with open(marker) as f:
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / COMPLETE).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def read_state(ckpt: Path) -> dict:
+    marker, state_path = ckpt / COMPLETE, ckpt / STATE_FILE
+    if not marker.is_file():
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint (no {COMPLETE} marker)")
+    if not state_path.is_file() or not (ckpt / "learner").is_dir():
+        raise CheckpointError(f"{ckpt}: corrupt checkpoint (missing {STATE_FILE} or learner/)")
+    if marker.read_text().strip() != _sha256(state_path):
+        raise CheckpointError(f"{ckpt}: corrupt checkpoint ({STATE_FILE} does not match its checksum)")
+    try:
+        state = json.loads(state_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{ckpt}: corrupt {STATE_FILE}: {err}") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt}: checkpoint format {state.get('format')} is not {FORMAT}")
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume: run folder not found: {run_dir}")
+    found = list_checkpoints(run_dir)
+    if not found:
+        partial = (
+            sorted(p.name for p in checkpoint_root(run_dir).glob("*"))
+            if checkpoint_root(run_dir).is_dir()
+            else []
+        )
+        extra = f" (only incomplete: {', '.join(partial)})" if partial else ""
+        raise CheckpointError(f"--resume: {run_dir} holds no complete checkpoint{extra}")
+    read_state(found[-1])  # validate now: a corrupt newest checkpoint is an error, not a fallback
+    return found[-1]
+
+
+def find_auto_resume(output_dir: str, name: str) -> Path:
+    """The newest run folder of this run name that holds a complete checkpoint."""
+    root = Path(output_dir)
+    runs = sorted(
+        (p for p in root.glob(f"{name}-*") if p.is_dir() and list_checkpoints(p)),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not runs:
+        raise CheckpointError(f"--resume auto: no run folder {root}/{name}-* with a complete checkpoint")
+    return runs[-1]

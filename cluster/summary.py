@@ -1,0 +1,48 @@
+"""What a run prints when it ends (or is interrupted), in the reward's own units."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def reward_to_prob(scores: np.ndarray, kind: str, score: str) -> np.ndarray | None:
+    """P(positive) for classifier rewards, so the demo reads in the classifier's own units."""
+    if kind != "model":
+        return None
+    if score == "logit_diff":
+        return 1.0 / (1.0 + np.exp(-scores))
+    if score == "prob":
+        return scores
+    return None
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    steps: int
+    samples: int
+    wall_s: float
+    final_reward: float
+    final_reward_prob: float | None
+    final_kl: float
+    policy_path: str | None
+    metrics_path: str
+    checkpoint: str | None = None
+    interrupted: bool = False
+
+    def lines(self) -> list[str]:
+        prob = f" (P(positive) {self.final_reward_prob:.3f})" if self.final_reward_prob is not None else ""
+        head = "interrupted after" if self.interrupted else "finished"
+        out = [
+            f"{head} {self.steps} steps, {self.samples} samples, wall {self.wall_s:.1f}s",
+            f"final reward {self.final_reward:.3f}{prob}, KL to reference {self.final_kl:.3f}",
+            f"run folder   {self.run_dir}",
+            f"metrics      {self.metrics_path}",
+        ]
+        if self.policy_path:
+            out.append(f"final policy {self.policy_path}")
+        if self.checkpoint:
+            out.append(f"checkpoint   {self.checkpoint}  (continue with --resume {self.run_dir})")
+        return out
