@@ -55,6 +55,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._bundle: Any = None
         self._checksum: str | None = None
+        self.sync_replacements = 0
         self.t_start = time.perf_counter()
 
     # ------------------------------------------------------------------ set-up
@@ -169,6 +170,9 @@ class Trainer:
             self.cfg.timeouts.weight_sync_s,
         )
         self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
+        for index in result.lost:  # the replacement loads the weights just pushed before it samples
+            r.workers.replace(index)
+        self.sync_replacements = len(result.lost)
         return result.seconds
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
@@ -249,7 +253,7 @@ class Trainer:
             "throughput/samples_per_s": len(batch.samples) / wall,
             "policy_version": float(self.version),
             "scale/rollout_workers": float(len(self.roles.workers)),
-            "faults/actor_replacements": float(batch.replacements),
+            "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
             "faults/redispatched_chunks": float(batch.redispatched),
             "data/empty_prompts": float(stats.empty),
             "data/truncated_prompts": float(stats.truncated),

@@ -9,13 +9,15 @@ equal the checksum of the bundle computed independently by a small task.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
 
 from rollout_workers.weights import state_checksum
+
+from .pools import DEAD_ACTOR_ERRORS
 
 
 class WeightSyncError(RuntimeError):
@@ -32,37 +34,42 @@ class SyncResult:
     version: int
     checksum: str
     seconds: float
-
-
-def export_bundle(ranks: list[Any]) -> Any:
-    """All ranks must take part (ZeRO-3 gathers shards); rank 0's return value is the bundle."""
-    refs = [r.export_weights.remote() for r in ranks]
-    return refs[0], refs[1:]
+    lost: list[int] = field(default_factory=list)  # workers that died or hung: the caller replaces them
 
 
 def push_weights(
     ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
 ) -> tuple[SyncResult, Any]:
-    """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref."""
+    """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
+
+    A worker that dies or does not answer in time is reported in `lost` (it holds no weights
+    anyone relies on); a worker that answers with the wrong version or checksum is an error.
+    """
     t0 = time.perf_counter()
-    bundle, others = export_bundle(ranks)
+    refs = [r.export_weights.remote() for r in ranks]  # all ranks take part (ZeRO-3 gathers shards)
+    bundle = refs[0]
     expected_ref = _bundle_checksum.remote(bundle, dtype)
     acks = [w.load_weights.remote(bundle, version) for w in workers]
-    everything = [*others, expected_ref, *acks]
-    ready, pending = ray.wait(everything, num_returns=len(everything), timeout=timeout)
+    _, pending = ray.wait([*refs, expected_ref], num_returns=len(refs) + 1, timeout=timeout)
     if pending:
-        late = [names[acks.index(r)] for r in pending if r in acks]
         raise WeightSyncError(
-            f"weight sync v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s); "
-            f"waiting on: {', '.join(late) or 'learner export'}"
+            f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
         )
+    ray.get(refs[1:])
     expected = ray.get(expected_ref)
-    for name, (got_version, got_sum) in zip(names, ray.get(acks), strict=True):
+    deadline = time.monotonic() + timeout
+    lost = []
+    for i, (name, ack) in enumerate(zip(names, acks, strict=True)):
+        try:
+            got_version, got_sum = ray.get(ack, timeout=max(0.0, deadline - time.monotonic()))
+        except (*DEAD_ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
+            lost.append(i)
+            continue
         if got_version != version or got_sum != expected:
             raise WeightSyncError(
                 f"{name} acknowledged v{got_version} checksum {got_sum[:12]}, expected v{version} {expected[:12]}"
             )
-    return SyncResult(version, expected, time.perf_counter() - t0), bundle
+    return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
 
 
 def load_into(worker: Any, name: str, bundle: Any, version: int, expected: str, timeout: float) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import ray
 import torch
+from demo_run import CONFIG, demo_overrides
 from transformers import AutoModelForCausalLM
 
 from cluster.config import load_config
@@ -23,7 +23,6 @@ from rollout_workers.weights import state_checksum
 
 pytestmark = pytest.mark.slow
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.yaml"
 REQUIRED = [
     "rollout/reward_mean",
     "rollout/reward_std",
@@ -45,24 +44,6 @@ REQUIRED = [
     "throughput/tokens_per_s",
     "policy_version",
 ]
-
-
-def demo_overrides(assets, steps: int, **extra) -> list[str]:
-    sets = {
-        "model.policy_path": assets.policy,
-        "model.demo_assets": None,
-        "data.prompts_path": assets.prompts,
-        "reward.model_path": assets.reward,
-        "run.steps": steps,
-        "run.progress_bar": False,
-        "run.sample_log_count": 2,
-        "run.tensorboard": False,
-        "cluster.dashboard": False,
-        "rollout.num_cpus_per_worker": 0.5,
-        "learner.num_cpus_per_rank": 1.0,
-        **extra,
-    }
-    return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
 
 
 @pytest.mark.parametrize("zero_stage,steps", [(2, 6), (3, 3)])

@@ -1,0 +1,25 @@
+"""Config overrides that point the demo config at the test session's assets, small and quiet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.yaml"
+
+
+def demo_overrides(assets, steps: int, **extra) -> list[str]:
+    sets = {
+        "model.policy_path": assets.policy,
+        "model.demo_assets": None,
+        "data.prompts_path": assets.prompts,
+        "reward.model_path": assets.reward,
+        "run.steps": steps,
+        "run.progress_bar": False,
+        "run.sample_log_count": 2,
+        "run.tensorboard": False,
+        "cluster.dashboard": False,
+        "rollout.num_cpus_per_worker": 0.5,
+        "learner.num_cpus_per_rank": 1.0,
+        **extra,
+    }
+    return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]

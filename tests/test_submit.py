@@ -1,0 +1,250 @@
+"""Job submission against a real Ray head (its own processes, ports and temp dir), and the examples.
+
+The head is a second Ray cluster on this machine, next to the session's `ray_local`: it is reached
+over HTTP only (no `ray.init` here) and torn down by killing exactly its own process session,
+never with `ray stop`, which would kill every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from cluster.config import load_config
+from cluster.submit import (
+    DEFAULT_EXCLUDES,
+    EXIT_BAD_INPUT,
+    EXIT_JOB_FAILED,
+    EXIT_UNREACHABLE,
+    REPO_ROOT,
+    build_entrypoint,
+    connect,
+    follow,
+    main,
+    submit,
+)
+
+EXAMPLES = REPO_ROOT / "cluster" / "examples"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_session(sid: int) -> None:
+    """End every process of one session (Ray's workers get their own process group, not session)."""
+    procs: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                procs[p.pid] = p
+                procs.update({c.pid: c for c in p.children(recursive=True)})  # job drivers: own session
+    for p in procs.values():
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """Dashboard address of a fresh `ray start --head` with its own ports and temp dir."""
+    temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
+    dashboard = _free_port()
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the jobs' `python` is this venv's
+    cmd = [
+        str(bin_dir / "ray"),
+        "start",
+        "--head",
+        "--port=0",
+        "--num-cpus=2",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={_free_port()}",  # default 52365 would clash with ray_local
+        f"--ray-client-server-port={_free_port()}",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
+    starter = subprocess.Popen(
+        cmd, env=env, cwd=temp_dir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        out, _ = starter.communicate(timeout=90)
+        if starter.returncode != 0:
+            pytest.fail(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        starter.kill()
+        _kill_session(starter.pid)  # `ray start` led the session that every head process inherited
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")  # inside Ray's job SDK
+def test_job_runs_in_shipped_working_dir_and_logs_stream(ray_head, tmp_path):
+    wd = tmp_path / "job"
+    (wd / "skipme").mkdir(parents=True)
+    (wd / "skipme" / "blob.bin").write_bytes(b"x" * 1024)
+    (wd / "word.txt").write_text("rayppo")
+    (wd / "greet.py").write_text(
+        "import os\nprint('hello', open('word.txt').read(), 'excluded' if not os.path.exists('skipme') else 'SHIPPED')\n"
+    )
+    job_id = submit(ray_head, "python greet.py", working_dir=wd, excludes=["/skipme"])
+    out = io.StringIO()
+    status = follow(connect(ray_head), job_id, out)
+    assert str(status) == "SUCCEEDED", out.getvalue()
+    assert "hello rayppo excluded" in out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
+def test_cli_ships_the_repo_quotes_overrides_and_exits_1_when_the_job_fails(ray_head, capsys):
+    """The driver starts on the cluster from the uploaded repo and fails its own preflight there."""
+    config = str(REPO_ROOT / "configs" / "sentiment_tiny.yaml")
+    odd = "/no such/dir's"  # space and quote survive the shell
+    code = main(
+        [
+            "--address",
+            ray_head,
+            config,
+            "--set",
+            "model.demo_assets=null",
+            "--set",
+            f"model.policy_path={odd}",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == EXIT_JOB_FAILED, out + err
+    assert "submitted job raysubmit_" in out
+    assert f"model.policy_path: folder not found: {odd}" in out
+    assert "FAILED" in out
+    assert "run.output_dir='runs' is relative" in err
+
+
+def test_build_entrypoint_quotes_every_argument():
+    cmd = build_entrypoint("configs/a b.yaml", ["x.y=1 2", "z=$(touch /tmp/pwned)"], "/runs/r 1", "latest")
+    assert shlex.split(cmd) == [
+        "python",
+        "-m",
+        "cluster.train",
+        "configs/a b.yaml",
+        "--set",
+        "x.y=1 2",
+        "--set",
+        "z=$(touch /tmp/pwned)",
+        "--run-dir",
+        "/runs/r 1",
+        "--resume",
+        "latest",
+    ]
+    assert build_entrypoint("c.yaml") == "python -m cluster.train c.yaml"
+
+
+@contextlib.contextmanager
+def _silent_server():
+    """A port that accepts TCP connections (kernel backlog) and never answers."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        yield srv
+
+
+def test_bad_config_exits_2_before_contacting_the_cluster(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"policy_path": "p"},
+                "data": {"prompts_path": "d"},
+                "reward": {"kind": "rule", "rule": "r"},
+            }
+        )
+    )
+    with _silent_server() as srv:
+        address = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        assert main(["--address", address, str(bad), "--set", "learner.zero_stage=4"]) == EXIT_BAD_INPUT
+        assert "learner.zero_stage" in capsys.readouterr().err
+        assert main(["--address", address, str(bad)]) == EXIT_BAD_INPUT  # outside the uploaded repo
+        assert "outside the uploaded working dir" in capsys.readouterr().err
+        srv.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            srv.accept()  # nobody connected
+
+
+def test_unreachable_address_is_named_in_a_clear_error(capsys):
+    config = str(REPO_ROOT / "configs" / "sentiment_tiny.yaml")
+    closed = f"http://127.0.0.1:{_free_port()}"
+    assert main(["--address", closed, config, "--no-wait"]) == EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert f"cannot reach the Ray job API at {closed}" in err
+    with _silent_server() as srv:
+        silent = f"127.0.0.1:{srv.getsockname()[1]}"
+        assert main(["--address", silent, config, "--connect-timeout", "1"]) == EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert f"cannot reach the Ray job API at http://{silent}: no answer within 1s" in err
+    assert main(["--address", "ray://head:10001", config]) == EXIT_BAD_INPUT
+
+
+def test_default_excludes_keep_virtualenvs_runs_and_assets_out():
+    from ray._private.thirdparty.pathspec import PathSpec  # the matcher Ray applies to `excludes`
+
+    spec = PathSpec.from_lines("gitwildmatch", DEFAULT_EXCLUDES)
+    for path in [".venv/bin/python", ".venv-trl/lib/x.py", "runs/a/metrics.jsonl", "assets/p/model.bin",
+                 ".git/HEAD", "cluster/__pycache__/a.pyc", "rayppo.egg-info/PKG-INFO"]:  # fmt: skip
+        assert spec.match_file(path), path
+    for path in ["cluster/train.py", "configs/sentiment_tiny.yaml", "tests/assets_check.py", ".gitignore"]:
+        assert not spec.match_file(path), path
+
+
+# ---------------------------------------------------------------- examples (schema checks only)
+
+
+def test_example_gpu_run_config_validates():
+    cfg = load_config(EXAMPLES / "qwen_gsm8k_gpu.yaml")
+    assert (
+        cfg.rollout.engine == "vllm" and cfg.rollout.num_workers == 4 and cfg.rollout.num_gpus_per_worker == 1
+    )
+    assert cfg.learner.num_ranks == 4 and cfg.learner.zero_stage == 3 and cfg.learner.dtype == "bfloat16"
+    assert cfg.learner.num_gpus_per_rank == 1 and cfg.learner.backend == "nccl"
+    assert cfg.reward.kind == "rule" and cfg.reward.rule == "exact_match" and cfg.data.meta_keys == ["answer"]
+    assert Path(cfg.run.output_dir).is_absolute()  # a job's working dir is a temporary copy
+
+
+def test_example_cluster_launcher_matches_ray_schema():
+    import jsonschema
+    import ray.autoscaler
+
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    launcher = yaml.safe_load((EXAMPLES / "aws_gpu_cluster.yaml").read_text())
+    jsonschema.validate(launcher, schema)
+    assert any("[vllm" in cmd for cmd in launcher["setup_commands"])
+
+
+def test_example_rayjob_runs_the_example_config():
+    job = yaml.safe_load((EXAMPLES / "kuberay_rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "cluster.train"]
+    config = Path(argv[3].replace("/home/ray/rayppo/", str(REPO_ROOT) + "/"))
+    load_config(config, argv[5::2])
