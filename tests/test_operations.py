@@ -20,7 +20,14 @@ from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
 
-COMPARED = ["rollout/reward_mean", "rollout/response_length", "loss/policy", "loss/value", "objective/kl", "params/grad_norm"]
+COMPARED = [
+    "rollout/reward_mean",
+    "rollout/response_length",
+    "loss/policy",
+    "loss/value",
+    "objective/kl",
+    "params/grad_norm",
+]
 
 
 def small(assets, steps, **extra):
@@ -71,7 +78,7 @@ def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_asset
 
 
 def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_local, demo_assets, tmp_path):
-    prompts = [json.loads(x) for x in open(demo_assets.prompts).read().splitlines()[:24]]
+    prompts = [json.loads(x) for x in demo_assets.prompts.read_text().splitlines()[:24]]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     cfg = small(
@@ -135,7 +142,7 @@ def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):
     assert scale_main(["--run", "x", "learner=2"]) == 2
 
 
-FLAKY_RULE = '''
+FLAKY_RULE = """
 import math
 from reward_service.rules import register_reward
 
@@ -147,7 +154,7 @@ def flaky_positive(prompt, response, meta):
     if len(words) % 3 == 1:
         return math.nan
     return float("good" in words or "great" in words)
-'''
+"""
 
 
 def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_local, demo_assets, tmp_path):
