@@ -19,6 +19,17 @@ from rollout_workers.worker import RolloutWorker
 from .config import RunConfig
 from .pools import ActorPool, ActorStartError, wait_ready
 
+# Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
+ACTOR_ENV = {
+    "runtime_env": {
+        "env_vars": {
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    }
+}
+
 
 @dataclass
 class Roles:
@@ -41,21 +52,21 @@ def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | Non
     def worker(name: str, slot: int) -> Any:
         return (
             ray.remote(RolloutWorker)
-            .options(name=name, num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker)
+            .options(name=name, num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker, **ACTOR_ENV)
             .remote(cfg.model.policy_path, r, slot, 0)
         )
 
     def reference(name: str, _slot: int) -> Any:
         return (
             ray.remote(ReferencePolicy)
-            .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus)
+            .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus, **ACTOR_ENV)
             .remote(cfg.reference_path, ref, temperature)
         )
 
     def scorer(name: str, _slot: int) -> Any:
         return (
             ray.remote(RewardScorer)
-            .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus)
+            .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus, **ACTOR_ENV)
             .remote(rew, cfg.tokenizer_path)
         )
 
@@ -91,6 +102,7 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
                 num_cpus=lc.num_cpus_per_rank,
                 num_gpus=lc.num_gpus_per_rank,
                 scheduling_strategy=strategy,
+                **ACTOR_ENV,
             )
             .remote(
                 rank,

@@ -97,7 +97,7 @@ class Batch:
 def _pad_rows(rows: Sequence[np.ndarray], R: int) -> torch.Tensor:
     out = torch.zeros((len(rows), R), dtype=torch.float32)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.float32))
+        out[i, : len(r)] = torch.from_numpy(np.array(r, dtype=np.float32))  # copy: Ray arrays are read-only
     return out
 
 
