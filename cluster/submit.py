@@ -116,6 +116,7 @@ def _probe(address: str, headers: dict[str, str], timeout_s: float) -> int:
 
 def check_api(address: str, timeout_s: float = 10.0) -> dict[str, str]:
     """Bounded reachability and auth check of the job API; returns the headers to send."""
+    address = normalize_address(address)
     headers: dict[str, str] = {}
     status = _probe(address, headers, timeout_s)
     if status == 401:
@@ -260,7 +261,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field"
     )
     ap.add_argument("--run-dir", default=None, help="run folder on the cluster (shared storage)")
-    ap.add_argument("--resume", default=None, help="passed to cluster.train --resume")
+    ap.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR|auto",
+        help="passed to cluster.train --resume (a run folder on the cluster, or 'auto')",
+    )
     wd = ap.add_mutually_exclusive_group()
     wd.add_argument(
         "--working-dir", default=str(REPO_ROOT), help="folder uploaded as the job's cwd (default: this repo)"
@@ -281,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     working_dir = None if args.no_working_dir else args.working_dir
     try:
+        if working_dir is not None and not Path(working_dir, "pyproject.toml").is_file():
+            # an installed (non-editable) rayppo would otherwise upload site-packages
+            raise ConfigError(
+                f"--working-dir {working_dir} is not a rayppo checkout (no pyproject.toml): pass the checkout, "
+                "or --no-working-dir when the cluster has rayppo installed"
+            )
         address = normalize_address(args.address)
         cfg = load_config(args.config, args.overrides)
         config_path_on_cluster(args.config, working_dir)
@@ -301,11 +313,14 @@ def main(argv: list[str] | None = None) -> int:
             working_dir=working_dir,
             client=client,
         )
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError, or Ray refusing the working dir (e.g. over its size limit)
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ClusterUnreachable as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RuntimeError as err:  # the job API answered but refused the job
+        print(f"error: {address} refused the job: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
     # the `ray job` CLI sends the local token only when told that the cluster uses token auth
     prefix = "RAY_AUTH_MODE=token " if headers else ""

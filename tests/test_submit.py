@@ -187,6 +187,15 @@ def test_bad_config_exits_2_before_contacting_the_cluster(tmp_path, capsys):
         assert "learner.zero_stage" in capsys.readouterr().err
         assert main(["--address", address, str(bad)]) == EXIT_BAD_INPUT  # outside the uploaded repo
         assert "outside the uploaded working dir" in capsys.readouterr().err
+        args = [
+            "--address",
+            address,
+            "--working-dir",
+            str(tmp_path),
+            str(REPO_ROOT / "configs" / "sentiment_tiny.yaml"),
+        ]
+        assert main(args) == EXIT_BAD_INPUT
+        assert "not a rayppo checkout" in capsys.readouterr().err
         srv.setblocking(False)
         with pytest.raises(BlockingIOError):
             srv.accept()  # nobody connected
