@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
 
 from .config import RunConfig
-from .pools import ActorPool, ActorStartError, wait_ready
+from .pools import ActorPool, ActorStartError, wait_ready, wait_until
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -117,7 +118,7 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
     wait_ready(roles.ranks, names, wait)
     addr, port = ray.get(roles.ranks[0].node_address.remote(), timeout=wait)
     setups = [r.setup.remote(addr, port) for r in roles.ranks]
-    _, pending = ray.wait(setups, num_returns=len(setups), timeout=wait)
+    _, pending = wait_until(setups, len(setups), time.monotonic() + wait)
     if pending:
         raise ActorStartError(f"learner ranks did not form a process group within {wait:.0f}s")
     ray.get(setups)

@@ -12,10 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import ray
+
+from .pools import wait_until
 
 FORMAT = 1
 STATE_FILE = "state.json"
@@ -44,7 +47,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     refs = [r.save_checkpoint.remote(str(tmp / "learner"), {}) for r in ranks]
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
     if pending:
         raise CheckpointError(f"learner checkpoint into {tmp} not written within {timeout:.0f}s")
     ray.get(refs)

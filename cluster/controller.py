@@ -24,9 +24,10 @@ from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
 from .metrics import MetricsWriter, read_metrics
-from .pools import DEAD_ACTOR_ERRORS
+from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .summary import RunSummary, reward_to_prob
+from .telemetry import Telemetry
 from .weight_sync import load_into, push_weights
 
 
@@ -89,6 +90,7 @@ class Trainer:
         if self.resume_from is not None:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
+        self.telemetry = Telemetry(cfg.run.name)
 
     def _counts(self) -> dict[str, int]:
         r = self.roles
@@ -184,7 +186,7 @@ class Trainer:
         deadline = time.monotonic() + self.cfg.timeouts.train_s
         resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            ready, pending = wait_until(pending, 1, deadline)
             if not ready:
                 raise LearnerStepError(
                     f"learner step not done within {self.cfg.timeouts.train_s:.0f}s (timeouts.train_s){resume}"
@@ -223,6 +225,7 @@ class Trainer:
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))
         self.writer.write(step, metrics)
+        self.telemetry.record_step(metrics)
         self.history.append(metrics)
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
             self.checkpoint()

@@ -22,10 +22,28 @@ class ActorStartError(RuntimeError):
 DEAD_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
+def wait_until(refs: list[Any], num_returns: int, deadline: float) -> tuple[list[Any], list[Any]]:
+    """`ray.wait` in slices of at most a second, so Ctrl-C reaches the driver during long waits."""
+    import time
+
+    pending = list(refs)
+    ready: list[Any] = []
+    while True:
+        left = deadline - time.monotonic()
+        got, pending = ray.wait(
+            pending, num_returns=min(num_returns - len(ready), len(pending)), timeout=max(0.0, min(1.0, left))
+        )
+        ready += got
+        if len(ready) >= num_returns or not pending or left <= 0:
+            return ready, pending
+
+
 def wait_ready(handles: list[Any], names: list[str], timeout: float) -> None:
     """Ping every actor; constructor errors (a bad model path, ...) surface with the actor's name."""
+    import time
+
     refs = [h.ping.remote() for h in handles]
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    ready, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
     if pending:
         late = [names[refs.index(r)] for r in pending]
         raise ActorStartError(

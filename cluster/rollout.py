@@ -19,7 +19,7 @@ from learner.batch import Trajectory
 from rollout_workers.types import Sample
 
 from .data import Prompt
-from .pools import DEAD_ACTOR_ERRORS, ActorPool
+from .pools import DEAD_ACTOR_ERRORS, ActorPool, wait_until
 
 
 class RolloutError(RuntimeError):
@@ -138,9 +138,7 @@ class RolloutCollector:
         generating = len(chunks)
         t_gen = None
         while inflight:
-            now = time.monotonic()
-            wait_s = max(0.0, min(c.deadline for c in inflight.values()) - now)
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+            ready, _ = wait_until(list(inflight), 1, min(c.deadline for c in inflight.values()))
             if not ready:
                 for ref in [r for r, c in inflight.items() if c.deadline <= time.monotonic()]:
                     call = inflight.pop(ref)

@@ -18,6 +18,7 @@ from .config import ConfigError, RunConfig, load_config
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n=== run summary ===")
     for line in summary.lines():
         print(line)
-    return 0
+    return EXIT_INTERRUPTED if summary.interrupted else 0
 
 
 if __name__ == "__main__":

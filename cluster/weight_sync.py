@@ -17,7 +17,7 @@ import torch
 
 from rollout_workers.weights import state_checksum
 
-from .pools import DEAD_ACTOR_ERRORS
+from .pools import DEAD_ACTOR_ERRORS, wait_until
 
 
 class WeightSyncError(RuntimeError):
@@ -50,7 +50,7 @@ def push_weights(
     bundle = refs[0]
     expected_ref = _bundle_checksum.remote(bundle, dtype)
     acks = [w.load_weights.remote(bundle, version) for w in workers]
-    _, pending = ray.wait([*refs, expected_ref], num_returns=len(refs) + 1, timeout=timeout)
+    _, pending = wait_until([*refs, expected_ref], len(refs) + 1, time.monotonic() + timeout)
     if pending:
         raise WeightSyncError(
             f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
