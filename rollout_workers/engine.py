@@ -31,25 +31,11 @@ class RolloutEngine(ABC):
 
     name: str = "engine"
 
-    @property
-    @abstractmethod
-    def dtype(self) -> torch.dtype:
-        """Dtype of the weights the engine generates with (checksums are taken at this dtype)."""
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Size of the output distribution; valid token ids are 0 .. vocab_size-1."""
-
-    @property
-    @abstractmethod
-    def max_model_len(self) -> int | None:
-        """Longest prompt + response the model supports (None when it has no fixed limit)."""
-
-    @property
-    @abstractmethod
-    def eos_token_ids(self) -> frozenset[int]:
-        """Tokens that end a response with finish_reason 'stop'."""
+    # Set by each backend's constructor; read by the worker to validate prompts and outputs.
+    dtype: torch.dtype  # weights dtype used for generation (checksums are taken at this dtype)
+    vocab_size: int  # valid token ids are 0 .. vocab_size-1
+    max_model_len: int | None  # longest prompt + response the model supports (None: no fixed limit)
+    eos_token_ids: frozenset[int]  # tokens that end a response with finish_reason 'stop'
 
     @abstractmethod
     def generate(

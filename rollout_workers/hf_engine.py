@@ -30,32 +30,18 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model_path: str, config: RolloutConfig) -> None:
         torch.set_num_threads(config.torch_threads)
-        self._dtype = torch_dtype(config.dtype)
+        self.dtype = torch_dtype(config.dtype)
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, local_files_only=True)
         self.model = model.to(self._device).eval()
         self.model.requires_grad_(False)
-        self._eos, self._pad = read_special_ids(model_path)
-        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids, self._pad = read_special_ids(model_path)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         cfg = self.model.config.get_text_config()
-        self._max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self.max_model_len = getattr(cfg, "max_position_embeddings", None) or getattr(
+            cfg, "n_positions", None
+        )
         self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self._max_len
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
@@ -85,7 +71,7 @@ class HFEngine(RolloutEngine):
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0..p-1, as in an unpadded forward
         gen = torch.Generator(device=dev).manual_seed(seed)
-        eos = torch.tensor(sorted(self._eos), device=dev)
+        eos = torch.tensor(sorted(self.eos_token_ids), device=dev)
 
         tokens = torch.full((B, steps), self._pad, dtype=torch.long, device=dev)
         logps = torch.zeros((B, steps), dtype=torch.float32, device=dev)
@@ -136,7 +122,7 @@ class HFEngine(RolloutEngine):
             target.copy_(state[name])  # casts to the engine dtype/device; tied names share storage
 
     def weights_checksum(self) -> str:
-        return state_checksum(self.model.state_dict(), self._dtype)
+        return state_checksum(self.model.state_dict(), self.dtype)
 
 
 def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

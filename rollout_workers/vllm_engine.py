@@ -65,15 +65,17 @@ class VLLMEngine(RolloutEngine):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self._path = model_path
-        self._dtype = torch_dtype(config.dtype)
-        self._eos, _ = read_special_ids(model_path)
+        self.dtype = torch_dtype(config.dtype)
+        self.eos_token_ids, _ = read_special_ids(model_path)
         hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         with torch.device("meta"):  # names and shapes of the HF state dict, without allocating weights
             skeleton = AutoModelForCausalLM.from_config(hf_config)
         self._expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-        self._vocab = int(skeleton.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(skeleton.get_output_embeddings().weight.shape[0])
         text = hf_config.get_text_config()
-        self._max_len = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.max_model_len = getattr(text, "max_position_embeddings", None) or getattr(
+            text, "n_positions", None
+        )
         self._checksum: str | None = None
         self._partial = False
         v = config.vllm
@@ -90,22 +92,6 @@ class VLLMEngine(RolloutEngine):
             distributed_executor_backend="ray" if v.tensor_parallel_size > 1 else None,
         )
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self._max_len
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._eos
-
     def generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
@@ -121,7 +107,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's logprob only
                 seed=derive_seed(seed, i),
-                stop_token_ids=sorted(self._eos),
+                stop_token_ids=sorted(self.eos_token_ids),
                 detokenize=False,
             )
             for i in range(len(prompts))
@@ -136,7 +122,7 @@ class VLLMEngine(RolloutEngine):
             [step[int(t)].logprob for step, t in zip(completion.logprobs, ids, strict=True)], dtype=np.float32
         )
         # vLLM reports 'length' when the EOS is also the max_tokens-th token; our contract keys on the EOS.
-        finish = "stop" if ids.size and int(ids[-1]) in self._eos else "length"
+        finish = "stop" if ids.size and int(ids[-1]) in self.eos_token_ids else "length"
         return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -146,7 +132,7 @@ class VLLMEngine(RolloutEngine):
         if any(c == 0 for c in counts):
             raise RuntimeError(f"vLLM loaded no parameters from a bundle of {len(state)} tensors")
         self._llm.reset_prefix_cache()
-        self._checksum, self._partial = state_checksum(state, self._dtype), False
+        self._checksum, self._partial = state_checksum(state, self.dtype), False
 
     def weights_checksum(self) -> str:
         if self._partial:
@@ -156,6 +142,6 @@ class VLLMEngine(RolloutEngine):
         if self._checksum is None:  # initial weights: the HF state dict of the checkpoint on disk
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype, local_files_only=True)
-            self._checksum = state_checksum(model.state_dict(), self._dtype)
+            model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self.dtype, local_files_only=True)
+            self._checksum = state_checksum(model.state_dict(), self.dtype)
         return self._checksum
