@@ -180,25 +180,11 @@ def neutral_openings(seed: int, n: int, min_words: int = 2) -> list[str]:
 
 
 def load_prompts(path: str | Path) -> list[str]:
-    """Prompts from a JSON-lines file of {"prompt": str} objects (blank lines skipped)."""
-    path = Path(path)
-    prompts: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(
-                    f'{path}:{lineno}: expected an object with a string "prompt", got {line.strip()!r}'
-                )
-            prompts.append(obj["prompt"])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
+    from cluster.config import DataSection
+    from cluster.data import read_prompts
+
+    return [text for _, text, _ in read_prompts(DataSection(prompts_path=str(path)))]
 
 
 def write_prompts(path: str | Path, prompts: list[str]) -> None:
