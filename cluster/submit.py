@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .config import ConfigError, RunConfig, load_config
+from .train import add_run_arguments
 
 if TYPE_CHECKING:
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -251,21 +252,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m cluster.submit", description="Submit a PPO training run to a Ray cluster as a job."
     )
-    ap.add_argument("config", help="YAML run config, e.g. configs/sentiment_tiny.yaml")
+    add_run_arguments(ap)  # CONFIG, --set, --run-dir (on the cluster: shared storage), --resume
     ap.add_argument(
         "--address",
         default=os.environ.get("RAY_API_SERVER_ADDRESS", DEFAULT_ADDRESS),
         help=f"Ray job API (dashboard) address (default: $RAY_API_SERVER_ADDRESS or {DEFAULT_ADDRESS})",
-    )
-    ap.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field"
-    )
-    ap.add_argument("--run-dir", default=None, help="run folder on the cluster (shared storage)")
-    ap.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR|auto",
-        help="passed to cluster.train --resume (a run folder on the cluster, or 'auto')",
     )
     wd = ap.add_mutually_exclusive_group()
     wd.add_argument(

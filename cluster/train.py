@@ -86,10 +86,8 @@ def run_dir_for(cfg: RunConfig, explicit: str | None) -> Path:
     return Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m cluster.train", description="Train a policy with PPO on Ray."
-    )
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments that name a run, shared by `cluster.train` and `cluster.submit`."""
     ap.add_argument("config", help="YAML run config, e.g. configs/sentiment_tiny.yaml")
     ap.add_argument(
         "--set",
@@ -108,6 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="RUN_DIR|auto",
         help="continue a run from its newest complete checkpoint ('auto': newest run of this name)",
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.train", description="Train a policy with PPO on Ray."
+    )
+    add_run_arguments(ap)
     return ap.parse_args(argv)
 
 
