@@ -46,7 +46,7 @@ REQUIRED = [
 ]
 
 
-@pytest.mark.parametrize("zero_stage,steps", [(2, 6), (3, 3)])
+@pytest.mark.parametrize("zero_stage,steps", [(2, 6), (3, 6)])
 def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, steps):
     cfg = load_config(
         CONFIG,
@@ -74,9 +74,8 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
     finally:
         trainer.close()
     rewards = [h["rollout/reward_mean"] for h in trainer.history]
-    if zero_stage == 2:
-        # Fixed seed: the classifier logit difference climbs by far more than this margin in 6 steps.
-        assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 1.0, rewards
+    # Fixed seed: the classifier logit difference climbs by far more than this margin in 6 steps.
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 1.0, rewards
     assert trainer.history[-1]["objective/kl"] > 0
 
 
