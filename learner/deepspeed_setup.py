@@ -162,12 +162,18 @@ def init_distributed(
 
 
 def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
-    """`deepspeed.initialize` with torch AdamW and the warm-up schedule; returns the engine."""
+    """`deepspeed.initialize` with torch AdamW and the warm-up schedule; returns the engine.
+
+    Its checkpoint engine is swapped for a weights-only one (see learner.safe_checkpoint).
+    """
     import deepspeed
+
+    from learner.safe_checkpoint import install_safe_checkpoint_engine
 
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config)
     )
+    install_safe_checkpoint_engine(engine)
     return engine

@@ -157,8 +157,15 @@ class LearnerRank:
             dist.barrier()
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller and every rank's RNG."""
+        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller and every rank's RNG.
+
+        Everything in it must load with weights_only=True: RNG states are uint8 tensors, `client_state`
+        is checked here so a bad one fails now rather than on resume.
+        """
+        from learner.safe_checkpoint import check_weights_only_loadable
+
         engine = self._require_engine()
+        check_weights_only_loadable(client_state, "learner client_state")
         rng = {"torch": torch.get_rng_state(), "shuffle": self.generator.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -172,11 +179,15 @@ class LearnerRank:
         engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what `save_checkpoint` wrote; returns the caller's `client_state`."""
+        """Restore what `save_checkpoint` wrote; returns the caller's `client_state`.
+
+        Every file is read with torch.load(weights_only=True): a file holding anything but tensors,
+        plain containers and DeepSpeed's allow-listed state classes raises UnsafeCheckpointError.
+        """
+        from learner.safe_checkpoint import load_checkpoint_safely
+
         engine = self._require_engine()
-        load_path, state = engine.load_checkpoint(
-            str(path), load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        load_path, state = load_checkpoint_safely(engine, path)
         if load_path is None:
             raise FileNotFoundError(
                 f"no DeepSpeed checkpoint under {path!r} (missing 'latest' or tag folder)"
