@@ -83,7 +83,7 @@ class PolicyWithValueHead(nn.Module):
         if text_cfg is not config:
             zero_dropout(text_cfg)
         policy = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=_DTYPES[dtype], local_files_only=True
+            path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True
         )
         if gradient_checkpointing:
             kwargs = {"use_reentrant": False}

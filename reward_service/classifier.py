@@ -40,7 +40,9 @@ class ClassifierReward:
     ) -> None:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True
+        )
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         n_labels = int(self.model.config.num_labels)

@@ -39,7 +39,10 @@ class RewardConfig(_Strict):
         0.5, ge=0, description="First delay before a remote retry; doubles on each further retry."
     )
     max_failure_frac: float = Field(
-        0.5, ge=0.0, le=1.0, description="Abort the run when more than this fraction of a step's rewards fail."
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Abort the run when more than this fraction of a step's rewards fail.",
     )
     num_replicas: int = Field(1, ge=1, description="Reward scorer actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reward actor.")

@@ -36,7 +36,9 @@ class ReferencePolicy:
         self.config = config
         self.temperature = float(temperature)
         self.device = pick_device()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[config.dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=_DTYPES[config.dtype], local_files_only=True, use_safetensors=True
+        )
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config

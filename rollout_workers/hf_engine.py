@@ -32,7 +32,9 @@ class HFEngine(RolloutEngine):
         torch.set_num_threads(config.torch_threads)
         self.dtype = torch_dtype(config.dtype)
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, local_files_only=True, use_safetensors=True
+        )
         self.model = model.to(self._device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids, self._pad = read_special_ids(model_path)

@@ -142,6 +142,8 @@ class VLLMEngine(RolloutEngine):
         if self._checksum is None:  # initial weights: the HF state dict of the checkpoint on disk
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self.dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                self._path, dtype=self.dtype, local_files_only=True, use_safetensors=True
+            )
             self._checksum = state_checksum(model.state_dict(), self.dtype)
         return self._checksum
