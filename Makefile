@@ -38,5 +38,9 @@ train: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_iteration.py
 
+# This project against TRL's PPOTrainer on the demo (installs trl into .venv-trl on first use).
+bench-trl: $(STAMP)
+	$(BIN)/python bench/compare_trl.py $(ARGS)
+
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -126,10 +126,12 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
 
 def start_roles(cfg: RunConfig, pad_token_id: int, on_worker_start=None) -> Roles:
     roles = make_pools(cfg, on_worker_start)
-    roles.workers.grow(cfg.rollout.num_workers)
-    roles.references.grow(cfg.reference.num_replicas)
-    roles.scorers.grow(cfg.reward.num_replicas)
+    counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
+    # Every actor starts at once (model loading overlaps); the learner's rendezvous runs meanwhile.
+    launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
     start_learner(cfg, roles, pad_token_id)
+    for pool, started in zip(roles.pools(), launched, strict=True):
+        pool.admit(started)
     return roles
 
 

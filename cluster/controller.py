@@ -28,7 +28,7 @@ from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .summary import RunSummary, reward_to_prob
 from .telemetry import Telemetry
-from .weight_sync import load_into, push_weights
+from .weight_sync import load_into, push_weights, start_checksummer
 
 
 class LearnerStepError(RuntimeError):
@@ -51,6 +51,7 @@ class Trainer:
         self.roles: Roles | None = None
         self.writer: MetricsWriter | None = None
         self.control: Any = None
+        self.checksummer: Any = None
         self.history: list[dict[str, float]] = []
         self.trained_prompts: collections.Counter[int] = collections.Counter()
         self.last_checkpoint: Path | None = None
@@ -74,6 +75,7 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        self.checksummer = start_checksummer()
         self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
         self.collector = RolloutCollector(
             self.roles.workers,
@@ -107,9 +109,10 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        if self.control is not None:
-            ray.kill(self.control, no_restart=True)
-            self.control = None
+        for actor in (self.control, self.checksummer):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.control = self.checksummer = None
         if self.roles is not None:
             stop_roles(self.roles)
             self.roles = None
@@ -170,6 +173,7 @@ class Trainer:
             version,
             self.cfg.rollout.dtype,
             self.cfg.timeouts.weight_sync_s,
+            self.checksummer,
         )
         self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
         for index in result.lost:  # the replacement loads the weights just pushed before it samples

@@ -96,12 +96,22 @@ class ActorPool:
                 self.on_start(h, n)
         return handles
 
-    def grow(self, count: int) -> list[Member]:
+    def launch(self, count: int) -> list[Member]:
+        """Start `count` actors without waiting, so several pools can come up at once."""
         slots = [next(self._slots) for _ in range(count)]
-        names = [f"{self.prefix}-{s}" for s in slots]
-        new = [Member(n, h, s) for n, h, s in zip(names, self._launch(names, slots), slots, strict=True)]
-        self.members.extend(new)
-        return new
+        return [Member(f"{self.prefix}-{s}", self.start(f"{self.prefix}-{s}", s), s) for s in slots]
+
+    def admit(self, started: list[Member]) -> list[Member]:
+        """Wait for launched actors, prepare them, and add them to the pool."""
+        wait_ready([m.handle for m in started], [m.name for m in started], self.ready_timeout)
+        if self.on_start is not None:
+            for m in started:
+                self.on_start(m.handle, m.name)
+        self.members.extend(started)
+        return started
+
+    def grow(self, count: int) -> list[Member]:
+        return self.admit(self.launch(count))
 
     def shrink(self, count: int) -> list[str]:
         """Remove the newest members (between steps, so they hold no prompts)."""

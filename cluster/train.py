@@ -7,6 +7,7 @@ missing file exits with code 2 and a message that names the field or file.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -58,7 +59,7 @@ def local_cpus(cfg: RunConfig) -> float:
         + cfg.reward.num_replicas * cfg.reward.num_cpus
         + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
     )
-    return max(float(os.cpu_count() or 1), want)
+    return float(max(os.cpu_count() or 1, math.ceil(want)))  # Ray wants whole CPUs
 
 
 def init_ray(cfg: RunConfig) -> str | None:

@@ -24,9 +24,18 @@ class WeightSyncError(RuntimeError):
     """A worker did not load the pushed weights; the message names it."""
 
 
-@ray.remote(num_cpus=0)
-def _bundle_checksum(state: dict[str, torch.Tensor], dtype: str) -> str:
-    return state_checksum(state, getattr(torch, dtype))
+class BundleChecksum:
+    """A long-lived, zero-CPU actor that checksums bundles independently of the workers.
+
+    An actor, not a task: a task may need a fresh worker process (over a second) on any step.
+    """
+
+    def checksum(self, state: dict[str, torch.Tensor], dtype: str) -> str:
+        return state_checksum(state, getattr(torch, dtype))
+
+
+def start_checksummer() -> Any:
+    return ray.remote(BundleChecksum).options(num_cpus=0).remote()
 
 
 @dataclass
@@ -38,7 +47,13 @@ class SyncResult:
 
 
 def push_weights(
-    ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+    ranks: list[Any],
+    workers: list[Any],
+    names: list[str],
+    version: int,
+    dtype: str,
+    timeout: float,
+    checksummer: Any,
 ) -> tuple[SyncResult, Any]:
     """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
 
@@ -48,7 +63,7 @@ def push_weights(
     t0 = time.perf_counter()
     refs = [r.export_weights.remote() for r in ranks]  # all ranks take part (ZeRO-3 gathers shards)
     bundle = refs[0]
-    expected_ref = _bundle_checksum.remote(bundle, dtype)
+    expected_ref = checksummer.checksum.remote(bundle, dtype)
     acks = [w.load_weights.remote(bundle, version) for w in workers]
     _, pending = wait_until([*refs, expected_ref], len(refs) + 1, time.monotonic() + timeout)
     if pending:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from learner.sequences import gather_response
+from learner.sequences import fuse_tanh_gelu, gather_response
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,6 +85,7 @@ class PolicyWithValueHead(nn.Module):
         policy = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True
         )
+        fuse_tanh_gelu(policy)
         if gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x name

@@ -1,8 +1,9 @@
-"""Packing prompt+response pairs into right-padded tensors, and token alignment.
+"""Packing prompt+response pairs into right-padded tensors, token alignment, and the one forward
+detail every role that computes policy logprobs must share (the tanh-GELU kernel).
 
-A leaf module (imports nothing of the project), shared by the learner and the reference scorer.
-For a row whose prompt has p tokens, the logits/values that score response token t live at
-position p-1+t of the packed sequence.
+A leaf module (imports nothing of the project), shared by the learner, the reference scorer and
+the rollout engine. For a row whose prompt has p tokens, the logits/values that score response
+token t live at position p-1+t of the packed sequence.
 """
 
 from __future__ import annotations
@@ -64,3 +65,28 @@ def response_tokens(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response
     """The response token ids [B, R] (position p+t), for gathering their log-probabilities."""
     pos = response_positions(prompt_lens.to(input_ids.device), response_len, input_ids.shape[1]) + 1
     return torch.gather(input_ids, 1, pos.clamp(max=input_ids.shape[1] - 1))
+
+
+class TanhGELU(torch.nn.Module):
+    """GPT-2's tanh-approximated GELU as torch's single fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def fuse_tanh_gelu(model: torch.nn.Module) -> int:
+    """Swap transformers' `NewGELUActivation` ("gelu_new") modules for `TanhGELU`; returns how many.
+
+    Both compute 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x^3))): NewGELU as about eight elementwise ops
+    in Python, the fused kernel in one (results differ by rounding, ~1e-7). On the demo policy it
+    makes the learner's forward/backward ~13% and the reference forward ~20% faster. The generator,
+    the reference and the learner all call it, so their logprobs keep agreeing to rounding.
+    Matched by class name, so this leaf module needs no transformers import; the config is untouched.
+    """
+    swapped = 0
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "NewGELUActivation":
+                setattr(parent, name, TanhGELU())
+                swapped += 1
+    return swapped

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.algorithms import logprobs_from_logits
-from learner.sequences import gather_response, pack_sequences, response_tokens
+from learner.sequences import fuse_tanh_gelu, gather_response, pack_sequences, response_tokens
 from reward_service.config import ReferenceConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +39,7 @@ class ReferencePolicy:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=_DTYPES[config.dtype], local_files_only=True, use_safetensors=True
         )
+        fuse_tanh_gelu(self.model)  # the same GELU kernel as the generator and the learner
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from learner.sequences import fuse_tanh_gelu
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
 from rollout_workers.weights import check_state_keys, state_checksum, torch_dtype
@@ -35,6 +36,7 @@ class HFEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, local_files_only=True, use_safetensors=True
         )
+        fuse_tanh_gelu(model)  # the same GELU kernel as the learner and the reference
         self.model = model.to(self._device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids, self._pad = read_special_ids(model_path)

@@ -20,6 +20,7 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
         "cluster.dashboard": False,
         "rollout.num_cpus_per_worker": 0.5,
         "learner.num_cpus_per_rank": 1.0,
+        "learner.torch_threads": 1,  # tests run 2 ranks on 2 cores
         **extra,
     }
     return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]

@@ -38,3 +38,17 @@ def test_pack_rejects_empty_prompts_and_mismatches():
         pack_sequences([np.array([], dtype=np.int64)], [np.array([1])], 0)
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         pack_sequences([np.array([1]), np.array([2])], [np.array([1])], 0)
+
+
+def test_fused_tanh_gelu_matches_transformers_gelu_new():
+    from transformers.activations import NewGELUActivation
+
+    from learner.sequences import TanhGELU, fuse_tanh_gelu
+
+    x = torch.linspace(-6, 6, 1001)
+    torch.testing.assert_close(TanhGELU()(x), NewGELUActivation()(x), atol=1e-6, rtol=0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 3), NewGELUActivation(), torch.nn.Sequential(NewGELUActivation())
+    )
+    assert fuse_tanh_gelu(model) == 2
+    assert not any(isinstance(m, NewGELUActivation) for m in model.modules())

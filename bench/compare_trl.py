@@ -1,0 +1,541 @@
+"""This project against TRL's PPOTrainer on the demo, side by side, with matched settings.
+
+    .venv/bin/python bench/compare_trl.py [--steps 150] [--config configs/sentiment_tiny.yaml] [--set k=v]
+
+Installs trl 1.12.0 (torch 2.13.0) into .venv-trl when missing, checks that TRL's reward equals this
+project's on real samples, then runs TRL (bench/trl_runner.py, inside .venv-trl) and this project (a
+subprocess of this script), one after the other, each from a cold process to the same number of
+samples, then the standalone compute of the same iterations (bench/standalone.py, no Ray). Prints one
+table, the settings that cannot match and the pipeline efficiency; writes result.json, curves.csv and
+curves.png under runs/compare_trl-<time>/. Nothing is asserted.
+
+Memory is the peak proportional set size (PSS) summed over each side's whole process tree (Ray's
+daemons and actors included), sampled every --sample-s seconds. The CPU used meanwhile by processes
+outside the tree is reported too: on a shared machine it makes the timings unreliable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TRL_VERSION = "1.12.0"
+TORCH_VERSION = "2.13.0"
+PHASES = ("generate", "reference", "reward", "train", "weights")
+sys.path.insert(0, str(ROOT))
+
+# What TRL's PPO loop cannot take from this project; printed with every result.
+MISMATCHES = [
+    "value model: TRL trains a separate critic (a second GPT-2 backbone initialised from the policy, "
+    "1-column head zeroed, no bias) with its own forward/backward; this project has a scalar value head "
+    "(zeroed, with bias) on the policy's backbone, so its value loss also trains that backbone",
+    "reward placement: TRL adds the score one token AFTER the EOS (the first pad position) when the "
+    "response is shorter than response_length, and its value loss covers that position; this project "
+    "adds it on the last real response token",
+    "gradient clipping: TRL's PPO loop never clips; this project clips the global norm at learner.max_grad_norm",
+    "old logprobs: TRL takes them from generate()'s scores; this project recomputes them in a learner "
+    "forward with the same weights (rollout/logprob_gap ~1e-6)",
+    "generation: TRL samples the whole batch in one generate() call; this project in rollout.chunk_size "
+    "chunks; the sampling RNG streams differ, so the samples differ from the first step on",
+    "reward: the same classifier; TRL reads it through a 1-column head W[pos]-W[neg] that skips the EOS "
+    "token as this project's scorer does (see 'reward check')",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[compare_trl] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- TRL venv
+
+
+def installed_versions(py: Path) -> dict[str, str] | None:
+    code = "import json, torch, trl; print(json.dumps({'torch': torch.__version__, 'trl': trl.__version__}))"
+    if not py.exists():
+        return None
+    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """A virtual environment with trl==TRL_VERSION, torch==TORCH_VERSION (CPU) and matplotlib."""
+    py = venv / "bin" / "python"
+    have = installed_versions(py)
+    if have and have["trl"] == TRL_VERSION and have["torch"].split("+")[0] == TORCH_VERSION:
+        return py
+    log(f"installing trl=={TRL_VERSION} and torch=={TORCH_VERSION} into {venv} (about a minute)")
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    steps = [] if py.exists() else [["python3", "-m", "venv", str(venv)]]
+    # torch first and pinned again: a requirement that admits a newer torch pulls CUDA wheels.
+    steps += [
+        [*pip, f"torch=={TORCH_VERSION}"],
+        [*pip, f"trl=={TRL_VERSION}", "matplotlib", f"torch=={TORCH_VERSION}"],
+    ]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            errors = [ln for ln in done.stderr.splitlines() if not ln.startswith("WARNING")]
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n" + "\n".join(errors[-20:]))
+    if (installed_versions(py) or {}).get("trl") != TRL_VERSION:
+        raise RuntimeError(f"{venv}: trl {TRL_VERSION} is still not importable after the install")
+    return py
+
+
+# ----------------------------------------------------------------------------- matched settings
+
+
+def trl_args(cfg: Any, steps: int) -> list[str]:
+    """bench/trl_runner.py arguments equal to this project's config; raises on what TRL cannot do."""
+    s, lc = cfg.rollout.sampling, cfg.learner
+    batch = cfg.data.prompts_per_step * s.n
+    problems = [
+        text
+        for bad, text in [
+            (s.top_k or s.top_p < 1.0, "sampling top_k/top_p (TRL: top_k=0, top_p=1)"),
+            (lc.kl.adaptive or lc.kl.estimator == "k2", "adaptive KL or k2 (TRL: fixed coef, k1/k3)"),
+            (lc.clip_eps_high or lc.dual_clip or lc.tis_cap, "clip_eps_high/dual_clip/tis_cap"),
+            (lc.entropy_coef or lc.warmup_steps, "entropy_coef/warmup_steps (TRL has neither)"),
+            (not lc.whiten_advantages or lc.loss_agg != "token-mean", "whitening off or loss_agg"),
+            (batch % lc.num_minibatches, "rollout batch not a multiple of learner.num_minibatches"),
+            (lc.micro_batch_size < batch // lc.num_minibatches, "micro_batch_size below the minibatch"),
+        ]
+        if bad
+    ]
+    if problems:
+        raise ValueError("settings TRL's PPO loop cannot match: " + "; ".join(problems))
+    values = {
+        "steps": steps,
+        "batch-size": batch,
+        "num-minibatches": lc.num_minibatches,
+        "ppo-epochs": lc.ppo_epochs,
+        "response-length": s.max_new_tokens,
+        "temperature": s.temperature,
+        "lr": lc.lr,
+        "adam-betas": f"{lc.adam_betas[0]},{lc.adam_betas[1]}",
+        "adam-eps": lc.adam_eps,
+        "weight-decay": lc.weight_decay,
+        "kl-coef": lc.kl.coef,
+        "kl-estimator": lc.kl.estimator,
+        "cliprange": lc.clip_eps,
+        "cliprange-value": lc.value_clip_eps,
+        "vf-coef": lc.vf_coef,
+        "gamma": lc.gamma,
+        "lam": lc.lam,
+        "seed": cfg.run.seed,
+        "positive-label": cfg.reward.positive_label,
+    }
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+def prompt_order(cfg: Any, steps: int) -> list[list[int]]:
+    """Token ids of every prompt this project trains on, in order; n samples = n repeats in a row."""
+    from transformers import AutoTokenizer
+
+    from cluster.data import PromptStream, read_prompts, tokenize_prompts
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+    stream = PromptStream(
+        tokenize_prompts(read_prompts(cfg.data), tok, cfg.data)[0], cfg.run.seed, cfg.data.shuffle
+    )
+    batches = [stream.next_batch(cfg.data.prompts_per_step) for _ in range(steps)]
+    return [p.ids.tolist() for b in batches for p in b for _ in range(cfg.rollout.sampling.n)]
+
+
+def reward_samples(cfg: Any, count: int = 64) -> dict[str, list]:
+    """Policy samples scored by this project's RewardScorer, for the reward equality check."""
+    import numpy as np
+
+    from reward_service.scorer import RewardScorer
+    from rollout_workers.worker import RolloutWorker
+
+    ids = [np.asarray(x) for x in prompt_order(cfg, 1)[:count]]
+    samples = RolloutWorker(cfg.model.policy_path, cfg.rollout).generate(list(range(len(ids))), ids, 1234)
+    p_ids, r_ids = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    scores = RewardScorer(cfg.reward, cfg.tokenizer_path).score(p_ids, r_ids).scores
+    return {
+        "prompts": [p.tolist() for p in p_ids],
+        "responses": [r.tolist() for r in r_ids],
+        "scores": scores.tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------- this project's side
+
+
+def quiet_overrides(steps: int) -> list[str]:
+    return [
+        f"run.steps={steps}",
+        "run.progress_bar=false",
+        "run.sample_log_count=0",
+        "run.tensorboard=false",
+    ] + ["cluster.dashboard=false"]
+
+
+def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path) -> None:
+    """In a fresh subprocess: `steps` iterations of the real Ray pipeline, each one recorded."""
+    import ray
+
+    from cluster.config import load_config
+    from cluster.controller import Trainer
+    from cluster.train import init_ray, preflight
+
+    cfg = load_config(config, [*quiet_overrides(steps), *overrides])
+    preflight(cfg)
+    init_ray(cfg)
+    marks = {"ray_ready": time.time()}
+    trainer = Trainer(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")))
+    rows = []
+    try:
+        trainer.setup()
+        marks["actors_ready"] = time.time()
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            m = trainer.iteration()
+            n = int(m["rollout/samples"])
+            rows.append(
+                {
+                    "step": step,
+                    "t": time.time(),  # wall clock: the caller subtracts its launch time
+                    "iteration_s": time.perf_counter() - t0,
+                    "samples": n,
+                    "tokens": int(round(m["rollout/response_length"] * n)),
+                    "reward_mean": m["rollout/reward_mean"],
+                    "reward_prob_mean": m.get("rollout/reward_prob_mean", math.nan),
+                    "kl": m.get("objective/kl", math.nan),
+                    **{k: m[k] for k in ("time/generate", "time/score", "time/train", "time/weight_sync")},
+                }
+            )
+    finally:
+        trainer.close()
+        ray.shutdown()
+    out.write_text(json.dumps({"side": "ours", "steps": rows, "marks": marks}))
+
+
+# ----------------------------------------------------------------------------- process-tree sampling
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the machine has spent busy since boot (all cores)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def pss_mb(pid: int) -> float | None:
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    return next((int(ln.split()[1]) / 1024.0 for ln in text.splitlines() if ln.startswith("Pss:")), None)
+
+
+class TreeSampler(threading.Thread):
+    """Peak PSS summed over a process and all its descendants, the CPU they used, and everyone else's."""
+
+    def __init__(self, pid: int, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval_s, self.peak_pss_mb = pid, interval_s, 0.0
+        self.cpu: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds last seen
+        self._halt = threading.Event()
+        self._t = [(time.monotonic(), machine_busy_s(), sum(os.times()[:2]))]
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        total = 0.0
+        for p in procs:
+            try:
+                with p.oneshot():
+                    ct, rss = p.cpu_times(), p.memory_info().rss / 2**20
+                    self.cpu[(p.pid, p.create_time())] = sum(ct[:4])  # user, system, children's
+            except psutil.Error:
+                continue
+            total += pss_mb(p.pid) or rss
+        self.peak_pss_mb = max(self.peak_pss_mb, total)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.sample()
+            self._halt.wait(self.interval_s)
+
+    def stop(self) -> dict[str, float]:
+        self._halt.set()
+        self.join()
+        self._t.append((time.monotonic(), machine_busy_s(), sum(os.times()[:2])))
+        (t0, b0, m0), (t1, b1, m1) = self._t
+        tree = sum(self.cpu.values())
+        foreign = max(0.0, (b1 - b0) - tree - (m1 - m0)) / max((t1 - t0) * (os.cpu_count() or 1), 1e-9)
+        return {"peak_pss_mb": self.peak_pss_mb, "tree_cpu_s": tree, "foreign_cpu_frac": foreign}
+
+
+def wait_for_idle(max_wait_s: float, threshold: float = 0.1, window_s: float = 2.0) -> None:
+    """Wait at most max_wait_s for other processes to leave the CPUs (under `threshold` of them busy)."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        t0, b0 = time.monotonic(), machine_busy_s()
+        time.sleep(window_s)
+        share = (machine_busy_s() - b0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+        if share < threshold:
+            return
+        log(f"machine busy ({share:.0%} of the CPUs used by other processes); waiting")
+
+
+def run_side(name: str, cmd: list[str], out: Path, args: argparse.Namespace, env=None) -> dict:
+    """Run one side from a cold process; add peak memory and foreign CPU to the JSON it writes."""
+    wait_for_idle(args.wait_idle)
+    log(f"{name}: {' '.join(cmd[:3])} ...")
+    t_launch = time.time()
+    # A session of its own: a timeout then ends the side's whole process group (Ray's daemons too).
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **pipe)
+    sampler = TreeSampler(proc.pid, args.sample_s)
+    sampler.start()
+    try:
+        output, _ = proc.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\n(killed: --timeout-s {args.timeout_s:.0f} reached)"
+    finally:
+        usage = sampler.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}); last output:\n{output[-3000:]}")
+    result = {**json.loads(out.read_text()), **usage}
+    for row in result["steps"]:
+        if "t" in row:
+            row["t"] -= t_launch  # seconds since this side's process was launched
+    result["marks"] = {k: v - t_launch for k, v in result.get("marks", {}).items()}
+    return result
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(res: dict, last_n: int) -> dict[str, float]:
+    rows = res["steps"]
+    samples, wall = sum(r["samples"] for r in rows), rows[-1]["t"]
+    tail = []
+    for r in reversed(rows):  # the last steps holding at least last_n samples
+        tail.append(r)
+        if sum(x["samples"] for x in tail) >= last_n:
+            break
+    n_tail = sum(r["samples"] for r in tail)
+    loop = len(rows) > 1 and (samples - rows[0]["samples"]) / (wall - rows[0]["t"])
+    return {
+        "steps": len(rows),
+        "samples": samples,
+        "wall_s": wall,
+        "first_step_s": rows[0]["t"],
+        "samples_per_s": samples / wall,
+        "loop_samples_per_s": loop or math.nan,
+        "tokens_per_s": sum(r["tokens"] for r in rows) / wall,
+        "reward_prob": sum(r["reward_prob_mean"] * r["samples"] for r in tail) / n_tail,
+        "kl": sum(r["kl"] * r["samples"] for r in tail) / n_tail,
+        "tail_samples": n_tail,
+        "peak_mem_mb": res["peak_pss_mb"],
+        "foreign_cpu_frac": res["foreign_cpu_frac"],
+    }
+
+
+ROWS = [
+    ("wall_s", "wall time to all samples, start-up included (s)", "{:.1f}"),
+    ("first_step_s", "  of which until step 1 is done (s)", "{:.1f}"),
+    ("samples_per_s", "samples/s (whole run)", "{:.1f}"),
+    ("loop_samples_per_s", "samples/s (after step 1)", "{:.1f}"),
+    ("tokens_per_s", "generated tokens/s (whole run)", "{:.0f}"),
+    ("reward_prob", "reward reached: mean P(positive), last samples", "{:.3f}"),
+    ("kl", "KL to reference (k1, per sequence), last samples", "{:.3f}"),
+    ("peak_mem_mb", "peak memory, PSS of all processes (MiB)", "{:.0f}"),
+    ("foreign_cpu_frac", "CPU used by other processes meanwhile", "{:.0%}"),
+]
+
+
+def format_table(this: dict | None, trl: dict | None) -> str:
+    head = f"{'':<50}{'this':>10}{'TRL':>10}{'this/TRL':>10}"
+    lines = [head, "-" * len(head)]
+    for key, label, fmt in ROWS:
+        a, b = (s[key] if s else math.nan for s in (this, trl))
+        ratio = a / b if b and key != "foreign_cpu_frac" else math.nan
+        cells = [fmt.format(x) if not math.isnan(x) else "-" for x in (a, b)]
+        lines.append(
+            f"{label:<50}{cells[0]:>10}{cells[1]:>10}{'-' if math.isnan(ratio) else f'{ratio:.2f}':>10}"
+        )
+    return "\n".join(lines)
+
+
+def efficiency(ours: dict, standalone: dict, skip: int) -> dict[str, float]:
+    """Mean end-to-end iteration time against the standalone compute of the same iterations."""
+    k = min(len(standalone["steps"]), len(ours["steps"]))
+    lo = min(skip, max(k - 1, 0))
+    sa, e2e = standalone["steps"][lo:k], [r["iteration_s"] for r in ours["steps"][lo:k]]
+    out = {p: statistics.fmean(r[p] for r in sa) for p in PHASES}
+    out.update(
+        compute=sum(out[p] for p in PHASES), e2e=statistics.fmean(e2e), e2e_median=statistics.median(e2e)
+    )
+    out.update(ratio=out["e2e"] / out["compute"], first=lo + 1, last=k)
+    return out
+
+
+def write_curves(path: Path, sides: dict[str, dict]) -> None:
+    keys = {"p_positive": "reward_prob_mean", "kl": "kl", "reward": "reward_mean", "t_s": "t"}
+    cols = ["step"] + [f"{side}_{k}" for k in keys for side in sides]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, cols)
+        w.writeheader()
+        for i in range(max(len(r["steps"]) for r in sides.values())):
+            row = {"step": i + 1}
+            for side, res in sides.items():
+                if i < len(res["steps"]):
+                    row.update({f"{side}_{k}": f"{res['steps'][i][v]:.6g}" for k, v in keys.items()})
+            w.writerow(row)
+
+
+def make_plot(csv_path: Path, png_path: Path, venv: Path) -> str:
+    """The PNG is drawn by the TRL venv's Python, which has matplotlib (this project does not need it)."""
+    py = venv / "bin" / "python"
+    cmd = [str(py), str(BENCH / "trl_runner.py"), "plot", f"--csv={csv_path}", f"--png={png_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True) if py.exists() else None
+    if done is None or done.returncode != 0:
+        return f"none ({venv} with matplotlib is missing: run with --sides both once)"
+    return str(png_path)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/sentiment_tiny.yaml")
+    ap.add_argument("--steps", type=int, default=150, help="PPO steps of each side")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="this project's config")
+    ap.add_argument("--sides", choices=["both", "ours", "trl"], default="both")
+    ap.add_argument("--last-n", type=int, default=320, help="samples the final reward and KL average over")
+    ap.add_argument("--standalone-steps", type=int, default=None, help="default: --steps, at most 40")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the efficiency means")
+    ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="TRL's torch threads")
+    ap.add_argument("--trl-venv", default=str(ROOT / ".venv-trl"))
+    ap.add_argument("--out-dir", default=None, help="default: runs/compare_trl-<time>")
+    ap.add_argument("--sample-s", type=float, default=1.0, help="memory/CPU sampling period")
+    ap.add_argument("--wait-idle", type=float, default=60.0, help="max wait for an idle machine, per side")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="time limit of each side")
+    ap.add_argument("--side-ours", default=None, help=argparse.SUPPRESS)  # internal: run our side here
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = str(Path(args.config).resolve())
+    if args.side_ours:
+        run_ours_inprocess(config, args.overrides, args.steps, Path(args.side_ours))
+        return 0
+    from cluster.config import load_config
+    from cluster.train import preflight
+
+    cfg = load_config(config, [*quiet_overrides(args.steps), *args.overrides])
+    preflight(cfg)  # builds the demo assets when missing
+    out = Path(args.out_dir or ROOT / "runs" / f"compare_trl-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    venv = Path(args.trl_venv)
+    result: dict[str, Any] = {"steps": args.steps, "config": config, "overrides": args.overrides}
+    if args.sides in ("both", "trl"):
+        result.update(run_trl(cfg, args, out, ensure_trl_venv(venv)))
+    if args.sides in ("both", "ours"):
+        sets = [a for o in args.overrides for a in ("--set", o)]
+        me, common = [sys.executable, str(Path(__file__).resolve())], [f"--config={config}", *sets]
+        cmd = [*me, f"--steps={args.steps}", f"--side-ours={out / 'ours.json'}", *common]
+        result["this"] = run_side("this project", cmd, out / "ours.json", args)
+        k = args.standalone_steps or min(args.steps, 40)
+        cmd = [
+            sys.executable,
+            str(BENCH / "standalone.py"),
+            f"--steps={k}",
+            f"--out={out / 'standalone.json'}",
+        ]
+        result["standalone"] = run_side("standalone", [*cmd, *common], out / "standalone.json", args)
+        result["efficiency"] = efficiency(result["this"], result["standalone"], args.warmup)
+    report(result, args, out, venv)
+    return 0
+
+
+def run_trl(cfg: Any, args: argparse.Namespace, out: Path, py: Path) -> dict[str, Any]:
+    """The reward equality check, then TRL's run, in the TRL venv with its own thread settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS=str(args.trl_threads), MKL_NUM_THREADS=str(args.trl_threads))
+    base = [str(py), str(BENCH / "trl_runner.py")]
+    models = [
+        f"--policy={cfg.model.policy_path}",
+        f"--reward={cfg.reward.model_path}",
+        f"--threads={args.trl_threads}",
+    ]
+    (out / "reward_samples.json").write_text(json.dumps(reward_samples(cfg)))
+    check = [
+        *base,
+        "verify-reward",
+        *models,
+        f"--samples={out / 'reward_samples.json'}",
+        f"--out={out / 'check.json'}",
+    ]
+    subprocess.run(check, cwd=ROOT, env=env, check=True, capture_output=True)
+    (out / "prompts.json").write_text(json.dumps({"input_ids": prompt_order(cfg, args.steps)}))
+    run = [*base, "run", *models, f"--prompts={out / 'prompts.json'}", f"--out={out / 'trl.json'}"]
+    trl = run_side("TRL", [*run, *trl_args(cfg, args.steps)], out / "trl.json", args, env)
+    return {"reward_check": json.loads((out / "check.json").read_text()), "trl": trl}
+
+
+def report(result: dict, args: argparse.Namespace, out: Path, venv: Path) -> None:
+    sides = {k: result[k] for k in ("this", "trl") if k in result}
+    summary = {k: summarize(v, args.last_n) for k, v in sides.items()}
+    result["summary"] = summary
+    any_side = next(iter(summary.values()))
+    print(
+        f"\n=== this project vs TRL {TRL_VERSION} PPOTrainer: {any_side['steps']} PPO steps, {any_side['samples']} samples each ==="
+    )
+    print(format_table(summary.get("this"), summary.get("trl")))
+    print(
+        f"(last samples: {any_side['tail_samples']}; TRL runs {args.trl_threads} torch threads in one process)"
+    )
+    if "reward_check" in result:
+        rc = result["reward_check"]
+        print(
+            f"reward check: TRL's reward - this project's, {rc['samples']} samples: max |diff| {rc['max_abs_diff']:.1e}"
+        )
+    print("\nsettings that cannot match:\n" + "\n".join(f"  - {m}" for m in MISMATCHES))
+    if "efficiency" in result:
+        e = result["efficiency"]
+        parts = ", ".join(f"{p} {e[p]:.3f}" for p in PHASES)
+        print(f"\npipeline efficiency, iterations {e['first']}..{e['last']}:")
+        print(f"  standalone compute (one process, no Ray) {e['compute']:.3f} s/iteration ({parts})")
+        print(
+            f"  end-to-end iteration (Ray)              {e['e2e']:.3f} s/iteration (median {e['e2e_median']:.3f})"
+        )
+        print(f"  end-to-end / standalone                 {e['ratio']:.2f}")
+    busy = max(s["foreign_cpu_frac"] for s in summary.values())
+    if busy > 0.1:
+        print(
+            f"\nWARNING: other processes used {busy:.0%} of the CPUs during a run: the timings are unreliable"
+        )
+    write_curves(out / "curves.csv", sides)
+    plotted = make_plot(out / "curves.csv", out / "curves.png", venv)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(f"\ncurves: {out / 'curves.csv'}\nplot:   {plotted}\nresult: {out / 'result.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
