@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,9 @@ TRL_VERSION = "1.12.0"
 TORCH_VERSION = "2.13.0"
 PHASES = ("generate", "reference", "reward", "train", "weights")
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+from machine import TreeSampler, log, wait_for_idle  # noqa: E402
 
 # What TRL's PPO loop cannot take from this project; printed with every result.
 MISMATCHES = [
@@ -54,10 +56,6 @@ MISMATCHES = [
     "reward: the same classifier; TRL reads it through a 1-column head W[pos]-W[neg] that skips the EOS "
     "token as this project's scorer does (see 'reward check')",
 ]
-
-
-def log(msg: str) -> None:
-    print(f"[compare_trl] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- TRL venv
@@ -226,76 +224,6 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
 
 
 # ----------------------------------------------------------------------------- process-tree sampling
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the machine has spent busy since boot (all cores)."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def pss_mb(pid: int) -> float | None:
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return None
-    return next((int(ln.split()[1]) / 1024.0 for ln in text.splitlines() if ln.startswith("Pss:")), None)
-
-
-class TreeSampler(threading.Thread):
-    """Peak PSS summed over a process and all its descendants, the CPU they used, and everyone else's."""
-
-    def __init__(self, pid: int, interval_s: float) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval_s, self.peak_pss_mb = pid, interval_s, 0.0
-        self.cpu: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds last seen
-        self._halt = threading.Event()
-        self._t = [(time.monotonic(), machine_busy_s(), sum(os.times()[:2]))]
-
-    def sample(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
-        total = 0.0
-        for p in procs:
-            try:
-                with p.oneshot():
-                    ct, rss = p.cpu_times(), p.memory_info().rss / 2**20
-                    self.cpu[(p.pid, p.create_time())] = sum(ct[:4])  # user, system, children's
-            except psutil.Error:
-                continue
-            total += pss_mb(p.pid) or rss
-        self.peak_pss_mb = max(self.peak_pss_mb, total)
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            self.sample()
-            self._halt.wait(self.interval_s)
-
-    def stop(self) -> dict[str, float]:
-        self._halt.set()
-        self.join()
-        self._t.append((time.monotonic(), machine_busy_s(), sum(os.times()[:2])))
-        (t0, b0, m0), (t1, b1, m1) = self._t
-        tree = sum(self.cpu.values())
-        foreign = max(0.0, (b1 - b0) - tree - (m1 - m0)) / max((t1 - t0) * (os.cpu_count() or 1), 1e-9)
-        return {"peak_pss_mb": self.peak_pss_mb, "tree_cpu_s": tree, "foreign_cpu_frac": foreign}
-
-
-def wait_for_idle(max_wait_s: float, threshold: float = 0.1, window_s: float = 2.0) -> None:
-    """Wait at most max_wait_s for other processes to leave the CPUs (under `threshold` of them busy)."""
-    deadline = time.monotonic() + max_wait_s
-    while time.monotonic() < deadline:
-        t0, b0 = time.monotonic(), machine_busy_s()
-        time.sleep(window_s)
-        share = (machine_busy_s() - b0) / ((time.monotonic() - t0) * (os.cpu_count() or 1))
-        if share < threshold:
-            return
-        log(f"machine busy ({share:.0%} of the CPUs used by other processes); waiting")
 
 
 def run_side(name: str, cmd: list[str], out: Path, args: argparse.Namespace, env=None) -> dict:
