@@ -23,7 +23,7 @@ from .checkpoint import read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
-from .metrics import MetricsWriter, read_metrics
+from .metrics import MetricsWriter, truncate_metrics
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .summary import RunSummary, reward_to_prob
@@ -147,11 +147,9 @@ class Trainer:
         self.trained_prompts = collections.Counter({int(k): v for k, v in state["trained_prompts"].items()})
         self.last_checkpoint = ckpt
         self.sync_weights(int(state["version"]))
-        metrics_path = self.run_dir / "metrics.jsonl"
-        if metrics_path.is_file():  # drop rows written after the checkpoint by the interrupted run
-            rows = [r for r in read_metrics(metrics_path) if r["step"] <= self.step]
-            metrics_path.write_text("".join(_json_line(r) for r in rows))
-            self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows]
+        # drop rows written after the checkpoint by the interrupted run
+        rows = truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows]
 
     # ------------------------------------------------------------------ one iteration
 
@@ -343,9 +341,3 @@ def _postfix(m: dict[str, float]) -> dict[str, str]:
     if "rollout/reward_prob_mean" in m:
         post["p_pos"] = f"{m['rollout/reward_prob_mean']:.3f}"
     return post
-
-
-def _json_line(row: dict) -> str:
-    import json
-
-    return json.dumps(row) + "\n"

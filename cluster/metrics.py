@@ -43,3 +43,13 @@ class MetricsWriter:
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]:
+    """Keep only rows up to `last_step` (a resumed run rewrites what came after its checkpoint)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
+    path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
+    return rows
