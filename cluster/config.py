@@ -131,8 +131,6 @@ class RunConfig(_Strict):
             raise ValueError("reward.rule is required when reward.kind='rule'")
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
-        if self.rollout.engine == "vllm" and self.rollout.num_gpus_per_worker <= 0:
-            raise ValueError("rollout.engine='vllm' needs rollout.num_gpus_per_worker > 0")
         return self
 
     @property

