@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from learner.batch import Trajectory
 from learner.rank import LearnerRank
 from reward_service.reference import ReferencePolicy
 from reward_service.scorer import RewardScorer
@@ -30,6 +31,62 @@ ACTOR_ENV = {
         }
     }
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming adapters. In async mode samples travel between actors as object references, never
+# through the driver: a worker returns (small per-sample facts, samples) as two objects, and the
+# reference, the scorer and the learner read the samples object themselves. The roles keep their
+# own interfaces; converting one role's records into the next one's input is cluster/'s job, so it
+# lives in these thin subclasses (the Ray actor classes of every mode).
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamingRolloutWorker(RolloutWorker):
+    @ray.method(num_returns=2)
+    def generate_chunk(self, prompt_indices: list[int], prompts: list, seed: int) -> tuple[list[tuple], list]:
+        """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
+        the samples). The driver fetches only the facts."""
+        samples = self.generate(prompt_indices, prompts, seed)
+        facts = [(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason) for s in samples]
+        return facts, samples
+
+
+class StreamingReference(ReferencePolicy):
+    def sample_logprobs(self, samples: list) -> list:
+        return self.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+
+
+class StreamingScorer(RewardScorer):
+    def score_samples(self, samples: list, meta_by_prompt: dict[int, dict]) -> Any:
+        return self.score(
+            [s.prompt_ids for s in samples],
+            [s.response_ids for s in samples],
+            [meta_by_prompt[s.prompt_index] for s in samples],
+        )
+
+
+class StreamingLearnerRank(LearnerRank):
+    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float]]]]) -> dict[str, float]:
+        """`train_step` on trajectories assembled here from object references: each part is
+        (samples ref, reference-logprobs ref, [(sample position, score), ...])."""
+        trajectories = []
+        for samples_ref, ref_lp_ref, picks in parts:
+            samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
+            trajectories += [to_trajectory(samples[j], ref_lps[j], score) for j, score in picks]
+        return self.train_step(trajectories)
+
+
+def to_trajectory(sample: Any, ref_logprobs: Any, score: float) -> Trajectory:
+    """The learner's record of one scored rollout sample."""
+    return Trajectory(
+        prompt_ids=sample.prompt_ids,
+        response_ids=sample.response_ids,
+        behaviour_logprobs=sample.logprobs,
+        ref_logprobs=ref_logprobs,
+        score=float(score),
+        policy_version=sample.policy_version,
+    )
 
 
 @dataclass
@@ -52,21 +109,21 @@ def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | Non
 
     def worker(name: str, slot: int) -> Any:
         return (
-            ray.remote(RolloutWorker)
+            ray.remote(StreamingRolloutWorker)
             .options(name=name, num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker, **ACTOR_ENV)
             .remote(cfg.model.policy_path, r, slot, 0)
         )
 
     def reference(name: str, _slot: int) -> Any:
         return (
-            ray.remote(ReferencePolicy)
+            ray.remote(StreamingReference)
             .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus, **ACTOR_ENV)
             .remote(cfg.reference_path, ref, temperature)
         )
 
     def scorer(name: str, _slot: int) -> Any:
         return (
-            ray.remote(RewardScorer)
+            ray.remote(StreamingScorer)
             .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus, **ACTOR_ENV)
             .remote(rew, cfg.tokenizer_path)
         )
@@ -97,7 +154,7 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
             placement_group=roles.learner_pg, placement_group_bundle_index=rank
         )
         roles.ranks.append(
-            ray.remote(LearnerRank)
+            ray.remote(StreamingLearnerRank)
             .options(
                 name=name,
                 num_cpus=lc.num_cpus_per_rank,

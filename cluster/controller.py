@@ -28,7 +28,7 @@ from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .summary import RunSummary, reward_to_prob
 from .telemetry import Telemetry
-from .weight_sync import load_into, push_weights, start_checksummer
+from .weight_sync import load_into, push_weights, start_checksummer, verify_ack
 
 
 class LearnerStepError(RuntimeError):
@@ -56,6 +56,8 @@ class Trainer:
         self.trained_prompts: collections.Counter[int] = collections.Counter()
         self.last_checkpoint: Path | None = None
         self._bundle: Any = None
+        self._resume_state: dict | None = None  # the checkpoint's state when resuming (for subclasses)
+        self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
         self._checksum: str | None = None
         self.sync_replacements = 0
         self.t_start = time.perf_counter()
@@ -83,6 +85,8 @@ class Trainer:
             self.roles.scorers,
             cfg.timeouts.generate_s,
             cfg.timeouts.score_s,
+            start_timeout=cfg.timeouts.actor_start_s,
+            prepare=self._prepare,
         )
         self.control = (
             ray.remote(RunControl)
@@ -105,6 +109,19 @@ class Trainer:
                 handle, name, self._bundle, self.version, self._checksum, self.cfg.timeouts.weight_sync_s
             )
 
+    def _prepare(self, kind: str, member: Any) -> list:
+        """Calls queued on a replacement actor before its first work: a rollout worker loads the
+        current weights (checked against the bundle's checksum when it acknowledges)."""
+        if kind != "generate" or self.version == 0 or self._bundle is None:
+            return []
+        version, expected = self.version, self._checksum
+        ref = member.handle.load_weights.remote(self._bundle, version)
+
+        def check(ack: Any, name: str = member.name) -> None:
+            verify_ack(name, ack, version, expected)
+
+        return [(ref, self.cfg.timeouts.weight_sync_s, check)]
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -126,6 +143,7 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "stream": self.stream.state_dict(),
             "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
+            **self._extra_state,
         }
         self.last_checkpoint = save_checkpoint(
             self.run_dir,
@@ -139,6 +157,7 @@ class Trainer:
 
     def restore(self, ckpt: Path) -> None:
         state = read_state(ckpt)
+        self._resume_state = state
         refs = [r.load_checkpoint.remote(str(ckpt / "learner")) for r in self.roles.ranks]
         ray.get(refs, timeout=self.cfg.timeouts.train_s)
         self.step = int(state["step"])
@@ -321,7 +340,16 @@ class Trainer:
     def evaluate(self) -> RolloutBatch:
         """Sample the fixed first prompts with the current weights (for the 'after' printout)."""
         k = max(self.cfg.run.sample_log_count, 1)
-        return self.collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
+        collector = RolloutCollector(
+            self.roles.workers,
+            self.roles.references,
+            self.roles.scorers,
+            self.cfg.timeouts.generate_s,
+            self.cfg.timeouts.score_s,
+            start_timeout=self.cfg.timeouts.actor_start_s,
+            prepare=self._prepare,
+        )
+        return collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
 
     def print_samples(self, title: str, batch: RolloutBatch) -> None:
         k = self.cfg.run.sample_log_count

@@ -149,6 +149,33 @@ class ActorPool:
         self.replaced += 1
         return self.members[index]
 
+    def begin_replace(self, index: int) -> Member:
+        """Like `replace`, without waiting: the new actor is launched and put in place at once.
+
+        The caller tracks its start (a `ping` call with timeouts.actor_start_s) and prepares it (e.g.
+        loads weights) with calls queued before any work, so other results keep being collected
+        while it starts. Returns the new member.
+        """
+        old = self.members[index]
+        with contextlib.suppress(Exception):
+            ray.kill(old.handle, no_restart=True)
+        restarts = old.restarts + 1
+        name = f"{self.prefix}-{old.slot}.r{restarts}"
+        member = Member(name, self.start(name, old.slot), old.slot, restarts)
+        self.members[index] = member
+        self.replaced += 1
+        return member
+
+    def remove(self, name: str) -> None:
+        """Remove and kill one member by name (a drained member during live scaling)."""
+        for i, m in enumerate(self.members):
+            if m.name == name:
+                del self.members[i]
+                with contextlib.suppress(Exception):
+                    ray.kill(m.handle, no_restart=True)
+                return
+        raise KeyError(name)
+
     def next(self) -> int:
         """Round-robin index of the member to give the next piece of work."""
         i = self._rr % len(self.members)

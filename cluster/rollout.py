@@ -9,6 +9,7 @@ exactly once per epoch. A sample whose reward failed is dropped and counted, nev
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,10 @@ import ray
 from learner.batch import Trajectory
 from rollout_workers.types import Sample
 
+from .actors import to_trajectory
+from .calls import Call, CallTracker
 from .data import Prompt
-from .pools import DEAD_ACTOR_ERRORS, ActorPool, wait_until
+from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member
 
 
 class RolloutError(RuntimeError):
@@ -56,22 +59,20 @@ class _Chunk:
     attempts: int = 0
 
 
-@dataclass
-class _Call:
-    kind: str  # "generate" | "reference" | "reward"
-    chunk: _Chunk
-    pool: ActorPool
-    handle: Any
-    name: str
-    deadline: float
-
-
 def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
     """Sampling seed that depends only on (run, step, chunk), not on which worker runs it."""
     return int(np.random.SeedSequence([run_seed, step, chunk]).generate_state(1)[0])
 
 
+# A prepare hook: for a freshly started member of a pool, the calls that must run before its first
+# piece of work (e.g. loading the current weights), as (ref, timeout, check(value) -> None) triples.
+Prepare = Callable[[str, Member], list[tuple[Any, float, Callable[[Any], None]]]]
+
+
 class RolloutCollector:
+    """Dispatch of generate/reference/reward calls with deadlines that start when the work starts,
+    re-dispatch with the same seed, and replacement of dead or stuck actors in the background."""
+
     def __init__(
         self,
         workers: ActorPool,
@@ -80,16 +81,24 @@ class RolloutCollector:
         generate_timeout: float,
         score_timeout: float,
         max_attempts: int = 3,
+        start_timeout: float = 300.0,
+        prepare: Prepare | None = None,
     ) -> None:
         self.pools = {"generate": workers, "reference": references, "reward": scorers}
         self.timeouts = {"generate": generate_timeout, "reference": score_timeout, "reward": score_timeout}
         self.max_attempts = max_attempts
+        self.start_timeout = start_timeout
+        self.prepare = prepare
 
     # ------------------------------------------------------------------ submission
 
-    def _submit(self, kind: str, chunk: _Chunk, index: int | None = None) -> tuple[Any, _Call]:
+    def _member(self, kind: str, index: int | None) -> Member:
         pool = self.pools[kind]
-        member = pool.members[pool.next() if index is None else index]
+        return pool.members[pool.next() if index is None else index]
+
+    def submit(self, tracker: CallTracker, kind: str, chunk: _Chunk, member: Member | None = None) -> Call:
+        """Send `kind` work for `chunk` to `member` (round-robin when None) and track it."""
+        member = member or self._member(kind, None)
         h = member.handle
         if kind == "generate":
             ref = h.generate.remote(
@@ -103,27 +112,82 @@ class RolloutCollector:
             else:
                 by_index = {p.index: p.meta for p in chunk.prompts}
                 ref = h.score.remote(p_ids, r_ids, [by_index[s.prompt_index] for s in chunk.samples])
-        return ref, _Call(kind, chunk, pool, h, member.name, time.monotonic() + self.timeouts[kind])
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk)
 
-    def _retry(self, call: _Call, why: str, batch: RolloutBatch) -> tuple[Any, _Call]:
-        chunk = call.chunk
-        chunk.attempts += 1
-        if chunk.attempts >= self.max_attempts:
-            cls = RolloutTimeout if why.startswith("stuck") else RolloutError
-            raise cls(
-                f"{call.kind} of chunk {chunk.index} failed {chunk.attempts} times; last: {call.name} {why}"
-            )
-        pool = call.pool
+    def resubmit(self, tracker: CallTracker, call: Call, member: Member | None) -> None:
+        """Hand `call`'s work out again (same chunk, same seed) to `member` or the next in line."""
+        self.submit(tracker, call.kind, call.payload, member)
+
+    # ------------------------------------------------------------------ faults
+
+    def fail(self, tracker: CallTracker, call: Call, why: str, stats: Any) -> None:
+        """`call` died or is stuck: count an attempt on its chunk, replace its actor in the background
+        and hand every call queued on that actor out again (the others count no attempt)."""
+        chunk = call.payload
+        if call.kind in self.pools:
+            chunk.attempts += 1
+            if chunk.attempts >= self.max_attempts:
+                cls = RolloutTimeout if why.startswith("stuck") else RolloutError
+                raise cls(
+                    f"{call.kind} of chunk {chunk.index} failed {chunk.attempts} times; last: {call.actor} {why}"
+                )
+        pool = self._pool_of(call.actor)
+        if pool is None:  # the actor was already replaced (another of its calls failed first)
+            if call.kind in self.pools:
+                stats.redispatched += 1
+                self.resubmit(tracker, call, None)
+            return
+        index = pool.names.index(call.actor)
+        orphans = [call, *tracker.drop_actor(call.actor)]
+        new = self.replace_in_background(tracker, pool, index)
+        stats.replacements += 1
+        stats.events.append(f"{call.actor} {why}; replaced by {new.name}")
+        for orphan in orphans:
+            if orphan.kind in self.pools:
+                stats.redispatched += 1
+                self.resubmit(tracker, orphan, new if orphan.kind == "generate" else None)
+
+    def _pool_of(self, actor: str) -> ActorPool | None:
+        for pool in self.pools.values():
+            if actor in pool.names:
+                return pool
+        return None
+
+    def replace_in_background(self, tracker: CallTracker, pool: ActorPool, index: int) -> Member:
+        """Start a replacement without waiting for it: its start and preparation are tracked calls
+        queued ahead of any work, so results of other actors keep being collected meanwhile."""
+        new = pool.begin_replace(index)
+        tracker.add(new.name, new.handle.ping.remote(), "start", self.start_timeout)
+        kind = next(k for k, p in self.pools.items() if p is pool)
+        for ref, timeout, check in self.prepare(kind, new) if self.prepare else []:
+            tracker.add(new.name, ref, "prepare", timeout, check=check)
+        return new
+
+    def settle(self, tracker: CallTracker, call: Call, stats: Any) -> tuple[bool, Any]:
+        """Get a finished call's value. Returns (True, value), or (False, None) after a dead actor was
+        replaced and its work re-dispatched. A start or prepare call that fails is an error."""
         try:
-            index = pool.index_of(call.handle)
-        except KeyError:  # already replaced because of another call on the same actor
-            index = None
-        if index is not None:
-            new = pool.replace(index)
-            batch.replacements += 1
-            batch.events.append(f"{call.name} {why}; replaced by {new.name}")
-        batch.redispatched += 1
-        return self._submit(call.kind, chunk, index)
+            value = ray.get(call.ref)
+        except DEAD_ACTOR_ERRORS:
+            if call.kind in ("start", "prepare"):
+                raise RolloutError(f"{call.actor} died while starting") from None
+            self.fail(tracker, call, "died", stats)
+            return False, None
+        except ray.exceptions.RayTaskError as err:
+            if call.kind == "start":
+                raise ActorStartError(f"{call.actor} failed to start: {err.cause!r}") from err
+            raise RolloutError(f"{call.actor} failed in {call.kind}: {err.cause!r}") from err
+        if call.kind == "prepare":
+            call.extra["check"](value)
+        return True, value
+
+    def expire(self, tracker: CallTracker, stats: Any) -> None:
+        for call in tracker.expired():
+            if call.kind == "start":
+                raise ActorStartError(
+                    f"{call.actor} not ready after {call.timeout:.0f}s (timeouts.actor_start_s)"
+                )
+            self.fail(tracker, call, f"stuck for {call.timeout:.0f}s", stats)
 
     # ------------------------------------------------------------------ one batch
 
@@ -134,47 +198,36 @@ class RolloutCollector:
             _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci))
             for ci, s in enumerate(range(0, len(prompts), chunk_size))
         ]
-        inflight: dict[Any, _Call] = dict(self._submit("generate", c) for c in chunks)
-        generating = len(chunks)
+        tracker = CallTracker()
+        for c in chunks:
+            self.submit(tracker, "generate", c)
         t_gen = None
-        while inflight:
-            ready, _ = wait_until(list(inflight), 1, min(c.deadline for c in inflight.values()))
-            if not ready:
-                for ref in [r for r, c in inflight.items() if c.deadline <= time.monotonic()]:
-                    call = inflight.pop(ref)
-                    timeout = self.timeouts[call.kind]
-                    new_ref, new_call = self._retry(call, f"stuck for {timeout:.0f}s", batch)
-                    inflight[new_ref] = new_call
+        while len(tracker):
+            done = tracker.wait()
+            if not done:
+                self.expire(tracker, batch)
                 continue
-            ref = ready[0]
-            call = inflight.pop(ref)
-            try:
-                value = ray.get(ref)
-            except DEAD_ACTOR_ERRORS:
-                new_ref, new_call = self._retry(call, "died", batch)
-                inflight[new_ref] = new_call
-                continue
-            except ray.exceptions.RayTaskError as err:
-                raise RolloutError(f"{call.name} failed in {call.kind}: {err.cause!r}") from err
-            chunk = call.chunk
-            if call.kind == "generate":
-                chunk.samples = value
-                generating -= 1
-                for kind in ("reference", "reward"):
-                    new_ref, new_call = self._submit(kind, chunk)
-                    inflight[new_ref] = new_call
-                waiting = sum(
-                    1
-                    for c in chunks
-                    if c.samples is not None and (c.scores is None or c.ref_logprobs is None)
-                )
-                batch.queue_depth = max(batch.queue_depth, waiting)
-                if generating == 0:
-                    t_gen = time.perf_counter() - t0
-            elif call.kind == "reference":
-                chunk.ref_logprobs = value
-            else:
-                chunk.scores = value
+            for call in done:
+                ok, value = self.settle(tracker, call, batch)
+                if not ok or call.kind not in self.pools:
+                    continue
+                chunk = call.payload
+                if call.kind == "generate":
+                    chunk.samples = value
+                    for kind in ("reference", "reward"):
+                        self.submit(tracker, kind, chunk)
+                    waiting = sum(
+                        1
+                        for c in chunks
+                        if c.samples is not None and (c.scores is None or c.ref_logprobs is None)
+                    )
+                    batch.queue_depth = max(batch.queue_depth, waiting)
+                    if all(c.samples is not None for c in chunks) and t_gen is None:
+                        t_gen = time.perf_counter() - t0
+                elif call.kind == "reference":
+                    chunk.ref_logprobs = value
+                else:
+                    chunk.scores = value
         batch.time_generate = t_gen or 0.0
         batch.time_score = time.perf_counter() - t0 - batch.time_generate
         self._assemble(chunks, batch)
@@ -192,14 +245,5 @@ class RolloutCollector:
                     continue
                 batch.samples.append(s)
                 scores.append(float(sb.scores[j]))
-                batch.trajectories.append(
-                    Trajectory(
-                        prompt_ids=s.prompt_ids,
-                        response_ids=s.response_ids,
-                        behaviour_logprobs=s.logprobs,
-                        ref_logprobs=chunk.ref_logprobs[j],
-                        score=float(sb.scores[j]),
-                        policy_version=s.policy_version,
-                    )
-                )
+                batch.trajectories.append(to_trajectory(s, chunk.ref_logprobs[j], sb.scores[j]))
         batch.scores = np.asarray(scores, dtype=np.float64)

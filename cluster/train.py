@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from .controller import LearnerStepError, RewardFailureError, Trainer
+    from .controller import LearnerStepError, RewardFailureError
     from .pools import ActorStartError
     from .rollout import RolloutError
+    from .streaming import make_trainer
     from .weight_sync import WeightSyncError
 
     RUN_ERRORS = (
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
-    trainer = Trainer(cfg, run_dir, resume_from=ckpt)
+    trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
     try:
         trainer.setup()
         print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)

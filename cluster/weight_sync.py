@@ -87,10 +87,15 @@ def push_weights(
     return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
 
 
-def load_into(worker: Any, name: str, bundle: Any, version: int, expected: str, timeout: float) -> None:
-    """Bring one (new) worker to the current weights before its first sample."""
-    got_version, got_sum = ray.get(worker.load_weights.remote(bundle, version), timeout=timeout)
+def verify_ack(name: str, ack: tuple[int, str], version: int, expected: str) -> None:
+    """A worker's acknowledgement of a load must name the version and the bundle's checksum."""
+    got_version, got_sum = ack
     if got_version != version or got_sum != expected:
         raise WeightSyncError(
             f"{name} loaded v{got_version} {got_sum[:12]}, expected v{version} {expected[:12]}"
         )
+
+
+def load_into(worker: Any, name: str, bundle: Any, version: int, expected: str, timeout: float) -> None:
+    """Bring one (new) worker to the current weights before its first sample."""
+    verify_ack(name, ray.get(worker.load_weights.remote(bundle, version), timeout=timeout), version, expected)

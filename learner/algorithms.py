@@ -14,6 +14,10 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+OFF_POLICY_MODES = ("none", "tis", "mask", "geo_mask")
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so one extreme token cannot make a loss
+# (and with it the whole minibatch on every rank) infinite. exp(20) ~ 5e8 is far outside any clip.
+LOG_RATIO_CLAMP = 20.0
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -189,7 +193,8 @@ def policy_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    log_ratio = _zero_invalid(logprobs - old_logprobs, mask)
+    raw_log_ratio = _zero_invalid(logprobs - old_logprobs, mask)
+    log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     adv = _zero_invalid(advantages, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -210,8 +215,68 @@ def policy_loss(
             "approx_kl": float(masked_mean(0.5 * log_ratio**2, mask)),
             "ratio_mean": float(masked_mean(ratio, mask)),
             "ratio_max": float(ratio[valid].max()) if n else 0.0,
+            "log_ratio_clamped": float((raw_log_ratio.abs() > LOG_RATIO_CLAMP).sum()),
         }
     return loss, metrics
+
+
+def off_policy_weights(
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "tis",
+    cap: float = 2.0,
+    geo_bounds: tuple[float, float] = (0.5, 2.0),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights correcting for sampling from the behaviour policy mu instead of pi_prox.
+
+    With rho_t = pi_prox(y_t) / mu(y_t) (decoupled PPO: the ratio and clip are taken against pi_prox,
+    this weight carries the behaviour/proximal mismatch):
+      "none"     1 everywhere;
+      "tis"      min(rho_t, cap)                      (truncated importance sampling, Espeholt et al. 2018);
+      "mask"     1[rho_t <= cap]                      (token rejection);
+      "geo_mask" 1[lo <= exp(mean_t log rho_t) <= hi] for every token of the sequence (sequence rejection
+                 on the geometric mean of the ratios).
+    Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp. Returns `(weights [B, T], metrics)`;
+    weights are 0 on invalid tokens. Metrics: mean/max weight, fraction of valid tokens clipped or
+    masked, and KL(mu || pi_prox) by the k3 estimator over valid tokens.
+    """
+    if mode not in OFF_POLICY_MODES:
+        raise ValueError(f"unknown off-policy correction {mode!r}; allowed: {', '.join(OFF_POLICY_MODES)}")
+    if cap <= 0:
+        raise ValueError(f"off-policy cap must be > 0 (got {cap})")
+    lo, hi = geo_bounds
+    if not 0 < lo <= 1 <= hi:
+        raise ValueError(f"geo_mask bounds must satisfy 0 < lo <= 1 <= hi (got {geo_bounds})")
+    valid = _valid(mask)
+    log_rho = _zero_invalid(prox_logprobs - behaviour_logprobs, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rho = torch.exp(log_rho)
+    if mode == "none":
+        w = torch.ones_like(rho)
+        hit = torch.zeros_like(valid)
+    elif mode == "tis":
+        w = rho.clamp(max=cap)
+        hit = rho > cap
+    elif mode == "mask":
+        hit = rho > cap
+        w = (~hit).to(rho.dtype)
+    else:
+        n_tok = mask.to(rho.dtype).sum(-1)
+        geo = torch.exp(log_rho.sum(-1) / n_tok.clamp(min=1.0))
+        keep_seq = (geo >= lo) & (geo <= hi)
+        hit = (~keep_seq).unsqueeze(-1).expand_as(valid)
+        w = keep_seq.to(rho.dtype).unsqueeze(-1).expand_as(rho).clone()
+    w = _zero_invalid(w, mask)
+    with torch.no_grad():
+        n = int(valid.sum())
+        metrics = {
+            "weight_mean": float(masked_mean(w, mask)),
+            "weight_max": float(w[valid].max()) if n else 0.0,
+            "clipped_frac": float(masked_mean((hit & valid).to(rho.dtype), mask)),
+            # KL(mu || pi_prox) from samples of mu: k3 with r = pi_prox / mu.
+            "behaviour_kl": float(masked_mean(torch.expm1(log_rho) - log_rho, mask)),
+        }
+    return w, metrics
 
 
 def value_loss(

@@ -68,10 +68,17 @@ class LearnerConfig(_Strict):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="Loss aggregation."
     )
-    tis_cap: float | None = Field(
-        None,
-        gt=0.0,
-        description="Truncated importance weight cap min(pi_old/pi_behav, C) for rollout/learner mismatch; None = off.",
+    off_policy: Literal["none", "tis", "mask", "geo_mask"] = Field(
+        "none",
+        description=(
+            "Behaviour/proximal correction per token with rho = pi_prox/mu: 'tis' min(rho, cap), 'mask' "
+            "1[rho <= cap], 'geo_mask' drops a sequence whose geometric-mean rho is outside "
+            "off_policy_geo_bounds. Required (not 'none') in async mode with max_staleness > 0."
+        ),
+    )
+    off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")
+    off_policy_geo_bounds: tuple[float, float] = Field(
+        (0.5, 2.0), description="[lo, hi] kept range of the per-sequence geometric-mean ratio ('geo_mask')."
     )
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty in the reward.")
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
@@ -90,6 +97,9 @@ class LearnerConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
+        lo, hi = self.off_policy_geo_bounds
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError(f"off_policy_geo_bounds must satisfy 0 < lo <= 1 <= hi (got {(lo, hi)})")
         if self.backend == "nccl" and self.num_gpus_per_rank <= 0:
             raise ValueError("backend='nccl' needs learner.num_gpus_per_rank > 0")
         return self

@@ -30,6 +30,7 @@ from learner.algorithms import (
     compute_gae,
     entropy_from_logits,
     logprobs_from_logits,
+    off_policy_weights,
     policy_loss,
     shape_rewards,
     value_loss,
@@ -185,14 +186,6 @@ def distributed_whiten(
     return torch.where(valid, out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
 
 
-def _is_weights(
-    old_lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance weight min(pi_old / pi_behaviour, cap) per valid token (1 elsewhere)."""
-    w = torch.exp(old_lp - behaviour).clamp(max=cap)
-    return torch.where(mask.to(torch.bool), w, torch.ones_like(w))
-
-
 def prepare(
     engine, batch: Batch, config: LearnerConfig, kl_coef: float, temperature: float, pad_id: int, device
 ) -> dict[str, float]:
@@ -230,11 +223,35 @@ def prepare(
     if config.whiten_advantages:
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
     batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
-    if config.tis_cap is not None:
-        batch.tokens["is_weights"] = _is_weights(
-            old_lp, batch.tokens["behaviour_logprobs"], mask, config.tis_cap
+    if config.off_policy != "none":
+        w, _ = off_policy_weights(
+            old_lp,
+            batch.tokens["behaviour_logprobs"],
+            mask,
+            config.off_policy,
+            config.off_policy_cap,
+            config.off_policy_geo_bounds,
         )
+        batch.tokens["is_weights"] = w
+    stats.update(_off_policy_stats(old_lp, batch.tokens["behaviour_logprobs"], mask, config, device))
     return stats
+
+
+def _off_policy_stats(old_lp, behaviour, mask, config: LearnerConfig, device) -> dict[str, float]:
+    """Global off-policy weight statistics (over all ranks' valid tokens), also when no correction is on."""
+    w, m = off_policy_weights(
+        old_lp, behaviour, mask, config.off_policy, config.off_policy_cap, config.off_policy_geo_bounds
+    )
+    n = float(mask.sum())
+    g = all_reduce([m["weight_mean"] * n, m["clipped_frac"] * n, m["behaviour_kl"] * n, n], "sum", device)
+    mx = float(all_reduce([m["weight_max"]], "max", device)[0])
+    tokens = max(float(g[3]), 1.0)
+    return {
+        "off_policy/weight_mean": float(g[0]) / tokens,
+        "off_policy/weight_max": mx,
+        "off_policy/clipped_frac": float(g[1]) / tokens,
+        "off_policy/behaviour_kl": float(g[2]) / tokens,
+    }
 
 
 def micro_batch_loss(
@@ -271,6 +288,7 @@ def micro_batch_loss(
         pg_m["clip_frac"] * n,
         vf_m["clip_frac"] * n,
         n,
+        pg_m["log_ratio_clamped"],
     ]
     return loss, (logits, values), local
 
@@ -281,7 +299,7 @@ def ppo_update(
     """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks."""
     world = _world()
     n_local = len(batch)
-    sums = torch.zeros(7, dtype=torch.float64)  # pg, vf, ent, kl*n, clip*n, vclip*n, n (applied steps only)
+    sums = torch.zeros(8, dtype=torch.float64)  # pg, vf, ent, kl*n, clip*n, vclip*n, n, clamped (applied)
     applied, skipped, grad_norm = 0, 0, 0.0
     zero_w = dummy_batch(pad_id).to(device)
     for _ in range(config.ppo_epochs):
@@ -297,7 +315,7 @@ def ppo_update(
         for j in range(k):
             if n_micro[j] == 0:  # no rank has data for this minibatch (fewer sequences than minibatches)
                 continue
-            step_sums = torch.zeros(7, dtype=torch.float64)
+            step_sums = torch.zeros(8, dtype=torch.float64)
             poisoned = False
             for i in range(n_micro[j]):
                 engine.set_gradient_accumulation_boundary(i == n_micro[j] - 1)
@@ -339,6 +357,7 @@ def ppo_update(
         "params/policy_clip_frac": tot[4] / n if applied else nan,
         "params/value_clip_frac": tot[5] / n if applied else nan,
         "params/grad_norm": grad_norm / steps if applied else nan,
+        "train/log_ratio_clamped_tokens": tot[7],
         "train/skipped_steps": float(skipped),
         "train/optimizer_steps": float(applied),
     }

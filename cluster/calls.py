@@ -1,0 +1,103 @@
+"""Outstanding remote calls, tracked per actor so that a deadline starts when the work starts.
+
+Ray runs the calls one caller makes on an actor in submission order, one at a time (the roles are
+plain, single-threaded actors). A call queued behind others on a busy actor has not started, so its
+timeout must not run yet: each actor's calls form a FIFO and only the head's clock runs. When the head
+finishes, the next call becomes the head and its clock starts then. A healthy actor with a queue is
+never mistaken for a stuck one; a stuck head is found after exactly its own timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+
+@dataclass(eq=False)
+class Call:
+    ref: Any  # the ObjectRef the call returns (the first one when it returns several)
+    actor: str  # name of the actor running it
+    kind: str  # what it is, for the caller: "generate", "reference", "reward", "load", "start", ...
+    timeout: float  # seconds from the moment the call starts
+    payload: Any = None  # the caller's record of the work (e.g. the chunk), for re-dispatch
+    started: float | None = None  # monotonic time it reached the head of its actor's queue
+    extra: dict = field(default_factory=dict)  # the caller's bookkeeping
+
+    @property
+    def deadline(self) -> float:
+        return float("inf") if self.started is None else self.started + self.timeout
+
+
+class CallTracker:
+    def __init__(self) -> None:
+        self._queues: dict[str, collections.deque[Call]] = {}
+        self._by_ref: dict[Any, Call] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_ref)
+
+    def add(self, actor: str, ref: Any, kind: str, timeout: float, payload: Any = None, **extra) -> Call:
+        call = Call(ref, actor, kind, timeout, payload, extra=extra)
+        queue = self._queues.setdefault(actor, collections.deque())
+        if not queue:
+            call.started = time.monotonic()
+        queue.append(call)
+        self._by_ref[ref] = call
+        return call
+
+    def pending(self, actor: str, kind: str | None = None) -> int:
+        return sum(1 for c in self._queues.get(actor, ()) if kind is None or c.kind == kind)
+
+    def calls(self, kind: str | None = None) -> list[Call]:
+        return [c for c in self._by_ref.values() if kind is None or c.kind == kind]
+
+    def _pop(self, call: Call) -> None:
+        self._by_ref.pop(call.ref, None)
+        queue = self._queues.get(call.actor)
+        if not queue:
+            return
+        was_head = queue[0] is call
+        queue.remove(call)
+        if was_head and queue and queue[0].started is None:
+            queue[0].started = time.monotonic()
+        if not queue:
+            del self._queues[call.actor]
+
+    def wait(self, max_wait: float = 1.0) -> list[Call]:
+        """Calls that finished (value or error), removed from tracking; waits at most `max_wait` seconds
+        or until the earliest running deadline, in slices of a second so Ctrl-C reaches the driver."""
+        if not self._by_ref:
+            time.sleep(min(max_wait, 0.05))
+            return []
+        now = time.monotonic()
+        earliest = min((c.deadline for c in self._by_ref.values()), default=now + max_wait)
+        timeout = max(0.0, min(max_wait, 1.0, earliest - now))
+        ready, _ = ray.wait(list(self._by_ref), num_returns=1, timeout=timeout)
+        if ready:  # collect whatever else is already done, without waiting
+            more, _ = ray.wait(list(self._by_ref), num_returns=len(self._by_ref), timeout=0)
+            ready = list(dict.fromkeys([*ready, *more]))
+        done = [self._by_ref[r] for r in ready]
+        for call in done:
+            self._pop(call)
+        return done
+
+    def expired(self) -> list[Call]:
+        """Running calls past their deadline (not removed: the caller decides, usually `drop_actor`)."""
+        now = time.monotonic()
+        return [q[0] for q in self._queues.values() if q and q[0].deadline <= now]
+
+    def drop_actor(self, actor: str) -> list[Call]:
+        """Stop tracking every call of `actor` (it is being replaced); returns them in submission order."""
+        calls = list(self._queues.pop(actor, ()))
+        for c in calls:
+            self._by_ref.pop(c.ref, None)
+        return calls
+
+
+def get_value(call: Call) -> Any:
+    """The value of a finished call (raises the call's error, as `ray.get`)."""
+    return ray.get(call.ref)

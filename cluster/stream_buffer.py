@@ -1,0 +1,177 @@
+"""The streaming data plane's bookkeeping: chunks, the admission rule, the trajectory buffer.
+
+Pure Python, no Ray: the controller feeds it events and asks it what to do next, and the tests
+drive it directly.
+
+Staleness (eta, in policy versions) is bounded twice:
+- Admission (AReaL's capacity rule): with learner version v, at most (eta + v + 1) x P prompts may
+  ever have been admitted (P = prompts per step; a prompt dropped as stale gives its slot back).
+  Each worker loads the newest weights before each chunk, so a chunk admitted at version v is
+  trained by one of the steps v+1 ... v+eta+1 when batches are taken in order.
+- Consumption: a sample whose version is more than eta behind the learner's when its batch is
+  taken is never trained: it is dropped, counted, and its prompt re-queued (ahead of new prompts),
+  so every prompt of an epoch is still trained exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .data import Prompt, PromptStream
+from .rollout import chunk_seed
+
+
+@dataclass(eq=False)
+class StreamChunk:
+    """Prompts handed to one worker in one generate call; `index` is the global chunk counter."""
+
+    index: int
+    prompts: list[Prompt]
+    seed: int
+    attempts: int = 0
+    # filled as the chunk moves through the pipeline
+    facts: list[tuple] | None = None  # per sample: (prompt index, version, length, finish reason)
+    samples_ref: Any = None
+    ref_logprobs_ref: Any = None
+    scores: Any = None  # ScoreBatch (small: fetched by the driver)
+    t_generated: float = 0.0
+
+    @property
+    def samples(self) -> Any:  # what the scorers read: the samples object, by reference
+        return self.samples_ref
+
+    @property
+    def version(self) -> int:
+        return min(f[1] for f in self.facts) if self.facts else -1
+
+    @property
+    def scored(self) -> bool:
+        return self.facts is not None and self.scores is not None and self.ref_logprobs_ref is not None
+
+
+@dataclass
+class Taken:
+    """One learner batch: (chunk, sample positions) in chunk order, plus what was dropped on the way."""
+
+    parts: list[tuple[StreamChunk, list[int]]]
+    prompts: list[Prompt]
+    stale_samples: int = 0
+    stale_prompts: int = 0
+    staleness: list[int] = field(default_factory=list)  # per trained sample
+
+
+class StreamBuffer:
+    def __init__(
+        self, stream: PromptStream, prompts_per_step: int, chunk_size: int, max_staleness: int, run_seed: int
+    ) -> None:
+        self.stream = stream
+        self.P = prompts_per_step
+        self.chunk_size = chunk_size
+        self.eta = max_staleness
+        self.run_seed = run_seed
+        self.requeued: collections.deque[Prompt] = collections.deque()
+        self.ready: collections.deque[tuple[StreamChunk, Prompt, list[int]]] = collections.deque()
+        self.inflight: dict[int, StreamChunk] = {}  # chunks not yet scored, by index
+        self.admitted = 0  # prompts admitted since version 0 (minus those given back)
+        self.chunks = 0  # global chunk counter (seeds)
+        self.pulled = 0  # prompts taken from the stream (batch-aligned chunking)
+
+    # ------------------------------------------------------------------ admission
+
+    def capacity(self, version: int) -> int:
+        """Prompts that may still be admitted at learner version `version`."""
+        return (self.eta + version + 1) * self.P - self.admitted
+
+    def next_chunk(self, version: int) -> StreamChunk | None:
+        """The next chunk to generate, or None when the admission rule says wait."""
+        room = min(self.capacity(version), self.chunk_size)
+        if room <= 0:
+            return None
+        if self.requeued:
+            prompts = [self.requeued.popleft() for _ in range(min(room, len(self.requeued)))]
+        else:
+            # Chunks never straddle a step's prompts, so eta = 0 chunks exactly as sync mode does.
+            take = min(room, self.P - self.pulled % self.P)
+            prompts = self.stream.next_batch(take)
+            self.pulled += take
+        per_step = math.ceil(self.P / self.chunk_size)
+        g = self.chunks
+        # Chunk g gets the seed sync mode gives the chunk at the same position of the same step.
+        chunk = StreamChunk(g, prompts, chunk_seed(self.run_seed, 1 + g // per_step, g % per_step))
+        self.chunks += 1
+        self.admitted += len(prompts)
+        self.inflight[g] = chunk
+        return chunk
+
+    # ------------------------------------------------------------------ scored chunks
+
+    def add_scored(self, chunk: StreamChunk) -> None:
+        """A chunk whose samples, reference logprobs and scores are all in: its prompts become ready."""
+        self.inflight.pop(chunk.index, None)
+        by_prompt: dict[int, list[int]] = collections.defaultdict(list)
+        for j, fact in enumerate(chunk.facts):
+            by_prompt[fact[0]].append(j)
+        for p in chunk.prompts:
+            self.ready.append((chunk, p, by_prompt.get(p.index, [])))
+
+    def depth(self) -> int:
+        """Prompts scored and waiting for the learner."""
+        return len(self.ready)
+
+    def take(self, version: int) -> Taken | None:
+        """P prompts for the learner at `version`, or None if fewer fresh ones are ready.
+
+        Samples older than eta versions are dropped and their prompts re-queued first.
+        """
+        fresh: collections.deque = collections.deque()
+        stale_samples = stale_prompts = 0
+        while self.ready:
+            chunk, prompt, positions = self.ready.popleft()
+            if version - chunk.version > self.eta:
+                stale_samples += len(positions)
+                stale_prompts += 1
+                self.requeued.append(prompt)
+                self.admitted -= 1
+            else:
+                fresh.append((chunk, prompt, positions))
+        self.ready = fresh
+        if len(self.ready) < self.P:
+            return (
+                None
+                if not stale_prompts
+                else Taken([], [], stale_samples=stale_samples, stale_prompts=stale_prompts)
+            )
+        items = [self.ready.popleft() for _ in range(self.P)]
+        items.sort(key=lambda it: (it[0].index, it[2][0] if it[2] else -1))  # chunk order, as sync mode
+        parts: list[tuple[StreamChunk, list[int]]] = []
+        for chunk, _prompt, positions in items:
+            if parts and parts[-1][0] is chunk:
+                parts[-1][1].extend(positions)
+            else:
+                parts.append((chunk, list(positions)))
+        for _chunk, positions in parts:
+            positions.sort()
+        staleness = [version - c.facts[j][1] for c, pos in parts for j in pos]
+        return Taken(parts, [p for _c, p, _pos in items], stale_samples, stale_prompts, staleness)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def outstanding(self) -> list[int]:
+        """Prompt indices admitted and not yet trained (re-queued, scored, in flight), in that order."""
+        out = [p.index for p in self.requeued]
+        out += [p.index for _c, p, _pos in self.ready]
+        out += [p.index for c in sorted(self.inflight.values(), key=lambda c: c.index) for p in c.prompts]
+        return out
+
+    def restore(self, version: int, outstanding: list[Prompt], chunks: int, pulled: int) -> None:
+        """Resume: the prompts that were outstanding are generated again, first (with the new weights:
+        samples buffered at the checkpoint would be stale after a restart anyway)."""
+        self.requeued = collections.deque(outstanding)
+        self.ready.clear()
+        self.inflight.clear()
+        self.admitted = version * self.P
+        self.chunks = chunks
+        self.pulled = pulled

@@ -1,0 +1,380 @@
+"""Async mode: rollout workers stream chunks while the learner trains (`pipeline.mode: async`).
+
+One event loop on the driver moves small facts; samples travel between actors as object refs.
+- Dispatch (`StreamCollector`): each worker holds at most `pipeline.max_inflight_per_worker` generate
+  calls and gets the next chunk when one finishes (least-loaded first). A worker behind the newest
+  published weights loads them first (a call queued ahead of its next chunk, never inside one).
+- Admission and consumption bounds on staleness: `StreamBuffer`.
+- The learner starts a step as soon as the buffer holds one batch; its new weights are published
+  when exported; workers pick them up before their next chunk; acknowledgements are checked as
+  they arrive, not waited for.
+- Faults: the sync collector's machinery (deadlines from when a call starts, background
+  replacement, re-dispatch with the same seed).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from .calls import Call, CallTracker
+from .controller import LearnerStepError, RewardFailureError, Trainer
+from .rollout import RolloutBatch, RolloutCollector
+from .stream_buffer import StreamBuffer, StreamChunk, Taken
+from .weight_sync import verify_ack
+
+LEARNER_KINDS = ("train", "export")
+
+
+def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Trainer:
+    """The trainer of `pipeline.mode`: lock-step `Trainer` or streaming `AsyncTrainer`."""
+    cls = AsyncTrainer if cfg.pipeline.mode == "async" else Trainer
+    return cls(cfg, run_dir, resume_from=resume_from)
+
+
+class StreamCollector(RolloutCollector):
+    """Submission for async mode: object refs between actors, least-loaded members, drained members."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tracker = CallTracker()
+        self.draining: set[str] = set()
+
+    def least_loaded(self, kind: str) -> Any:
+        pool = self.pools[kind]
+        live = [m for m in pool.members if m.name not in self.draining]
+        return min(live, key=lambda m: self.tracker.pending(m.name))
+
+    def submit(self, tracker: CallTracker, kind: str, chunk: StreamChunk, member: Any = None) -> Call:
+        member = member or self.least_loaded(kind)
+        h = member.handle
+        if kind == "generate":
+            facts_ref, samples_ref = h.generate_chunk.remote(
+                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed
+            )
+            return tracker.add(member.name, facts_ref, kind, self.timeouts[kind], chunk, samples=samples_ref)
+        if kind == "reference":
+            ref = h.sample_logprobs.remote(chunk.samples_ref)
+        else:
+            ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk)
+
+
+class AsyncTrainer(Trainer):
+    def setup(self) -> None:
+        super().setup()
+        cfg = self.cfg
+        self.collector = StreamCollector(
+            self.roles.workers,
+            self.roles.references,
+            self.roles.scorers,
+            cfg.timeouts.generate_s,
+            cfg.timeouts.score_s,
+            start_timeout=cfg.timeouts.actor_start_s,
+            prepare=self._prepare,
+        )
+        self.buffer = StreamBuffer(
+            self.stream,
+            cfg.data.prompts_per_step,
+            cfg.rollout.chunk_size,
+            cfg.pipeline.max_staleness,
+            cfg.run.seed,
+        )
+        if self._resume_state is not None:
+            st = self._resume_state
+            outstanding = [self.prompts_by_index[i] for i in st.get("outstanding", [])]
+            self.buffer.restore(self.version, outstanding, int(st.get("chunks", 0)), int(st.get("pulled", 0)))
+        self.worker_versions = {n: self.version for n in self.roles.workers.names}
+        self.busy = {"generate": 0.0, "score": 0.0}
+        self.t_last = time.perf_counter()
+
+    # ------------------------------------------------------------------ hooks of the sync trainer
+
+    def _prepare(self, kind: str, member: Any) -> list:
+        if kind == "generate":
+            self.worker_versions[member.name] = self.version if self._bundle is not None else 0
+        return super()._prepare(kind, member)
+
+    @property
+    def prompts_by_index(self) -> dict[int, Any]:
+        return {p.index: p for p in self.prompts}
+
+    def checkpoint(self) -> Path:
+        self._extra_state = {
+            "outstanding": self.buffer.outstanding(),
+            "chunks": self.buffer.chunks,
+            "pulled": self.buffer.pulled,
+        }
+        return super().checkpoint()
+
+    def apply_scaling(self) -> list[str]:
+        """Grow in the background (new workers load the current weights, then pull); shrink by
+        draining: a removed member takes no new work and leaves when its calls are done."""
+        targets = ray.get(self.control.targets.remote(), timeout=30)
+        events = []
+        for role, pool in zip(("rollout", "reference", "reward"), self.roles.pools(), strict=True):
+            kind = {"rollout": "generate", "reference": "reference", "reward": "reward"}[role]
+            live = [m for m in pool.members if m.name not in self.collector.draining]
+            want = int(targets[role])
+            if want < 1:
+                raise ValueError(f"{pool.prefix}: at least one actor is needed (asked for {want})")
+            for m in pool.launch(max(0, want - len(live))):
+                pool.members.append(m)
+                c = self.collector
+                c.tracker.add(m.name, m.handle.ping.remote(), "start", c.start_timeout)
+                for ref, timeout, check in self._prepare(kind, m):
+                    c.tracker.add(m.name, ref, "prepare", timeout, check=check)
+                events.append(f"+{m.name}")
+            for m in live[want:]:
+                self.collector.draining.add(m.name)
+                events.append(f"-{m.name}")
+        self._reap_drained()
+        return events
+
+    def _reap_drained(self) -> None:
+        c = self.collector
+        for name in list(c.draining):
+            if c.tracker.pending(name) == 0:
+                pool = c._pool_of(name)
+                if pool is not None:
+                    pool.remove(name)
+                self.worker_versions.pop(name, None)
+                c.draining.discard(name)
+
+    # ------------------------------------------------------------------ the stream
+
+    def _dispatch(self) -> None:
+        c, limit = self.collector, self.cfg.pipeline.max_inflight_per_worker
+        while True:
+            idle = [
+                m
+                for m in self.roles.workers.members
+                if m.name not in c.draining and c.tracker.pending(m.name, "generate") < limit
+            ]
+            if not idle:
+                return
+            member = min(idle, key=lambda m: c.tracker.pending(m.name))
+            chunk = self.buffer.next_chunk(self.version)
+            if chunk is None:
+                return
+            self._send_weights(member)
+            c.submit(c.tracker, "generate", chunk, member)
+
+    def _send_weights(self, member: Any) -> None:
+        """Queue the newest weights on a worker that is behind, ahead of its next chunk."""
+        if self._bundle is None or self.worker_versions.get(member.name, 0) >= self.version:
+            return
+        version, expected = self.version, self._checksum
+        ref = member.handle.load_weights.remote(self._bundle, version)
+
+        def check(ack: Any, name: str = member.name) -> None:
+            verify_ack(name, ack, version, expected)
+
+        self.collector.tracker.add(member.name, ref, "prepare", self.cfg.timeouts.weight_sync_s, check=check)
+        self.worker_versions[member.name] = version
+
+    def _on_done(self, call: Call) -> Any:
+        """Handle one finished call; returns the learner's value for learner calls."""
+        c = self.collector
+        if call.kind in LEARNER_KINDS:
+            return self._learner_value(call)
+        now = time.monotonic()
+        if call.started is not None and call.kind in c.pools:
+            self.busy["generate" if call.kind == "generate" else "score"] += now - call.started
+        ok, value = c.settle(c.tracker, call, self._faults)
+        if not ok or call.kind not in c.pools:
+            return None
+        chunk: StreamChunk = call.payload
+        if call.kind == "generate":
+            chunk.facts, chunk.samples_ref = value, call.extra["samples"]
+            chunk.t_generated = now
+            for kind in ("reference", "reward"):
+                c.submit(c.tracker, kind, chunk)
+        elif call.kind == "reference":
+            chunk.ref_logprobs_ref = call.ref
+        else:
+            chunk.scores = value
+        if chunk.scored:
+            self.buffer.add_scored(chunk)
+        return None
+
+    def _learner_value(self, call: Call) -> Any:
+        resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
+        try:
+            return ray.get(call.ref)
+        except ray.exceptions.RayTaskError as err:
+            raise LearnerStepError(f"{call.extra['name']} failed: {err.cause!r}{resume}") from err
+        except ray.exceptions.RayError as err:
+            raise LearnerStepError(f"{call.extra['name']} died during step {self.step + 1}{resume}") from err
+
+    def _start_train(self, taken: Taken) -> list[Call]:
+        ranks = self.roles.ranks
+        items = [(chunk, j) for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]]
+        shards = np.array_split(np.arange(len(items)), len(ranks))
+        calls = []
+        for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
+            parts: list = []
+            for k in shard:
+                chunk, j = items[k]
+                if not parts or parts[-1][3] is not chunk:
+                    parts.append([chunk.samples_ref, chunk.ref_logprobs_ref, [], chunk])
+                parts[-1][2].append((j, float(chunk.scores.scores[j])))
+            ref = rank.train_parts.remote([tuple(p[:3]) for p in parts])
+            name = f"learner-rank-{i}"
+            calls.append(self.collector.tracker.add(name, ref, "train", self.cfg.timeouts.train_s, name=name))
+        return calls
+
+    def _start_export(self) -> tuple[list[Call], Any]:
+        """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, checksummed on the side."""
+        add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
+        calls = [
+            add(f"learner-rank-{i}", r.export_weights.remote(), "export", limit, name=f"learner-rank-{i}")
+            for i, r in enumerate(self.roles.ranks)
+        ]
+        bundle = calls[0].ref
+        checksum = self.checksummer.checksum.remote(bundle, self.cfg.rollout.dtype)
+        calls.append(add("bundle-checksum", checksum, "export", limit, name="bundle checksum"))
+        return calls, bundle
+
+    def _check_learner_deadlines(self) -> None:
+        for call in self.collector.tracker.expired():
+            if call.kind in LEARNER_KINDS:
+                what = "learner step" if call.kind == "train" else "weight export"
+                limit = "timeouts.train_s" if call.kind == "train" else "timeouts.weight_sync_s"
+                raise LearnerStepError(f"{what} not done within {call.timeout:.0f}s ({limit})")
+
+    # ------------------------------------------------------------------ one learner step
+
+    def iteration(self) -> dict[str, float]:
+        cfg, c = self.cfg, self.collector
+        step = self.step + 1
+        self._faults = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
+        scaling = self.apply_scaling()
+        busy0 = dict(self.busy)
+        t_wait0 = time.perf_counter()
+        taken: Taken | None = None
+        train_calls: list[Call] = []
+        export_calls: list[Call] = []
+        stale_samples = stale_prompts = 0
+        learner_metrics: dict = {}
+        t_train = t_sync = 0.0
+        depth = 0
+        while True:
+            self._dispatch()
+            if taken is None:
+                got = self.buffer.take(self.version)
+                if got is not None:
+                    stale_samples += got.stale_samples
+                    stale_prompts += got.stale_prompts
+                    if got.parts:
+                        taken, depth = got, self.buffer.depth() + cfg.data.prompts_per_step
+                        self._check_rewards(step, taken)
+                        t_wait = time.perf_counter() - t_wait0
+                        t1 = time.perf_counter()
+                        train_calls = self._start_train(taken)
+                        continue
+            for call in c.tracker.wait():
+                value = self._on_done(call)
+                if call.kind not in LEARNER_KINDS:
+                    continue
+                if call.kind == "train":
+                    train_calls.remove(call)
+                    learner_metrics = learner_metrics or value
+                    if not train_calls:
+                        t_train = time.perf_counter() - t1
+                        t2 = time.perf_counter()
+                        export_calls, bundle = self._start_export()
+                elif call.kind == "export":
+                    export_calls.remove(call)
+                    if call.extra["name"] == "bundle checksum":
+                        self._checksum = value
+                    if not export_calls:
+                        t_sync = time.perf_counter() - t2
+                        self._bundle = bundle
+                        self.version = step
+            if taken is not None and not train_calls and not export_calls and self.version == step:
+                break
+            self._check_learner_deadlines()
+            c.expire(c.tracker, self._faults)
+            self._reap_drained()
+        self.step = step
+        metrics = self._metrics(taken, learner_metrics, t_wait, t_train, t_sync, busy0, depth)
+        self.samples_seen += int(metrics["rollout/samples"])
+        self.trained_prompts.update(
+            {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
+        )
+        metrics["scale/events"] = float(len(scaling))
+        metrics["staleness/dropped_samples"] = float(stale_samples)
+        metrics["staleness/requeued_prompts"] = float(stale_prompts)
+        self.writer.write(step, metrics)
+        self.telemetry.record_step(metrics)
+        self.history.append(metrics)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+            self.checkpoint()
+        return metrics
+
+    def _check_rewards(self, step: int, taken: Taken) -> None:
+        total = sum(len(pos) for _c, pos in taken.parts)
+        failed = [c.scores.errors[j] for c, pos in taken.parts for j in pos if not c.scores.ok[j]]
+        if len(failed) > self.cfg.reward.max_failure_frac * total:
+            raise RewardFailureError(
+                f"step {step}: {len(failed)}/{total} rewards failed (> reward.max_failure_frac="
+                f"{self.cfg.reward.max_failure_frac}); first errors: {failed[:3]}"
+            )
+
+    def _metrics(self, taken, learner, t_wait, t_train, t_sync, busy0, depth) -> dict[str, float]:
+        now = time.perf_counter()
+        wall, self.t_last = now - self.t_last, now
+        kept = [(c, j) for c, pos in taken.parts for j in pos if c.scores.ok[j]]
+        scores = np.array([float(c.scores.scores[j]) for c, j in kept])
+        lengths = np.array([c.facts[j][2] for c, j in kept])
+        finish = [c.facts[j][3] for c, j in kept]
+        staleness = np.array(taken.staleness)
+        n_workers = max(len(self.roles.workers), 1)
+        gen_busy = self.busy["generate"] - busy0["generate"]
+        eta = self.cfg.pipeline.max_staleness
+        lags = [self.version - v for v in self.worker_versions.values()]
+        m = {
+            "rollout/reward_mean": float(scores.mean()),
+            "rollout/reward_std": float(scores.std()),
+            "rollout/response_length": float(lengths.mean()),
+            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
+            "rollout/samples": float(len(kept)),
+            "rollout/reward_failures": float(len(staleness) - len(kept)),
+            "rollout/queue_depth": float(depth),
+            "rollout/staleness_mean": float(staleness.mean()),
+            **learner,
+            "staleness/mean": float(staleness.mean()),
+            "staleness/max": float(staleness.max()),
+            **{f"staleness/hist_{k}": float((staleness == k).sum()) for k in range(eta + 1)},
+            "pipeline/buffer_depth": float(depth),
+            "pipeline/generator_idle_frac": float(max(0.0, 1.0 - gen_busy / (n_workers * wall))),
+            "pipeline/learner_idle_frac": float(t_wait / wall),
+            "weights/version_lag_mean": float(np.mean(lags)) if lags else 0.0,
+            "weights/version_lag_max": float(max(lags)) if lags else 0.0,
+            "time/generate": gen_busy / n_workers,
+            "time/score": self.busy["score"] - busy0["score"],
+            "time/wait_data": t_wait,
+            "time/train": t_train,
+            "time/weight_sync": t_sync,
+            "time/step": wall,
+            "throughput/tokens_per_s": float(lengths.sum()) / wall,
+            "throughput/samples_per_s": len(kept) / wall,
+            "policy_version": float(self.version),
+            "scale/rollout_workers": float(len(self.roles.workers) - len(self.collector.draining)),
+            "faults/actor_replacements": float(self._faults.replacements),
+            "faults/redispatched_chunks": float(self._faults.redispatched),
+            "data/empty_prompts": float(self.data_stats.empty),
+            "data/truncated_prompts": float(self.data_stats.truncated),
+            "data/skipped_prompts": float(self.data_stats.skipped_long),
+        }
+        from .summary import reward_to_prob
+
+        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
+        if probs is not None:
+            m["rollout/reward_prob_mean"] = float(probs.mean())
+        return m

@@ -1,0 +1,130 @@
+"""The streaming buffer on its own: AReaL's admission rule, stale drops, exactly-once prompts, seeds."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+
+from cluster.data import Prompt, PromptStream
+from cluster.rollout import chunk_seed
+from cluster.stream_buffer import StreamBuffer
+
+
+class _Scores:
+    def __init__(self, n):
+        self.ok = np.ones(n, dtype=bool)
+
+
+def _prompts(n):
+    return [Prompt(i, f"p{i}", np.array([1, i + 3]), {}) for i in range(n)]
+
+
+def _buffer(n_prompts=12, P=4, chunk=2, eta=1):
+    return StreamBuffer(PromptStream(_prompts(n_prompts), seed=0, shuffle=False), P, chunk, eta, run_seed=7)
+
+
+def _finish(buf, chunk, version, n=1):
+    chunk.facts = [(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
+    chunk.samples_ref = chunk.ref_logprobs_ref = object()
+    chunk.scores = _Scores(len(chunk.facts))
+    buf.add_scored(chunk)
+
+
+def test_admission_follows_the_capacity_rule():
+    buf = _buffer(P=4, chunk=2, eta=1)
+    got = []
+    while (c := buf.next_chunk(version=0)) is not None:
+        got.append(c)
+    assert sum(len(c.prompts) for c in got) == (1 + 0 + 1) * 4  # (eta + v + 1) x P
+    assert buf.capacity(0) == 0 and buf.capacity(1) == 4
+    assert buf.next_chunk(version=1) is not None
+
+
+def test_eta_zero_chunks_like_sync_mode_with_the_same_seeds():
+    buf = _buffer(n_prompts=10, P=5, chunk=2, eta=0)
+    chunks = []
+    while (c := buf.next_chunk(version=0)) is not None:
+        chunks.append(c)
+    assert [len(c.prompts) for c in chunks] == [2, 2, 1]  # never straddles the step's 5 prompts
+    assert [c.seed for c in chunks] == [chunk_seed(7, 1, i) for i in range(3)]
+    for c in chunks:
+        _finish(buf, c, 0)
+    taken = buf.take(0)
+    assert [p.index for p in taken.prompts] == [0, 1, 2, 3, 4]
+    c = buf.next_chunk(version=1)
+    assert c.seed == chunk_seed(7, 2, 0) and [p.index for p in c.prompts] == [5, 6]
+
+
+def test_take_waits_for_a_full_batch_and_keeps_chunk_order():
+    buf = _buffer(P=4, chunk=2, eta=1)
+    a, b, c = (buf.next_chunk(0) for _ in range(3))
+    _finish(buf, c, 0, n=2)
+    assert buf.take(0) is None  # 2 of the 4 prompts of a batch
+    _finish(buf, a, 0, n=2)
+    taken = buf.take(0)
+    _finish(buf, b, 0, n=2)
+    # The first 4 prompts that became ready (c, a), handed to the learner in chunk order (a, c).
+    assert [ch.index for ch, _ in taken.parts] == [a.index, c.index]
+    assert all(pos == [0, 1, 2, 3] for _, pos in taken.parts)
+    assert taken.staleness == [0] * 8 and buf.depth() == 2
+
+
+def test_stale_samples_are_dropped_and_their_prompts_trained_later_exactly_once():
+    rng = random.Random(0)
+    P, eta, steps = 4, 1, 12
+    buf = StreamBuffer(PromptStream(_prompts(16), seed=3, shuffle=True), P, 2, eta, run_seed=1)
+    trained = collections.Counter()
+    version, dropped = 0, 0
+    inflight = []
+    for _ in range(steps):
+        while (c := buf.next_chunk(version)) is not None:
+            inflight.append((c, version))
+        rng.shuffle(inflight)  # chunks finish in any order; some are slow (finish after later steps)
+        keep = []
+        for c, v in inflight:
+            if rng.random() < 0.6:
+                _finish(buf, c, v)
+            else:
+                keep.append((c, v))
+        inflight = keep
+        taken = buf.take(version)
+        if taken is None or not taken.parts:
+            dropped += taken.stale_samples if taken else 0
+            continue
+        dropped += taken.stale_samples
+        assert max(taken.staleness) <= eta  # every trained sample, not an average
+        trained.update(p.index for p in taken.prompts)
+        version += 1
+    assert dropped > 0  # the scenario does exercise the consumption bound
+    # Prompts are drawn in epochs of 16: the trained counts differ by at most one epoch.
+    assert max(trained.values()) - min(trained.values()) <= 1
+    outstanding = buf.outstanding()
+    assert len(outstanding) == len(set(outstanding))
+
+
+def test_outstanding_prompts_are_generated_first_after_restore():
+    buf = _buffer(P=4, chunk=2, eta=1)
+    a = buf.next_chunk(0)
+    b = buf.next_chunk(0)
+    _finish(buf, a, 0)
+    out = buf.outstanding()
+    assert out == [0, 1, 2, 3]
+    again = _buffer(P=4, chunk=2, eta=1)
+    again.restore(version=3, outstanding=[Prompt(i, "", np.array([1]), {}) for i in out], chunks=2, pulled=4)
+    assert again.capacity(3) == 8
+    c = again.next_chunk(3)
+    assert [p.index for p in c.prompts] == [0, 1] and c.index == 2
+    del b
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_capacity_is_never_negative_after_drops(eta):
+    buf = _buffer(P=4, chunk=4, eta=eta)
+    c = buf.next_chunk(0)
+    _finish(buf, c, 0)
+    taken = buf.take(eta + 1)  # the learner moved on: everything is stale
+    assert taken.stale_prompts == 4 and not taken.parts
+    assert buf.capacity(eta + 1) >= 4
