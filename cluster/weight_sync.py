@@ -1,49 +1,79 @@
-"""Learner -> rollout workers weight push through the object store, versioned and checksummed.
+"""Learner -> rollout workers weight push through the object store, versioned, and acknowledged by
+what the workers' engines compute.
 
 Rank 0's exported state dict is put in the object store once (as the return value of
 `export_weights`) and every worker loads that same object; no copy passes through the driver.
-Each worker acknowledges the version it now holds and the checksum of its weights, which must
-equal the checksum of the bundle computed independently by a small task.
+While exporting, rank 0 also records what the workers must acknowledge (`export_fingerprint`): its
+own teacher-forced logprobs on a few fixed probe sequences (`learner.sequences.probe_sequences`),
+through the training forward, and the bundle's checksum at the rollout dtype when the bundle is
+small enough for that to be cheap. Each worker answers with the version it now holds, its engine's
+logprobs on the same probe, and (hf) the checksum of the weights it reads back. What was sent
+proves nothing; a stale, partial or ignored load shows in what the engine computes. Probe logprobs
+of two engines on equal weights agree to rounding: the tolerance is per dtype (`PROBE_TOLERANCE`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
-from rollout_workers.weights import state_checksum
+from rollout_workers.weights import state_checksum, torch_dtype
 
 from .pools import DEAD_ACTOR_ERRORS, wait_until
+
+# (atol, rtol) in nats for |worker - learner| probe logprobs, by the coarser of the two dtypes.
+# float32: vLLM and transformers agree to ~1e-6 on the CPU tests; bf16/fp16 engines differ from a
+# float32 learner by up to ~0.1 on sampled tokens (not exercised here: no bf16 vLLM on these CPUs).
+PROBE_TOLERANCE = {"float32": (1e-4, 1e-5), "float16": (0.1, 0.01), "bfloat16": (0.3, 0.02)}
+_PRECISION = ["float32", "float16", "bfloat16"]  # increasingly coarse
+CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a sha256 pass of the bundle)
 
 
 class WeightSyncError(RuntimeError):
     """A worker did not load the pushed weights; the message names it."""
 
 
-class BundleChecksum:
-    """A long-lived, zero-CPU actor that checksums bundles independently of the workers.
+@dataclass
+class Fingerprint:
+    """What every worker must acknowledge for one pushed version."""
 
-    An actor, not a task: a task may need a fresh worker process (over a second) on any step.
-    """
+    version: int
+    probe: list[np.ndarray]  # learner rank 0's logprobs on the probe sequences
+    checksum: str | None  # of the bundle at the rollout dtype; None when skipped (too large)
+    atol: float
+    rtol: float
 
-    def checksum(self, state: dict[str, torch.Tensor], dtype: str) -> str:
-        return state_checksum(state, getattr(torch, dtype))
+
+def bounded_checksum(state: dict[str, torch.Tensor], dtype: str, max_bytes: int) -> str | None:
+    """`state_checksum(state, dtype)`, or None for a bundle over `max_bytes` (runs on learner rank 0)."""
+    unique = {t.data_ptr(): t for t in state.values()}
+    if sum(t.numel() * t.element_size() for t in unique.values()) > max_bytes:
+        return None
+    return state_checksum(state, torch_dtype(dtype))
 
 
-def start_checksummer() -> Any:
-    return ray.remote(BundleChecksum).options(num_cpus=0).remote()
+def start_checksummer() -> None:
+    """Kept for callers: bundles are checksummed on learner rank 0 while exporting, no actor needed."""
+    return None
 
 
 @dataclass
 class SyncResult:
     version: int
-    checksum: str
+    expected: Fingerprint
     seconds: float
     lost: list[int] = field(default_factory=list)  # workers that died or hung: the caller replaces them
+
+    @property
+    def checksum(self) -> Fingerprint:
+        """The expected acknowledgement (`verify_ack`'s `expected`); the name predates fingerprints."""
+        return self.expected
 
 
 def push_weights(
@@ -53,49 +83,72 @@ def push_weights(
     version: int,
     dtype: str,
     timeout: float,
-    checksummer: Any,
+    checksummer: Any = None,
 ) -> tuple[SyncResult, Any]:
     """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
 
-    A worker that dies or does not answer in time is reported in `lost` (it holds no weights
-    anyone relies on); a worker that answers with the wrong version or checksum is an error.
+    `dtype` is the rollout dtype. A worker that dies or does not answer in time is reported in `lost`
+    (it holds no weights anyone relies on); a worker that answers with the wrong version, checksum
+    or probe logprobs is an error naming it. (`checksummer` is ignored; see `start_checksummer`.)
     """
     t0 = time.perf_counter()
-    refs = [r.export_weights.remote() for r in ranks]  # all ranks take part (ZeRO-3 gathers shards)
+    checksum = functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
+    refs = [r.export_weights.remote(checksum) for r in ranks]  # all ranks take part (ZeRO-3 gathers shards)
     bundle = refs[0]
-    expected_ref = checksummer.checksum.remote(bundle, dtype)
+    meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
-    _, pending = wait_until([*refs, expected_ref], len(refs) + 1, time.monotonic() + timeout)
+    _, pending = wait_until([*refs, meta_ref], len(refs) + 1, time.monotonic() + timeout)
     if pending:
         raise WeightSyncError(
             f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
         )
     ray.get(refs[1:])
-    expected = ray.get(expected_ref)
+    expected = expected_fingerprint(ray.get(meta_ref), version, dtype)
     deadline = time.monotonic() + timeout
     lost = []
     for i, (name, ack) in enumerate(zip(names, acks, strict=True)):
         try:
-            got_version, got_sum = ray.get(ack, timeout=max(0.0, deadline - time.monotonic()))
+            value = ray.get(ack, timeout=max(0.0, deadline - time.monotonic()))
         except (*DEAD_ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
             lost.append(i)
             continue
-        if got_version != version or got_sum != expected:
-            raise WeightSyncError(
-                f"{name} acknowledged v{got_version} checksum {got_sum[:12]}, expected v{version} {expected[:12]}"
-            )
+        verify_ack(name, value, version, expected)
     return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
 
 
-def verify_ack(name: str, ack: tuple[int, str], version: int, expected: str) -> None:
-    """A worker's acknowledgement of a load must name the version and the bundle's checksum."""
-    got_version, got_sum = ack
-    if got_version != version or got_sum != expected:
+def expected_fingerprint(meta: dict, version: int, rollout_dtype: str) -> Fingerprint:
+    """The acknowledgement to expect from learner rank 0's `export_fingerprint()`."""
+    coarser = max(rollout_dtype, meta["dtype"], key=_PRECISION.index)
+    atol, rtol = PROBE_TOLERANCE[coarser]
+    return Fingerprint(version, [np.asarray(p) for p in meta["probe"]], meta["checksum"], atol, rtol)
+
+
+def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None:
+    """A worker's acknowledgement (`rollout_workers.types.WeightAck`) must name the version, and its
+    engine must compute the learner's probe logprobs within tolerance (and the bundle's checksum,
+    where both ends have one)."""
+    if ack.version != version:
+        raise WeightSyncError(f"{name} acknowledged v{ack.version}, expected v{version}")
+    if ack.checksum is not None and expected.checksum is not None and ack.checksum != expected.checksum:
         raise WeightSyncError(
-            f"{name} loaded v{got_version} {got_sum[:12]}, expected v{version} {expected[:12]}"
+            f"{name} holds weights with checksum {ack.checksum[:12]}, expected v{version} {expected.checksum[:12]}"
+        )
+    if [len(p) for p in ack.probe] != [len(p) for p in expected.probe]:
+        raise WeightSyncError(f"{name} answered a different probe than the learner's (vocabularies differ?)")
+    gap, bad = 0.0, False
+    for got, want in zip(ack.probe, expected.probe, strict=True):
+        diff = np.abs(np.asarray(got, dtype=np.float64) - want)
+        gap = max(gap, float(np.max(diff, initial=0.0)))
+        bad |= bool((~(diff <= expected.atol + expected.rtol * np.abs(want))).any())  # NaN is bad too
+    if bad:
+        raise WeightSyncError(
+            f"{name} does not compute what the learner's v{version} weights compute: probe logprobs differ "
+            f"by up to {gap:.3g} nats (tolerance {expected.atol:g} + {expected.rtol:g}*|logprob|)"
         )
 
 
-def load_into(worker: Any, name: str, bundle: Any, version: int, expected: str, timeout: float) -> None:
+def load_into(
+    worker: Any, name: str, bundle: Any, version: int, expected: Fingerprint, timeout: float
+) -> None:
     """Bring one (new) worker to the current weights before its first sample."""
     verify_ack(name, ray.get(worker.load_weights.remote(bundle, version), timeout=timeout), version, expected)

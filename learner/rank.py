@@ -7,7 +7,9 @@ and calls every collective method on all ranks concurrently.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,7 @@ from learner.deepspeed_setup import (
 )
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
+from learner.sequences import probe_sequences
 
 _STATE_KEY = "_learner_rank"
 
@@ -61,6 +64,7 @@ class LearnerRank:
         self.generator = torch.Generator().manual_seed(self.seed)
         self.engine = None
         self._addr: tuple[str, int] | None = None
+        self._fingerprint: dict | None = None
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -129,12 +133,17 @@ class LearnerRank:
 
         return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
 
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
+    def export_weights(
+        self, checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None
+    ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
 
-        All ranks must call it (ZeRO-3 gathers shards). Tied weights stay one shared tensor.
+        All ranks must call it (ZeRO-3 gathers shards). Tied weights stay one shared tensor. Rank 0 also
+        records what a rollout worker must acknowledge for these weights (`export_fingerprint`): the
+        policy's logprobs on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
         """
         engine = self._require_engine()
+        probe = self._probe_logprobs()
         with self._gathered():
             if self.rank != 0:
                 return None
@@ -145,7 +154,32 @@ class LearnerRank:
                 if key not in copies:
                     copies[key] = t.detach().to("cpu", copy=True).contiguous()
                 out[name] = copies[key]
-            return out
+        self._fingerprint = {
+            "probe": probe,
+            "checksum": checksum(out) if checksum is not None else None,
+            "dtype": self.config.dtype,
+        }
+        return out
+
+    def export_fingerprint(self) -> dict | None:
+        """Rank 0: `{"probe", "checksum", "dtype"}` of the last `export_weights` (None before one)."""
+        return self._fingerprint
+
+    @torch.no_grad()
+    def _probe_logprobs(self) -> list[np.ndarray]:
+        """Teacher-forced logprobs (temperature 1) of tokens 1.. of each probe sequence, through the
+        same forward as training (all ranks call it: ZeRO-3 gathers parameters inside)."""
+        engine = self._require_engine()
+        weight = engine.module.policy.get_output_embeddings().weight
+        vocab = int(getattr(weight, "ds_shape", weight.shape)[0])
+        out = []
+        for seq in probe_sequences(vocab):
+            ids = torch.from_numpy(seq).unsqueeze(0).to(engine.device)
+            one = torch.ones((1,), dtype=torch.long, device=engine.device)
+            logits, _ = engine(ids, torch.ones_like(ids), one, len(seq) - 1, 1.0)
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
+            out.append(logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy())
+        return out
 
     def save_pretrained(self, path: str) -> None:
         """Rank 0 writes the HF policy, value head and tokenizer files to `path`; all ranks must call it."""

@@ -90,3 +90,23 @@ def fuse_tanh_gelu(model: torch.nn.Module) -> int:
                 setattr(parent, name, TanhGELU())
                 swapped += 1
     return swapped
+
+
+# A weight swap is acknowledged by what the engine computes: the generator and the learner both score
+# these few fixed sequences with their own forward; equal logprobs (within numerics) mean equal weights.
+PROBE_SEED = 20261123
+
+
+def probe_sequences(vocab_size: int, count: int = 4, length: int = 8) -> list[np.ndarray]:
+    """`count` fixed int64 token sequences of `length`..`length+count-1` tokens drawn from the vocabulary:
+    the same for every role that knows the vocabulary size."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    rng = np.random.default_rng([PROBE_SEED, int(vocab_size)])
+    return [rng.integers(0, vocab_size, size=length + i, dtype=np.int64) for i in range(count)]
+
+
+def sequence_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logprobs [L-1] of tokens 1..L-1 of one sequence from its logits [L, V] (temperature 1)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return logp.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)

@@ -52,9 +52,16 @@ class RolloutEngine(ABC):
         """Replace the weights in place; raise (naming the keys) when `state` does not fit the model."""
 
     @abstractmethod
-    def weights_checksum(self) -> str:
+    def weights_checksum(self) -> str | None:
         """`state_checksum(held, self.dtype)` of the weights held now, keyed like the bundles
-        `load_weights` takes, so it equals `state_checksum(bundle, self.dtype)` after a load."""
+        `load_weights` takes, so it equals `state_checksum(bundle, self.dtype)` after a load; None for
+        an engine that cannot read its weights back under those names (vLLM fuses and repacks them)."""
+
+    @abstractmethod
+    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        """Teacher-forced logprobs (temperature 1, float32 [L-1]) of tokens 1..L-1 of each sequence,
+        computed by this engine's own forward on the weights it holds: the functional fingerprint
+        that acknowledges a weight swap (see `learner.sequences.probe_sequences`)."""
 
 
 def read_special_ids(model_path: str) -> tuple[frozenset[int], int]:
@@ -91,7 +98,7 @@ def derive_seed(seed: int, *keys: int) -> int:
 
 
 def make_engine(model_path: str, config: RolloutConfig) -> RolloutEngine:
-    """Build the backend named by `config.engine` (imports it lazily: vLLM is an optional GPU extra)."""
+    """Build the backend named by `config.engine` (imports it lazily: vLLM is an optional extra)."""
     if config.engine == "hf":
         from rollout_workers.hf_engine import HFEngine
 

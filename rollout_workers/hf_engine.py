@@ -20,10 +20,16 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.sequences import fuse_tanh_gelu
+from learner.sequences import fuse_tanh_gelu, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
-from rollout_workers.weights import check_state_keys, state_checksum, torch_dtype
+from rollout_workers.weights import (
+    check_state_keys,
+    check_tied_copies,
+    state_checksum,
+    tied_groups,
+    torch_dtype,
+)
 
 
 class HFEngine(RolloutEngine):
@@ -45,6 +51,7 @@ class HFEngine(RolloutEngine):
         self.max_model_len = getattr(cfg, "max_position_embeddings", None) or getattr(
             cfg, "n_positions", None
         )
+        self._tied = tied_groups(self.model)
         self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
@@ -121,12 +128,21 @@ class HFEngine(RolloutEngine):
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         check_state_keys(state, {k: tuple(v.shape) for k, v in own.items()}, what=type(self.model).__name__)
-        _check_tied_copies_agree(own, state)
+        check_tied_copies(state, self._tied)
         for name, target in own.items():
             target.copy_(state[name])  # casts to the engine dtype/device; tied names share storage
 
     def weights_checksum(self) -> str:
         return state_checksum(self.model.state_dict(), self.dtype)
+
+    @torch.inference_mode()
+    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for seq in sequences:
+            ids = torch.as_tensor(np.asarray(seq, dtype=np.int64), device=self._device).unsqueeze(0)
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            out.append(sequence_logprobs(logits[0], ids[0]).cpu().numpy())
+        return out
 
 
 def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -146,17 +162,3 @@ def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
         srt = srt.masked_fill(drop, float("-inf"))
         out = torch.empty_like(out).scatter_(-1, idx, srt)
     return out
-
-
-def _check_tied_copies_agree(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    """Tied names (e.g. GPT-2's wte and lm_head) share storage: differing bundle copies would leave
-    the model holding whichever was written last."""
-    first_by_ptr: dict[tuple[int, tuple[int, ...]], str] = {}
-    for name, t in own.items():
-        key = (t.data_ptr(), tuple(t.shape))
-        if key not in first_by_ptr:
-            first_by_ptr[key] = name
-            continue
-        other = first_by_ptr[key]
-        if not torch.equal(state[name], state[other]):
-            raise ValueError(f"tied weights {other!r} and {name!r} differ in the bundle; they must be equal")

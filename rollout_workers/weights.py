@@ -72,5 +72,26 @@ def check_state_keys(
         raise ValueError(f"weight bundle shapes do not match the {what}: {_head(bad)}")
 
 
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (e.g. GPT-2's `transformer.wte.weight` and `lm_head.weight`),
+    in state-dict order; works on a meta-device skeleton too."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def check_tied_copies(state: Mapping[str, torch.Tensor], groups: list[list[str]]) -> None:
+    """A bundle's copies of tied weights must be equal: the model holds one tensor for all of them,
+    so differing copies would leave it holding whichever an engine happened to read."""
+    for names in groups:
+        first = names[0]
+        for other in names[1:]:
+            if first in state and other in state and not torch.equal(state[first], state[other]):
+                raise ValueError(
+                    f"tied weights {first!r} and {other!r} differ in the bundle; they must be equal"
+                )
+
+
 def _head(items: list[str], n: int = 8) -> str:
     return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")

@@ -19,9 +19,10 @@ import time
 import numpy as np
 import torch
 
+from learner.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, make_engine
-from rollout_workers.types import Sample
+from rollout_workers.types import Sample, WeightAck
 
 _MAX_SEED = 2**63 - 1
 
@@ -37,6 +38,7 @@ class RolloutWorker:
         self._engine = make_engine(str(model_path), config)
         self._version = initial_version
         self._checksum: str | None = None  # of the weights held now; computed lazily
+        self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
         self._lock = threading.Lock()
         self._stats = {
             "generate_calls": 0,
@@ -93,11 +95,12 @@ class RolloutWorker:
             s["generate_s"] += time.perf_counter() - t0
         return samples
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> tuple[int, str]:
-        """Load a full weight bundle tagged `version`; returns (version, checksum of what is now held).
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> WeightAck:
+        """Load a full weight bundle tagged `version`; acknowledge it with what the engine now computes.
 
-        The checksum is `state_checksum(held_weights, engine dtype)`, so the caller can compare it
-        with `state_checksum(bundle, engine dtype)`. Versions never go backwards.
+        The ack carries the engine's logprobs on the fixed probe (compare them with the learner's on the
+        same weights) and, where the engine can read its weights back, their checksum at the engine
+        dtype (compare with `state_checksum(bundle, engine dtype)`). Versions never go backwards.
         """
         with self._lock:
             if version < self._version:
@@ -109,19 +112,29 @@ class RolloutWorker:
             self._engine.load_weights(state)
             self._version = int(version)
             self._checksum = self._engine.weights_checksum()
+            ack = WeightAck(self._version, self._engine.probe_logprobs(self._probe), self._checksum)
             self._stats["weight_loads"] += 1
             self._stats["load_s"] += time.perf_counter() - t0
-            return self._version, self._checksum
+            return ack
+
+    def fingerprint(self) -> WeightAck:
+        """The same acknowledgement for the weights held now, without loading anything."""
+        with self._lock:
+            return WeightAck(self._version, self._engine.probe_logprobs(self._probe), self._checksum_locked())
 
     def version(self) -> int:
         return self._version
 
-    def checksum(self) -> str:
-        """Checksum of the weights held now (at the engine dtype); see `rollout_workers.weights`."""
+    def checksum(self) -> str | None:
+        """Checksum of the weights held now (at the engine dtype; see `rollout_workers.weights`), or None
+        where the engine cannot read its weights back (vLLM: use `fingerprint`)."""
         with self._lock:
-            if self._checksum is None:
-                self._checksum = self._engine.weights_checksum()
-            return self._checksum
+            return self._checksum_locked()
+
+    def _checksum_locked(self) -> str | None:
+        if self._checksum is None:
+            self._checksum = self._engine.weights_checksum()
+        return self._checksum
 
     def ping(self) -> str:
         return f"rollout worker {self.worker_index} ({self._engine.name}) pid {os.getpid()} on {socket.gethostname()}"

@@ -31,8 +31,9 @@ def test_rollout_worker_as_ray_actor(ray_local, tiny_policy_dir, tmp_path):
 
     bundle = AutoModelForCausalLM.from_pretrained(build_policy(tmp_path / "v5", seed=2)).state_dict()
     bundle_ref = ray.put(bundle)  # loaded once into the object store, as the controller does
-    version, checksum = ray.get(actor.load_weights.remote(bundle_ref, 5), timeout=TIMEOUT_S)
-    assert (version, checksum) == (5, state_checksum(bundle, torch.float32))
+    ack = ray.get(actor.load_weights.remote(bundle_ref, 5), timeout=TIMEOUT_S)
+    assert (ack.version, ack.checksum) == (5, state_checksum(bundle, torch.float32))
+    assert [len(p) for p in ack.probe] == [7, 8, 9, 10]  # logprobs of tokens 1.. of the fixed probe
     assert ray.get(actor.version.remote(), timeout=TIMEOUT_S) == 5
     after = ray.get(actor.generate.remote([0, 1], prompts, 11), timeout=TIMEOUT_S)
     assert {s.policy_version for s in after} == {5}

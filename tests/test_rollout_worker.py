@@ -149,7 +149,8 @@ def test_load_weights_switches_policy_and_reports_version_and_checksum(tiny_poli
 
     bundle = _bundle(other_policy_dir)
     assert {"transformer.wte.weight", "lm_head.weight"} <= set(bundle)  # tied GPT-2 embeddings, both named
-    version, checksum = worker.load_weights(bundle, version=1)
+    ack = worker.load_weights(bundle, version=1)
+    version, checksum = ack.version, ack.checksum
     assert (version, checksum) == (1, state_checksum(bundle, torch.float32))
     assert checksum != old_sum and worker.checksum() == checksum and worker.version() == 1
 
@@ -165,7 +166,7 @@ def test_load_weights_switches_policy_and_reports_version_and_checksum(tiny_poli
 def test_load_weights_casts_to_the_engine_dtype(tiny_policy_dir, other_policy_dir):
     worker = RolloutWorker(str(tiny_policy_dir), RolloutConfig(dtype="bfloat16"))
     bundle = _bundle(other_policy_dir)
-    _, checksum = worker.load_weights(bundle, version=2)
+    checksum = worker.load_weights(bundle, version=2).checksum
     assert checksum == state_checksum(bundle, torch.bfloat16) != state_checksum(bundle)
     assert worker.generate([0], PROMPTS[:1], seed=0)[0].logprobs.dtype == np.float32
 

@@ -46,13 +46,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _config(tokenizer, n_layer: int, n_embd: int) -> GPT2Config:
+def _config(tokenizer, n_layer: int, n_embd: int, n_head: int = 2) -> GPT2Config:
     return GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=64,
         n_embd=n_embd,
         n_layer=n_layer,
-        n_head=2,
+        n_head=n_head,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -63,10 +63,11 @@ def _config(tokenizer, n_layer: int, n_embd: int) -> GPT2Config:
     )
 
 
-def build_policy(out: Path, seed: int = 0) -> Path:
+def build_policy(out: Path, seed: int = 0, n_embd: int = 32) -> Path:
+    """A 2-layer GPT-2 with 2 heads (head_dim n_embd/2; vLLM's CPU attention needs >= 32: n_embd=64)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(_config(tokenizer, n_layer=2, n_embd=32))
+    model = GPT2LMHeadModel(_config(tokenizer, n_layer=2, n_embd=n_embd))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -1,0 +1,104 @@
+"""Weight pushes are acknowledged by what the workers' engines compute on a fixed probe.
+
+Unit checks of `verify_ack`, then a real learner rank (DeepSpeed ZeRO-2, a Ray actor) that trains one
+step and pushes: an honest worker passes, a worker that acknowledges without loading is named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.weight_sync import (
+    Fingerprint,
+    WeightSyncError,
+    bounded_checksum,
+    expected_fingerprint,
+    push_weights,
+    verify_ack,
+)
+from learner.sequences import probe_sequences
+from rollout_workers.config import RolloutConfig
+from rollout_workers.types import WeightAck
+from rollout_workers.weights import state_checksum
+from rollout_workers.worker import RolloutWorker
+
+PROBE = [np.array([-3.0, -1.5, -7.25]), np.array([-0.5, -2.0])]
+
+
+def _expected(checksum: str | None = "abc") -> Fingerprint:
+    return Fingerprint(4, PROBE, checksum, atol=1e-4, rtol=1e-5)
+
+
+def test_verify_ack_accepts_rounding_and_names_every_mismatch():
+    close = [p + 5e-5 for p in PROBE]
+    verify_ack("w0", WeightAck(4, close, "abc"), 4, _expected())
+    verify_ack("w0", WeightAck(4, close, None), 4, _expected())  # vLLM: no checksum, the probe decides
+    verify_ack("w0", WeightAck(4, close, "zzz"), 4, _expected(None))  # learner skipped it (too large)
+    with pytest.raises(WeightSyncError, match="rollout-worker-3 acknowledged v3, expected v4"):
+        verify_ack("rollout-worker-3", WeightAck(3, PROBE, "abc"), 4, _expected())
+    with pytest.raises(WeightSyncError, match="rollout-worker-1 holds weights with checksum zzz"):
+        verify_ack("rollout-worker-1", WeightAck(4, PROBE, "zzz"), 4, _expected())
+    off = [PROBE[0], PROBE[1] + np.array([0.0, 3e-3])]
+    with pytest.raises(
+        WeightSyncError, match=r"rollout-worker-2 does not compute .* v4 .* up to 0\.003 nats"
+    ):
+        verify_ack("rollout-worker-2", WeightAck(4, off, None), 4, _expected())
+    nan = [PROBE[0], np.array([np.nan, -2.0])]
+    with pytest.raises(WeightSyncError, match="rollout-worker-2 does not compute"):
+        verify_ack("rollout-worker-2", WeightAck(4, nan, None), 4, _expected())
+    with pytest.raises(WeightSyncError, match="different probe"):
+        verify_ack("rollout-worker-2", WeightAck(4, PROBE[:1], None), 4, _expected())
+
+
+def test_expected_fingerprint_uses_the_coarser_dtype_and_checksums_small_bundles():
+    meta = {"probe": PROBE, "checksum": None, "dtype": "float32"}
+    assert expected_fingerprint(meta, 2, "float32").atol == 1e-4
+    assert (
+        expected_fingerprint(meta, 2, "bfloat16").atol
+        == expected_fingerprint(dict(meta, dtype="bfloat16"), 2, "float32").atol
+        > 0.1
+    )
+    state = {"a": torch.ones(4), "b": torch.zeros(2, dtype=torch.int64)}
+    assert bounded_checksum(state, "bfloat16", 1 << 20) == state_checksum(state, torch.bfloat16)
+    assert bounded_checksum(state, "float32", 8) is None
+
+
+@pytest.mark.slow
+def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(ray_local, tiny_policy_dir):
+    from test_learner_ranks import _config, _trajectories
+
+    from learner.rank import LearnerRank
+
+    class AckWithoutLoading(RolloutWorker):  # defined here so Ray ships it by value
+        """A broken worker: it acknowledges the version but keeps generating with its old weights,
+        and has no checksum to give it away (as a vLLM engine): only the probe can tell."""
+
+        def load_weights(self, state, version):
+            self._version = version
+            return WeightAck(version, self.fingerprint().probe, None)
+
+    ray = ray_local
+    rank = ray.remote(LearnerRank).options(num_cpus=0.5).remote(0, 1, str(tiny_policy_dir), _config(), 0, 0)
+    addr, port = ray.get(rank.node_address.remote(), timeout=120)
+    ray.get(rank.setup.remote(addr, port), timeout=120)
+    honest = ray.remote(RolloutWorker).options(num_cpus=0.25).remote(str(tiny_policy_dir), RolloutConfig())
+    liar = ray.remote(AckWithoutLoading).options(num_cpus=0.25).remote(str(tiny_policy_dir), RolloutConfig())
+    try:
+        result, bundle = push_weights([rank], [honest, liar], ["honest", "liar"], 1, "float32", 120)
+        assert result.version == 1 and result.lost == []  # untrained: both hold the exported weights
+        assert result.checksum is result.expected and result.expected.checksum is not None
+        assert [len(p) for p in result.expected.probe] == [len(s) - 1 for s in probe_sequences(28)]
+
+        ray.get(rank.train_step.remote(_trajectories(4, seed=0)), timeout=120)
+        with pytest.raises(WeightSyncError, match="liar does not compute what the learner's v2 weights"):
+            push_weights([rank], [honest, liar], ["honest", "liar"], 2, "float32", 120)
+        result, _ = push_weights([rank], [honest], ["honest"], 3, "float32", 120)
+        ack = ray.get(honest.fingerprint.remote(), timeout=60)
+        gap = max(float(np.abs(a - b).max()) for a, b in zip(ack.probe, result.expected.probe, strict=True))
+        assert ack.version == 3 and gap < 1e-5  # hf and the learner's training forward, float32
+    finally:
+        ray.get(rank.shutdown.remote(), timeout=60)
+        for actor in (rank, honest, liar):
+            ray.kill(actor)
