@@ -20,6 +20,7 @@ from rollout_workers.worker import RolloutWorker
 
 from .config import RunConfig
 from .pools import ActorPool, ActorStartError, wait_ready, wait_until
+from .rollout_placement import RolloutPlacement
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -107,11 +108,13 @@ def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | Non
     temperature = r.sampling.temperature
     wait = cfg.timeouts.actor_start_s
 
+    placement = RolloutPlacement(cfg)  # tensor-parallel vLLM: a 0-GPU wrapper in a TP-GPU placement group
+
     def worker(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingRolloutWorker)
-            .options(name=name, num_cpus=r.num_cpus_per_worker, num_gpus=r.num_gpus_per_worker, **ACTOR_ENV)
-            .remote(cfg.model.policy_path, r, slot, 0)
+            .options(name=name, **placement.options(slot), **ACTOR_ENV)
+            .remote(cfg.model.policy_path, placement.config, slot, 0)
         )
 
     def reference(name: str, _slot: int) -> Any:

@@ -123,11 +123,10 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = int(skeleton.get_output_embeddings().weight.shape[0])
         text = hf_config.get_text_config()
         limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-        if v.max_model_len is not None and limit is not None and v.max_model_len > limit:
-            raise ValueError(
-                f"rollout.vllm.max_model_len={v.max_model_len} exceeds the model's {limit} positions"
-            )
-        self.max_model_len = v.max_model_len or limit
+        # Capped at the model's own limit; longer prompts get the worker's named error.
+        self.max_model_len = (
+            min(v.max_model_len, limit) if v.max_model_len and limit else v.max_model_len or limit
+        )
         self._broken = False  # a load failed part-way: the weights are unknown until a full one succeeds
         tp = v.tensor_parallel_size
         kwargs: dict[str, Any] = {}

@@ -1,0 +1,67 @@
+"""Where a rollout worker runs, and the engine settings only the run as a whole knows.
+
+- `hf`, or `vllm` with `tensor_parallel_size` 1: one actor holding `num_cpus_per_worker` CPUs and
+  `num_gpus_per_worker` GPUs (fractions allowed).
+- `vllm` with `tensor_parallel_size` = tp > 1 on GPUs (`num_gpus_per_worker` = tp, checked by the
+  config): the actor is a 0-GPU wrapper placed in bundle 0 of its own placement group of tp
+  `{"GPU": 1}` bundles on one node (STRICT_PACK), with `placement_group_capture_child_tasks`. vLLM's
+  Ray executor finds that group (`ray.util.get_current_placement_group()`, handed on to its engine
+  process) and starts one GPU worker per bundle inside it, so the GPUs are reserved once, not by
+  the wrapper and again by vLLM. A replacement worker reuses its slot's group; the groups live as
+  long as the run's driver.
+- `vllm` on CPU (no GPUs) with tp > 1: vLLM's `mp` executor forks its workers inside the actor,
+  which holds `num_cpus_per_worker` CPUs for all of them.
+
+`max_model_len` (the KV cache vLLM reserves per sequence) defaults to the longest prompt plus the
+longest response, `data.max_prompt_tokens + sampling.max_new_tokens`, instead of the model's whole
+context (32k-128k tokens on real models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout_workers.config import RolloutConfig
+
+from .config import RunConfig
+
+
+def worker_config(cfg: RunConfig) -> RolloutConfig:
+    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data."""
+    r = cfg.rollout
+    if r.engine != "vllm" or r.vllm.max_model_len is not None:
+        return r
+    longest = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
+    return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_model_len": longest})})
+
+
+class RolloutPlacement:
+    """Actor options per worker slot (one placement group per slot for tensor-parallel vLLM on GPUs)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.rollout = cfg.rollout
+        self.config = worker_config(cfg)
+        self.groups: dict[int, Any] = {}
+
+    @property
+    def tensor_parallel_on_gpus(self) -> bool:
+        r = self.rollout
+        return r.engine == "vllm" and r.vllm.tensor_parallel_size > 1 and r.num_gpus_per_worker > 0
+
+    def options(self, slot: int) -> dict[str, Any]:
+        r = self.rollout
+        if not self.tensor_parallel_on_gpus:
+            return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker}
+        if slot not in self.groups:
+            tp = r.vllm.tensor_parallel_size
+            bundles = [{"GPU": 1.0, "CPU": r.num_cpus_per_worker}] + [{"GPU": 1.0} for _ in range(tp - 1)]
+            self.groups[slot] = placement_group(bundles, strategy="STRICT_PACK")
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[slot],
+            placement_group_bundle_index=0,
+            placement_group_capture_child_tasks=True,
+        )
+        return {"num_cpus": r.num_cpus_per_worker, "num_gpus": 0, "scheduling_strategy": strategy}

@@ -1,0 +1,33 @@
+"""Rollout worker placement and run-derived engine settings (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+from cluster.config import build_config
+from cluster.rollout_placement import RolloutPlacement, worker_config
+
+
+def _cfg(**rollout):
+    return build_config(
+        {
+            "model": {"policy_path": "p"},
+            "data": {"prompts_path": "x.jsonl", "max_prompt_tokens": 20},
+            "reward": {"kind": "rule", "rule": "exact_match"},
+            "rollout": rollout,
+        }
+    )
+
+
+def test_vllm_reserves_kv_cache_for_the_longest_prompt_and_response_only():
+    cfg = _cfg(engine="vllm", sampling={"max_new_tokens": 12})
+    assert worker_config(cfg).vllm.max_model_len == 32 and cfg.rollout.vllm.max_model_len is None
+    assert worker_config(_cfg(engine="vllm", vllm={"max_model_len": 100})).vllm.max_model_len == 100
+    assert worker_config(_cfg(engine="hf")).vllm.max_model_len is None
+
+
+def test_single_device_workers_hold_their_resources_tensor_parallel_ones_a_group():
+    placement = RolloutPlacement(_cfg(engine="vllm", num_cpus_per_worker=1, num_gpus_per_worker=1))
+    assert placement.options(0) == {"num_cpus": 1, "num_gpus": 1} and not placement.groups
+    cpu_tp = RolloutPlacement(_cfg(engine="vllm", num_gpus_per_worker=0, vllm={"tensor_parallel_size": 2}))
+    assert not cpu_tp.tensor_parallel_on_gpus  # vLLM's mp executor forks inside the actor
+    gpu_tp = RolloutPlacement(_cfg(engine="vllm", num_gpus_per_worker=2, vllm={"tensor_parallel_size": 2}))
+    assert gpu_tp.tensor_parallel_on_gpus  # a 0-GPU wrapper in a 2-GPU placement group (needs GPUs to run)
