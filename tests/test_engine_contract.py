@@ -195,3 +195,19 @@ def test_bad_input_gives_a_named_error(worker):
     with pytest.raises(ValueError, match=f"prompt 4 has 60 tokens.*exceeds the model's {CONTEXT} positions"):
         worker.generate([4], [np.ones(60, dtype=np.int64)], seed=0, sampling=sampling)
     assert len(worker.generate([4], [np.ones(CONTEXT - 8, dtype=np.int64)], seed=0, sampling=sampling)) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(_NO_VLLM, reason="vllm is not importable here (make test-vllm installs it)")
+def test_vllm_tensor_parallel_swap_loads_every_shard(policies):
+    """tensor_parallel_size=2 on CPU (vLLM's mp executor, two worker processes): each rank takes its
+    shard of the same bundle bytes, and the probe shows the whole model changed."""
+    from rollout_workers.config import VLLMConfig
+
+    a, b = policies
+    worker = RolloutWorker(a, RolloutConfig(engine="vllm", vllm=VLLMConfig(tensor_parallel_size=2)))
+    assert _gap(worker.fingerprint().probe, _probe_reference(a)) < TOL
+    samples = worker.generate(INDICES, PROMPTS, seed=1, sampling=SamplingConfig(n=2, max_new_tokens=12))
+    assert _teacher_forced(a, samples, 1.0) < TOL
+    ack = worker.load_weights(_bundle(b), 1)
+    assert _gap(ack.probe, _probe_reference(b)) < TOL
