@@ -8,7 +8,7 @@ CONFIG  ?= configs/sentiment_tiny.yaml
 ASSETS  ?= assets/sentiment_tiny
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl clean
+.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl bench-async clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ bench: $(STAMP)
 # This project against TRL's PPOTrainer on the demo (installs trl into .venv-trl on first use).
 bench-trl: $(STAMP)
 	$(BIN)/python bench/compare_trl.py $(ARGS)
+
+# Sync vs async pipeline on the demo in one run, plus a projection to 64 workers (bench/bench_async.py).
+bench-async: $(STAMP)
+	$(BIN)/python bench/bench_async.py --out runs/bench-async $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

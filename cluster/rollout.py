@@ -169,8 +169,13 @@ class RolloutCollector:
         try:
             value = ray.get(call.ref)
         except DEAD_ACTOR_ERRORS:
-            if call.kind in ("start", "prepare"):
-                raise RolloutError(f"{call.actor} died while starting") from None
+            pool = self._pool_of(call.actor)
+            if call.kind in ("start", "prepare") and pool is not None:
+                member = pool.members[pool.names.index(call.actor)]
+                if member.restarts >= self.max_attempts:  # replacements keep dying: give up
+                    raise RolloutError(
+                        f"{call.actor} died while starting or loading weights ({member.restarts} restarts)"
+                    ) from None
             self.fail(tracker, call, "died", stats)
             return False, None
         except ray.exceptions.RayTaskError as err:

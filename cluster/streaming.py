@@ -14,6 +14,7 @@ One event loop on the driver moves small facts; samples travel between actors as
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from .calls import Call, CallTracker
 from .controller import LearnerStepError, RewardFailureError, Trainer
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
-from .weight_sync import verify_ack
+from .weight_sync import CHECKSUM_MAX_BYTES, bounded_checksum, expected_fingerprint, verify_ack
 
 LEARNER_KINDS = ("train", "export")
 
@@ -229,16 +230,26 @@ class AsyncTrainer(Trainer):
         return calls
 
     def _start_export(self) -> tuple[list[Call], Any]:
-        """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, checksummed on the side."""
+        """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
+        (probe logprobs, checksum) is what the workers must acknowledge."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
+        checksum = functools.partial(
+            bounded_checksum, dtype=self.cfg.rollout.dtype, max_bytes=CHECKSUM_MAX_BYTES
+        )
+        ranks = self.roles.ranks
         calls = [
-            add(f"learner-rank-{i}", r.export_weights.remote(), "export", limit, name=f"learner-rank-{i}")
-            for i, r in enumerate(self.roles.ranks)
+            add(
+                f"learner-rank-{i}",
+                r.export_weights.remote(checksum),
+                "export",
+                limit,
+                name=f"learner-rank-{i}",
+            )
+            for i, r in enumerate(ranks)
         ]
-        bundle = calls[0].ref
-        checksum = self.checksummer.checksum.remote(bundle, self.cfg.rollout.dtype)
-        calls.append(add("bundle-checksum", checksum, "export", limit, name="bundle checksum"))
-        return calls, bundle
+        fingerprint = ranks[0].export_fingerprint.remote()  # after export_weights on the same actor
+        calls.append(add("learner-rank-0", fingerprint, "export", limit, name="fingerprint"))
+        return calls, calls[0].ref
 
     def _check_learner_deadlines(self) -> None:
         for call in self.collector.tracker.expired():
@@ -290,8 +301,8 @@ class AsyncTrainer(Trainer):
                         export_calls, bundle = self._start_export()
                 elif call.kind == "export":
                     export_calls.remove(call)
-                    if call.extra["name"] == "bundle checksum":
-                        self._checksum = value
+                    if call.extra["name"] == "fingerprint":
+                        self._checksum = expected_fingerprint(value, step, cfg.rollout.dtype)
                     if not export_calls:
                         t_sync = time.perf_counter() - t2
                         self._bundle = bundle

@@ -38,6 +38,33 @@ GAUGES: dict[str, tuple[str, str]] = {
         "Mean policy versions between sampling and training of the step's samples.",
     ),
     "time/weight_sync": ("rayppo_weight_sync_seconds", "Seconds to export and load the new weights."),
+    # streaming (pipeline.mode=async)
+    "staleness/max": (
+        "rayppo_sample_staleness_max",
+        "Largest policy-version lag of a sample trained in the step.",
+    ),
+    "pipeline/buffer_depth": (
+        "rayppo_buffer_depth",
+        "Scored prompts in the trajectory buffer when the step began.",
+    ),
+    "pipeline/generator_idle_frac": (
+        "rayppo_generator_idle_fraction",
+        "Fraction of the step's wall time the rollout workers had no generate call running.",
+    ),
+    "pipeline/learner_idle_frac": (
+        "rayppo_learner_idle_fraction",
+        "Fraction of the step's wall time the learner waited for a full batch.",
+    ),
+    "weights/version_lag_max": (
+        "rayppo_worker_version_lag_max",
+        "Versions the furthest-behind rollout worker trails the learner at the end of the step.",
+    ),
+    "off_policy/weight_mean": ("rayppo_off_policy_weight_mean", "Mean behaviour/proximal correction weight."),
+    "off_policy/clipped_frac": (
+        "rayppo_off_policy_clipped_fraction",
+        "Fraction of tokens whose correction weight was capped or masked.",
+    ),
+    "off_policy/behaviour_kl": ("rayppo_behaviour_kl", "KL(behaviour || proximal policy) per token (k3)."),
 }
 
 # controller timing key -> role tag of the busy-time gauge
@@ -48,6 +75,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "rollout/reward_failures": ("rayppo_reward_failures", "Samples dropped because their reward failed."),
     "train/skipped_steps": ("rayppo_skipped_steps", "Optimizer steps skipped (non-finite gradients)."),
     "rollout/samples": ("rayppo_samples", "Samples trained on."),
+    "staleness/dropped_samples": (
+        "rayppo_stale_samples_dropped",
+        "Samples dropped for exceeding pipeline.max_staleness (their prompts are re-queued).",
+    ),
 }
 
 STEP_SECONDS_BOUNDARIES = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0]
