@@ -92,18 +92,77 @@ def push_weights(
     or probe logprobs is an error naming it. (`checksummer` is ignored; see `start_checksummer`.)
     """
     t0 = time.perf_counter()
-    checksum = functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
-    refs = [r.export_weights.remote(checksum) for r in ranks]  # all ranks take part (ZeRO-3 gathers shards)
+    refs = [r.export_weights.remote(_checksum(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
     bundle = refs[0]
     meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
+    expected = _await_export(refs, meta_ref, version, dtype, timeout)
+    lost = _collect_acks(names, acks, version, expected, timeout)
+    return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
+
+
+class CollectiveWeightSync:
+    """`rollout.weight_sync: collective`: learner rank 0 broadcasts each bundle to the workers over a
+    gloo group of its own (`learner.weight_broadcast`, bucketed, versioned), and every worker
+    acknowledges it exactly as an object-store push. The group is formed on the first push and again
+    whenever the set of workers changes. A worker lost during a broadcast fails the push (naming it):
+    the group cannot finish without it; the object-store path replaces lost workers instead.
+    """
+
+    def __init__(self, bucket_mb: float = 64.0) -> None:
+        self.bucket_mb = bucket_mb
+        self._members: tuple[str, ...] | None = None
+
+    def _form(self, rank0: Any, workers: list[Any], timeout: float) -> None:
+        members = tuple(a._actor_id.hex() for a in (rank0, *workers))
+        if members == self._members:
+            return
+        self._members = None
+        host, port = ray.get(rank0.node_address.remote(), timeout=timeout)
+        world = len(workers) + 1
+        joins = [rank0.join_weight_group.remote(host, port, world, timeout)]
+        joins += [
+            w.join_weight_group.remote(host, port, i + 1, world, timeout) for i, w in enumerate(workers)
+        ]
+        ray.get(joins, timeout=timeout)
+        self._members = members
+
+    def push(
+        self, ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+    ) -> tuple[SyncResult, None]:
+        """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store."""
+        t0 = time.perf_counter()
+        self._form(ranks[0], workers, timeout)
+        acks = [w.receive_weights.remote() for w in workers]
+        refs = [r.broadcast_weights.remote(version, self.bucket_mb, _checksum(dtype)) for r in ranks]
+        meta_ref = ranks[0].export_fingerprint.remote()
+        expected = _await_export(refs, meta_ref, version, dtype, timeout)
+        ray.get(refs[0])  # bytes sent: raises if rank 0's broadcast failed
+        lost = _collect_acks(names, acks, version, expected, timeout)
+        if lost:
+            self._members = None
+            raise WeightSyncError(f"{[names[i] for i in lost]} lost during the broadcast of v{version}")
+        return SyncResult(version, expected, time.perf_counter() - t0), None
+
+
+def _checksum(dtype: str) -> Any:
+    return functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
+
+
+def _await_export(refs: list[Any], meta_ref: Any, version: int, dtype: str, timeout: float) -> Fingerprint:
     _, pending = wait_until([*refs, meta_ref], len(refs) + 1, time.monotonic() + timeout)
     if pending:
         raise WeightSyncError(
             f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
         )
-    ray.get(refs[1:])
-    expected = expected_fingerprint(ray.get(meta_ref), version, dtype)
+    ray.get(refs[1:])  # (refs[0] may be the bundle: never pulled into the driver)
+    return expected_fingerprint(ray.get(meta_ref), version, dtype)
+
+
+def _collect_acks(
+    names: list[str], acks: list[Any], version: int, expected: Fingerprint, timeout: float
+) -> list[int]:
+    """Verify every acknowledgement; returns the indices of workers that died or did not answer."""
     deadline = time.monotonic() + timeout
     lost = []
     for i, (name, ack) in enumerate(zip(names, acks, strict=True)):
@@ -112,8 +171,10 @@ def push_weights(
         except (*DEAD_ACTOR_ERRORS, ray.exceptions.GetTimeoutError):
             lost.append(i)
             continue
+        except ray.exceptions.RayTaskError as err:  # the worker refused or failed the load
+            raise WeightSyncError(f"{name} did not load v{version}: {err.cause!r}") from err
         verify_ack(name, value, version, expected)
-    return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
+    return lost
 
 
 def expected_fingerprint(meta: dict, version: int, rollout_dtype: str) -> Fingerprint:

@@ -161,6 +161,31 @@ class LearnerRank:
         }
         return out
 
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Rank 0 hosts a weight broadcast group of itself and `world_size - 1` rollout workers."""
+        if self.rank != 0:
+            raise RuntimeError(f"learner rank {self.rank}: only rank 0 broadcasts weights")
+        from learner.weight_broadcast import open_group
+
+        self._weight_group = open_group(host, port, 0, world_size, timeout_s)
+
+    def broadcast_weights(
+        self,
+        version: int,
+        bucket_mb: float,
+        checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None,
+    ) -> int:
+        """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
+        group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks)."""
+        from learner.weight_broadcast import broadcast_state
+
+        state = self.export_weights(checksum)
+        if state is None:
+            return 0
+        if getattr(self, "_weight_group", None) is None:
+            raise RuntimeError("learner rank 0 has not joined a weight group")
+        return broadcast_state(self._weight_group, state, version, int(bucket_mb * 2**20))
+
     def export_fingerprint(self) -> dict | None:
         """Rank 0: `{"probe", "checksum", "dtype"}` of the last `export_weights` (None before one)."""
         return self._fingerprint

@@ -117,6 +117,21 @@ class RolloutWorker:
             self._stats["load_s"] += time.perf_counter() - t0
             return ack
 
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join learner rank 0's weight broadcast group as `rank` (rollout.weight_sync='collective')."""
+        from rollout_workers.weight_receiver import open_group
+
+        self._weight_group = open_group(host, port, rank, world_size, timeout_s)
+
+    def receive_weights(self) -> WeightAck:
+        """Receive the next broadcast bundle and load it like `load_weights` (same checks and ack)."""
+        from rollout_workers.weight_receiver import receive_state
+
+        if getattr(self, "_weight_group", None) is None:
+            raise RuntimeError(f"worker {self.worker_index} has not joined a weight group")
+        version, state = receive_state(self._weight_group)
+        return self.load_weights(state, version)
+
     def fingerprint(self) -> WeightAck:
         """The same acknowledgement for the weights held now, without loading anything."""
         with self._lock:

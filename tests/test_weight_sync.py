@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cluster.weight_sync import (
+    CollectiveWeightSync,
     Fingerprint,
     WeightSyncError,
     bounded_checksum,
@@ -65,11 +66,30 @@ def test_expected_fingerprint_uses_the_coarser_dtype_and_checksums_small_bundles
     assert bounded_checksum(state, "float32", 8) is None
 
 
-@pytest.mark.slow
-def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(ray_local, tiny_policy_dir):
-    from test_learner_ranks import _config, _trajectories
+@pytest.fixture(scope="module")
+def learner_rank(ray_local, tiny_policy_dir):
+    from test_learner_ranks import _config
 
     from learner.rank import LearnerRank
+
+    ray = ray_local
+    rank = ray.remote(LearnerRank).options(num_cpus=0.5).remote(0, 1, str(tiny_policy_dir), _config(), 0, 0)
+    addr, port = ray.get(rank.node_address.remote(), timeout=120)
+    ray.get(rank.setup.remote(addr, port), timeout=120)
+    yield rank
+    ray.get(rank.shutdown.remote(), timeout=60)
+    ray.kill(rank)
+
+
+def _worker(ray, path, cls=RolloutWorker):
+    return ray.remote(cls).options(num_cpus=0.25).remote(str(path), RolloutConfig())
+
+
+@pytest.mark.slow
+def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(
+    ray_local, learner_rank, tiny_policy_dir
+):
+    from test_learner_ranks import _trajectories
 
     class AckWithoutLoading(RolloutWorker):  # defined here so Ray ships it by value
         """A broken worker: it acknowledges the version but keeps generating with its old weights,
@@ -79,12 +99,8 @@ def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(ray_
             self._version = version
             return WeightAck(version, self.fingerprint().probe, None)
 
-    ray = ray_local
-    rank = ray.remote(LearnerRank).options(num_cpus=0.5).remote(0, 1, str(tiny_policy_dir), _config(), 0, 0)
-    addr, port = ray.get(rank.node_address.remote(), timeout=120)
-    ray.get(rank.setup.remote(addr, port), timeout=120)
-    honest = ray.remote(RolloutWorker).options(num_cpus=0.25).remote(str(tiny_policy_dir), RolloutConfig())
-    liar = ray.remote(AckWithoutLoading).options(num_cpus=0.25).remote(str(tiny_policy_dir), RolloutConfig())
+    ray, rank = ray_local, learner_rank
+    honest, liar = _worker(ray, tiny_policy_dir), _worker(ray, tiny_policy_dir, AckWithoutLoading)
     try:
         result, bundle = push_weights([rank], [honest, liar], ["honest", "liar"], 1, "float32", 120)
         assert result.version == 1 and result.lost == []  # untrained: both hold the exported weights
@@ -99,6 +115,36 @@ def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(ray_
         gap = max(float(np.abs(a - b).max()) for a, b in zip(ack.probe, result.expected.probe, strict=True))
         assert ack.version == 3 and gap < 1e-5  # hf and the learner's training forward, float32
     finally:
-        ray.get(rank.shutdown.remote(), timeout=60)
-        for actor in (rank, honest, liar):
+        for actor in (honest, liar):
             ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_collective_broadcast_in_buckets_reaches_every_worker_and_regroups(
+    ray_local, learner_rank, tiny_policy_dir
+):
+    from test_learner_ranks import _trajectories
+
+    ray, rank = ray_local, learner_rank
+    workers = [_worker(ray, tiny_policy_dir), _worker(ray, tiny_policy_dir)]
+    sync = CollectiveWeightSync(bucket_mb=0.01)  # ~10 kB buckets: the tiny GPT-2 travels in several
+    try:
+        ray.get(rank.train_step.remote(_trajectories(4, seed=1)), timeout=120)
+        result, bundle = sync.push([rank], workers, ["w0", "w1"], 1, "float32", 120)
+        assert bundle is None and result.version == 1
+        exported = ray.get(
+            rank.export_weights.remote(), timeout=120
+        )  # the same weights, via the object store
+        want = state_checksum(exported, torch.float32)
+        assert result.expected.checksum == want
+        assert ray.get([w.checksum.remote() for w in workers], timeout=60) == [want, want]
+
+        workers.append(_worker(ray, tiny_policy_dir))  # a new member: the group forms again
+        sync.push([rank], workers, ["w0", "w1", "w2"], 2, "float32", 120)
+        assert ray.get([w.version.remote() for w in workers], timeout=60) == [2, 2, 2]
+        ray.get(workers[1].load_weights.remote(exported, 5), timeout=60)  # w1 moves ahead of the push
+        with pytest.raises(WeightSyncError, match="w1 did not load v4: .*holds version 5; refusing older 4"):
+            sync.push([rank], workers, ["w0", "w1", "w2"], 4, "float32", 120)
+    finally:
+        for w in workers:
+            ray.kill(w)
