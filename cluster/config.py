@@ -152,11 +152,10 @@ class RunConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} makes minibatches smaller than one "
                 f"sample: each rank gets {per_rank} samples per step"
             )
-        if (
-            self.pipeline.mode == "async"
-            and self.pipeline.max_staleness > 0
-            and self.learner.off_policy == "none"
-        ):
+        stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
+        if self.learner.off_policy == "auto":
+            self.learner.off_policy = "tis" if stale else "none"
+        if stale and self.learner.off_policy == "none":
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "
                 "from older policies: set learner.off_policy to 'tis', 'mask' or 'geo_mask' (the PPO ratio is "

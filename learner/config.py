@@ -68,12 +68,13 @@ class LearnerConfig(_Strict):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="Loss aggregation."
     )
-    off_policy: Literal["none", "tis", "mask", "geo_mask"] = Field(
-        "none",
+    off_policy: Literal["auto", "none", "tis", "mask", "geo_mask"] = Field(
+        "auto",
         description=(
             "Behaviour/proximal correction per token with rho = pi_prox/mu: 'tis' min(rho, cap), 'mask' "
             "1[rho <= cap], 'geo_mask' drops a sequence whose geometric-mean rho is outside "
-            "off_policy_geo_bounds. Required (not 'none') in async mode with max_staleness > 0."
+            "off_policy_geo_bounds. 'auto' = 'tis' in async mode with max_staleness > 0, else 'none'; "
+            "'none' there is a config error."
         ),
     )
     off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")

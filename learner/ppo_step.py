@@ -223,7 +223,7 @@ def prepare(
     if config.whiten_advantages:
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
     batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
-    if config.off_policy != "none":
+    if config.off_policy not in ("none", "auto"):  # 'auto' is resolved by the run config
         w, _ = off_policy_weights(
             old_lp,
             batch.tokens["behaviour_logprobs"],
@@ -239,8 +239,9 @@ def prepare(
 
 def _off_policy_stats(old_lp, behaviour, mask, config: LearnerConfig, device) -> dict[str, float]:
     """Global off-policy weight statistics (over all ranks' valid tokens), also when no correction is on."""
+    mode = "none" if config.off_policy == "auto" else config.off_policy
     w, m = off_policy_weights(
-        old_lp, behaviour, mask, config.off_policy, config.off_policy_cap, config.off_policy_geo_bounds
+        old_lp, behaviour, mask, mode, config.off_policy_cap, config.off_policy_geo_bounds
     )
     n = float(mask.sum())
     g = all_reduce([m["weight_mean"] * n, m["clipped_frac"] * n, m["behaviour_kl"] * n, n], "sum", device)

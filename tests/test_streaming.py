@@ -68,8 +68,18 @@ def test_async_with_zero_staleness_reproduces_sync(ray_local, demo_assets, tmp_p
 
 
 def test_async_needs_an_off_policy_correction_when_stale(demo_assets):
+    assert cfg_for(demo_assets, 2, **{"pipeline.mode": "async"}).learner.off_policy == "tis"  # 'auto'
+    assert (
+        cfg_for(demo_assets, 2, **{"pipeline.mode": "async", "pipeline.max_staleness": 0}).learner.off_policy
+        == "none"
+    )
+    assert cfg_for(demo_assets, 2).learner.off_policy == "none"
     with pytest.raises(ConfigError, match="learner.off_policy"):
-        cfg_for(demo_assets, 2, **{"pipeline.mode": "async", "pipeline.max_staleness": 2})
+        cfg_for(
+            demo_assets,
+            2,
+            **{"pipeline.mode": "async", "pipeline.max_staleness": 2, "learner.off_policy": "none"},
+        )
 
 
 def test_no_trained_sample_is_older_than_the_bound(ray_local, demo_assets, tmp_path):
