@@ -245,12 +245,17 @@ class Trainer:
         wall = time.perf_counter() - t0
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))
+        self.finish_step(step, metrics)
+        return metrics
+
+    def finish_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due."""
         self.writer.write(step, metrics)
         self.telemetry.record_step(metrics)
         self.history.append(metrics)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+        every = self.cfg.checkpoint.every_steps
+        if every and step % every == 0:
             self.checkpoint()
-        return metrics
 
     def step_metrics(
         self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float

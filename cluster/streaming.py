@@ -261,71 +261,40 @@ class AsyncTrainer(Trainer):
     # ------------------------------------------------------------------ one learner step
 
     def iteration(self) -> dict[str, float]:
-        cfg, c = self.cfg, self.collector
+        c = self.collector
         step = self.step + 1
         self._faults = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
         scaling = self.apply_scaling()
         busy0 = dict(self.busy)
-        t_wait0 = time.perf_counter()
-        taken: Taken | None = None
-        train_calls: list[Call] = []
-        export_calls: list[Call] = []
-        stale_samples = stale_prompts = 0
-        learner_metrics: dict = {}
-        t_train = t_sync = 0.0
-        depth = 0
-        while True:
+        learner = _LearnerStep(self, step)
+        while not learner.done:
             self._dispatch()
-            if taken is None:
+            if learner.waiting:
                 got = self.buffer.take(self.version)
                 if got is not None:
-                    stale_samples += got.stale_samples
-                    stale_prompts += got.stale_prompts
+                    learner.stale_samples += got.stale_samples
+                    learner.stale_prompts += got.stale_prompts
                     if got.parts:
-                        taken, depth = got, self.buffer.depth() + cfg.data.prompts_per_step
-                        self._check_rewards(step, taken)
-                        t_wait = time.perf_counter() - t_wait0
-                        t1 = time.perf_counter()
-                        train_calls = self._start_train(taken)
+                        self._check_rewards(step, got)
+                        learner.start(got, self.buffer.depth() + self.cfg.data.prompts_per_step)
                         continue
             for call in c.tracker.wait():
                 value = self._on_done(call)
-                if call.kind not in LEARNER_KINDS:
-                    continue
-                if call.kind == "train":
-                    train_calls.remove(call)
-                    learner_metrics = learner_metrics or value
-                    if not train_calls:
-                        t_train = time.perf_counter() - t1
-                        t2 = time.perf_counter()
-                        export_calls, bundle = self._start_export()
-                elif call.kind == "export":
-                    export_calls.remove(call)
-                    if call.extra["name"] == "fingerprint":
-                        self._checksum = expected_fingerprint(value, step, cfg.rollout.dtype)
-                    if not export_calls:
-                        t_sync = time.perf_counter() - t2
-                        self._bundle = bundle
-                        self.version = step
-            if taken is not None and not train_calls and not export_calls and self.version == step:
-                break
-            self._check_learner_deadlines()
-            c.expire(c.tracker, self._faults)
-            self._reap_drained()
+                if call.kind in LEARNER_KINDS:
+                    learner.finished(call, value)
+            if not learner.done:
+                self._check_learner_deadlines()
+                c.expire(c.tracker, self._faults)
+                self._reap_drained()
         self.step = step
-        metrics = self._metrics(taken, learner_metrics, t_wait, t_train, t_sync, busy0, depth)
+        taken = learner.taken
+        metrics = self._metrics(learner, busy0)
         self.samples_seen += int(metrics["rollout/samples"])
         self.trained_prompts.update(
             {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
         )
         metrics["scale/events"] = float(len(scaling))
-        metrics["staleness/dropped_samples"] = float(stale_samples)
-        metrics["staleness/requeued_prompts"] = float(stale_prompts)
-        self.writer.write(step, metrics)
-        self.telemetry.record_step(metrics)
-        self.history.append(metrics)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-            self.checkpoint()
+        self.finish_step(step, metrics)
         return metrics
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
@@ -337,7 +306,8 @@ class AsyncTrainer(Trainer):
                 f"{self.cfg.reward.max_failure_frac}); first errors: {failed[:3]}"
             )
 
-    def _metrics(self, taken, learner, t_wait, t_train, t_sync, busy0, depth) -> dict[str, float]:
+    def _metrics(self, step: _LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
+        taken, depth = step.taken, step.depth
         now = time.perf_counter()
         wall, self.t_last = now - self.t_last, now
         kept = [(c, j) for c, pos in taken.parts for j in pos if c.scores.ok[j]]
@@ -358,20 +328,20 @@ class AsyncTrainer(Trainer):
             "rollout/reward_failures": float(len(staleness) - len(kept)),
             "rollout/queue_depth": float(depth),
             "rollout/staleness_mean": float(staleness.mean()),
-            **learner,
+            **step.metrics,
             "staleness/mean": float(staleness.mean()),
             "staleness/max": float(staleness.max()),
             **{f"staleness/hist_{k}": float((staleness == k).sum()) for k in range(eta + 1)},
             "pipeline/buffer_depth": float(depth),
             "pipeline/generator_idle_frac": float(max(0.0, 1.0 - gen_busy / (n_workers * wall))),
-            "pipeline/learner_idle_frac": float(t_wait / wall),
+            "pipeline/learner_idle_frac": float(step.t_wait / wall),
             "weights/version_lag_mean": float(np.mean(lags)) if lags else 0.0,
             "weights/version_lag_max": float(max(lags)) if lags else 0.0,
             "time/generate": gen_busy / n_workers,
             "time/score": self.busy["score"] - busy0["score"],
-            "time/wait_data": t_wait,
-            "time/train": t_train,
-            "time/weight_sync": t_sync,
+            "time/wait_data": step.t_wait,
+            "time/train": step.t_train,
+            "time/weight_sync": step.t_sync,
             "time/step": wall,
             "throughput/tokens_per_s": float(lengths.sum()) / wall,
             "throughput/samples_per_s": len(kept) / wall,
@@ -382,6 +352,8 @@ class AsyncTrainer(Trainer):
             "data/empty_prompts": float(self.data_stats.empty),
             "data/truncated_prompts": float(self.data_stats.truncated),
             "data/skipped_prompts": float(self.data_stats.skipped_long),
+            "staleness/dropped_samples": float(step.stale_samples),
+            "staleness/requeued_prompts": float(step.stale_prompts),
         }
         from .summary import reward_to_prob
 
@@ -389,3 +361,49 @@ class AsyncTrainer(Trainer):
         if probs is not None:
             m["rollout/reward_prob_mean"] = float(probs.mean())
         return m
+
+
+class _LearnerStep:
+    """The learner's side of one async step: wait for a batch, train on every rank, export and
+    publish the new weights (then `done`). Times each phase."""
+
+    def __init__(self, trainer: AsyncTrainer, step: int) -> None:
+        self.trainer, self.step = trainer, step
+        self.taken: Taken | None = None
+        self.depth = 0
+        self.train_calls: list[Call] = []
+        self.export_calls: list[Call] = []
+        self.bundle: Any = None
+        self.metrics: dict[str, float] = {}
+        self.stale_samples = self.stale_prompts = 0
+        self.t0 = time.perf_counter()
+        self.t_wait = self.t_train = self.t_sync = 0.0
+        self.done = False
+
+    @property
+    def waiting(self) -> bool:
+        return self.taken is None
+
+    def start(self, taken: Taken, depth: int) -> None:
+        self.taken, self.depth = taken, depth
+        self.t_wait = time.perf_counter() - self.t0
+        self.t1 = time.perf_counter()
+        self.train_calls = self.trainer._start_train(taken)
+
+    def finished(self, call: Call, value: Any) -> None:
+        tr = self.trainer
+        if call.kind == "train":
+            self.train_calls.remove(call)
+            self.metrics = self.metrics or value  # every rank returns the same global metrics
+            if not self.train_calls:
+                self.t_train = time.perf_counter() - self.t1
+                self.t2 = time.perf_counter()
+                self.export_calls, self.bundle = tr._start_export()
+            return
+        self.export_calls.remove(call)
+        if call.extra["name"] == "fingerprint":
+            tr._checksum = expected_fingerprint(value, self.step, tr.cfg.rollout.dtype)
+        if not self.export_calls:  # published: workers load it before their next chunk
+            self.t_sync = time.perf_counter() - self.t2
+            tr._bundle, tr.version = self.bundle, self.step
+            self.done = True
