@@ -28,9 +28,9 @@ from rollout_workers.weights import state_checksum, torch_dtype
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 
 # (atol, rtol) in nats for |worker - learner| probe logprobs, by the coarser of the two dtypes.
-# float32: vLLM and transformers agree to ~1e-6 on the CPU tests; bf16/fp16 engines differ from a
-# float32 learner by up to ~0.1 on sampled tokens (not exercised here: no bf16 vLLM on these CPUs).
-PROBE_TOLERANCE = {"float32": (1e-4, 1e-5), "float16": (0.1, 0.01), "bfloat16": (0.3, 0.02)}
+# Measured against a float32 learner on the demo policy (probe |logprob| up to 18): float32 engines
+# (hf, vLLM) agree to ~1e-6; bfloat16 up to 0.049 (mean 0.015), float16 up to 0.009, for both engines.
+PROBE_TOLERANCE = {"float32": (1e-4, 1e-5), "float16": (0.05, 0.005), "bfloat16": (0.15, 0.02)}
 _PRECISION = ["float32", "float16", "bfloat16"]  # increasingly coarse
 CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a sha256 pass of the bundle)
 

@@ -11,6 +11,7 @@ whose tied copies differ, are refused before anything changes; bad input gives a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -211,3 +212,22 @@ def test_vllm_tensor_parallel_swap_loads_every_shard(policies):
     assert _teacher_forced(a, samples, 1.0) < TOL
     ack = worker.load_weights(_bundle(b), 1)
     assert _gap(ack.probe, _probe_reference(b)) < TOL
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_low_precision_engines_pass_the_probe_and_stale_weights_do_not(policies, engine, dtype):
+    """The acknowledgement tolerance (cluster.weight_sync.PROBE_TOLERANCE) admits a bf16/fp16 engine on
+    the float32 learner's weights and still names one that kept other weights."""
+    from cluster.weight_sync import WeightSyncError, expected_fingerprint, verify_ack
+
+    a, b = policies
+    worker = RolloutWorker(a, RolloutConfig(engine=engine, dtype=dtype))
+    want_b = expected_fingerprint(
+        {"probe": _probe_reference(b), "checksum": None, "dtype": "float32"}, 1, dtype
+    )
+    stale = worker.fingerprint()
+    ack = worker.load_weights(_bundle(b), 1)
+    verify_ack("w", dataclasses.replace(ack, checksum=None), 1, want_b)
+    with pytest.raises(WeightSyncError, match="w does not compute what the learner's v1 weights compute"):
+        verify_ack("w", dataclasses.replace(stale, version=1, checksum=None), 1, want_b)
