@@ -102,7 +102,7 @@ def push_weights(
 
 
 class CollectiveWeightSync:
-    """`rollout.weight_sync: collective`: learner rank 0 broadcasts each bundle to the workers over a
+    """The collective weight path: learner rank 0 broadcasts each bundle to the workers over a
     gloo group of its own (`learner.weight_broadcast`, bucketed, versioned), and every worker
     acknowledges it exactly as an object-store push. The group is formed on the first push and again
     whenever the set of workers changes. A worker lost during a broadcast fails the push (naming it):

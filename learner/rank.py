@@ -64,7 +64,8 @@ class LearnerRank:
         self.generator = torch.Generator().manual_seed(self.seed)
         self.engine = None
         self._addr: tuple[str, int] | None = None
-        self._fingerprint: dict | None = None
+        self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
+        self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -182,7 +183,7 @@ class LearnerRank:
         state = self.export_weights(checksum)
         if state is None:
             return 0
-        if getattr(self, "_weight_group", None) is None:
+        if self._weight_group is None:
             raise RuntimeError("learner rank 0 has not joined a weight group")
         return broadcast_state(self._weight_group, state, version, int(bucket_mb * 2**20))
 

@@ -39,6 +39,7 @@ class RolloutWorker:
         self._version = initial_version
         self._checksum: str | None = None  # of the weights held now; computed lazily
         self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
+        self._weight_group = None  # learner rank 0's weight broadcast group (CollectiveWeightSync)
         self._lock = threading.Lock()
         self._stats = {
             "generate_calls": 0,
@@ -118,7 +119,7 @@ class RolloutWorker:
             return ack
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Join learner rank 0's weight broadcast group as `rank` (rollout.weight_sync='collective')."""
+        """Join learner rank 0's weight broadcast group as `rank` (`cluster.weight_sync.CollectiveWeightSync`)."""
         from rollout_workers.weight_receiver import open_group
 
         self._weight_group = open_group(host, port, rank, world_size, timeout_s)
@@ -127,7 +128,7 @@ class RolloutWorker:
         """Receive the next broadcast bundle and load it like `load_weights` (same checks and ack)."""
         from rollout_workers.weight_receiver import receive_state
 
-        if getattr(self, "_weight_group", None) is None:
+        if self._weight_group is None:
             raise RuntimeError(f"worker {self.worker_index} has not joined a weight group")
         version, state = receive_state(self._weight_group)
         return self.load_weights(state, version)
