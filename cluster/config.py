@@ -162,6 +162,11 @@ class RunConfig(_Strict):
                 "taken against the learner's proximal policy; this corrects for the behaviour policy), or "
                 "pipeline.max_staleness=0"
             )
+        if self.rollout.weight_sync == "collective" and self.pipeline.mode != "sync":
+            raise ValueError(
+                "rollout.weight_sync='collective' broadcasts to every worker at once: it needs "
+                "pipeline.mode='sync' (async workers swap weights one by one between chunks)"
+            )
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path is required when reward.kind='model'")
         if self.reward.kind == "rule" and not self.reward.rule:

@@ -28,7 +28,14 @@ from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .summary import RunSummary, reward_to_prob
 from .telemetry import Telemetry
-from .weight_sync import load_into, push_weights, start_checksummer, verify_ack
+from .weight_sync import (
+    CollectiveWeightSync,
+    export_bundle,
+    load_into,
+    push_weights,
+    start_checksummer,
+    verify_ack,
+)
 
 
 class LearnerStepError(RuntimeError):
@@ -56,6 +63,7 @@ class Trainer:
         self.trained_prompts: collections.Counter[int] = collections.Counter()
         self.last_checkpoint: Path | None = None
         self._bundle: Any = None
+        self._collective: CollectiveWeightSync | None = None  # rollout.weight_sync='collective'
         self._resume_state: dict | None = None  # the checkpoint's state when resuming (for subclasses)
         self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
         self._checksum: str | None = None
@@ -104,7 +112,7 @@ class Trainer:
 
     def _bring_up_to_date(self, handle: Any, name: str) -> None:
         """A new or replaced worker loads the current weights before its first sample."""
-        if self.version > 0 and self._bundle is not None:
+        if self.version > 0 and self._current_bundle() is not None:
             load_into(
                 handle, name, self._bundle, self.version, self._checksum, self.cfg.timeouts.weight_sync_s
             )
@@ -112,7 +120,7 @@ class Trainer:
     def _prepare(self, kind: str, member: Any) -> list:
         """Calls queued on a replacement actor before its first work: a rollout worker loads the
         current weights (checked against the bundle's checksum when it acknowledges)."""
-        if kind != "generate" or self.version == 0 or self._bundle is None:
+        if kind != "generate" or self.version == 0 or self._current_bundle() is None:
             return []
         version, expected = self.version, self._checksum
         ref = member.handle.load_weights.remote(self._bundle, version)
@@ -121,6 +129,13 @@ class Trainer:
             verify_ack(name, ack, version, expected)
 
         return [(ref, self.cfg.timeouts.weight_sync_s, check)]
+
+    def _current_bundle(self) -> Any:
+        """The current weights in the object store. The collective path leaves none there, so a new
+        or replacement worker gets them from an export made for it (the learner is idle then)."""
+        if self._bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
+            self._bundle = export_bundle(self.roles.ranks, self.cfg.timeouts.weight_sync_s)
+        return self._bundle
 
     def close(self) -> None:
         if self.writer is not None:
@@ -182,16 +197,20 @@ class Trainer:
         return events
 
     def sync_weights(self, version: int) -> float:
-        r = self.roles
-        result, bundle = push_weights(
+        r, rc = self.roles, self.cfg.rollout
+        args = (
             r.ranks,
             r.workers.handles,
             r.workers.names,
             version,
-            self.cfg.rollout.dtype,
+            rc.dtype,
             self.cfg.timeouts.weight_sync_s,
-            self.checksummer,
         )
+        if rc.weight_sync == "collective":
+            self._collective = self._collective or CollectiveWeightSync(rc.weight_bucket_mb)
+            result, bundle = self._collective.push(*args)
+        else:
+            result, bundle = push_weights(*args)
         self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
         for index in result.lost:  # the replacement loads the weights just pushed before it samples
             r.workers.replace(index)

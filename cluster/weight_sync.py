@@ -145,6 +145,16 @@ class CollectiveWeightSync:
         return SyncResult(version, expected, time.perf_counter() - t0), None
 
 
+def export_bundle(ranks: list[Any], timeout: float) -> Any:
+    """Learner rank 0's current weights put in the object store (all ranks take part); the ref."""
+    refs = [r.export_weights.remote() for r in ranks]
+    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
+    if pending:
+        raise WeightSyncError(f"learner export not done within {timeout:.0f}s (timeouts.weight_sync_s)")
+    ray.get(refs[1:])
+    return refs[0]
+
+
 def _checksum(dtype: str) -> Any:
     return functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
 

@@ -85,6 +85,15 @@ class RolloutConfig(_Strict):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine options (engine='vllm' only)."
     )
+    weight_sync: Literal["object_store", "collective"] = Field(
+        "object_store",
+        description="How new weights reach the workers: 'object_store' (learner rank 0's bundle put once, "
+        "every worker loads it) or 'collective' (a broadcast group of learner rank 0 and the workers, "
+        "gloo on CPU; synchronous pipeline only).",
+    )
+    weight_bucket_mb: float = Field(
+        64.0, gt=0.0, description="Bucket size of the collective weight broadcast."
+    )
 
     @model_validator(mode="after")
     def _vllm_devices(self) -> RolloutConfig:

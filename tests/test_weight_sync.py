@@ -148,3 +148,35 @@ def test_collective_broadcast_in_buckets_reaches_every_worker_and_regroups(
     finally:
         for w in workers:
             ray.kill(w)
+
+
+@pytest.mark.slow
+def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
+    ray_local, demo_assets, tmp_path
+):
+    from demo_run import CONFIG, demo_overrides
+
+    from cluster.config import load_config
+    from cluster.controller import Trainer
+
+    ray = ray_local
+    sets = {
+        "rollout.weight_sync": "collective",
+        "rollout.num_workers": 2,
+        "rollout.num_cpus_per_worker": 0.25,
+    }
+    trainer = Trainer(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
+    versions = lambda: ray.get([w.version.remote() for w in trainer.roles.workers.handles], timeout=60)  # noqa: E731
+    try:
+        trainer.setup()
+        for step in (1, 2):
+            m = trainer.iteration()
+            assert versions() == [step, step] and m["policy_version"] == step
+            assert trainer._bundle is None  # the broadcast leaves nothing in the object store
+        ray.get(trainer.control.set_target.remote("rollout", 3), timeout=60)
+        trainer.apply_scaling()  # the new worker loads an export made for it, acknowledged by the probe
+        assert versions() == [2, 2, 2]
+        m = trainer.iteration()  # the group forms again with the new member
+        assert versions() == [3, 3, 3] and m["scale/rollout_workers"] == 3
+    finally:
+        trainer.close()
