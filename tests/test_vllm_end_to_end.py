@@ -1,9 +1,10 @@
 """The demo on vLLM end to end (`make test-vllm`): a real local Ray, a vLLM rollout worker (vLLM's
 CPU build here, in-process engine core), reference, reward scorer and a DeepSpeed learner.
 
-Checked: every step's weights are acknowledged by the worker's probe logprobs (push_weights raises
-otherwise) and versions advance; the worker computes what the learner's final weights compute;
-behaviour logprobs agree with the learner's (float32 on both sides); the reward goes up.
+Both weight paths (object store, collective broadcast). Checked: every step's weights are
+acknowledged by the worker's probe logprobs (the push raises otherwise) and versions advance; the
+worker computes what the learner's final weights compute; behaviour logprobs agree with the
+learner's (float32 on both sides); the reward goes up.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ pytestmark = [
 ]
 
 
-def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weight_sync):
     steps = 6
-    cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **{"rollout.engine": "vllm"}))
+    sets = {"rollout.engine": "vllm", "rollout.weight_sync": weight_sync}
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
