@@ -124,12 +124,16 @@ def simulate(
 
 
 def projection(costs: dict, chunks: int, eta: int) -> list[tuple]:
-    g, s, t, u = costs["g"], costs["s"], costs["t"], costs["u"]
+    """Steps/s of both modes as workers grow (the batch is split into at least one chunk per worker,
+    as one would configure it) and as generation gets longer (reasoning-length responses)."""
+    gen_batch, s, t, u = costs["g"] * chunks, costs["s"], costs["t"], costs["u"]
     out = []
-    for gen_scale in (1, 8, 64):  # measured responses; 8x and 64x longer (reasoning-length)
+    for gen_scale in (1, 8, 64):  # measured responses; 8x and 64x longer
         for w in (1, 2, 4, 8, 16, 32, 64):
-            sync = simulate(w, chunks, g * gen_scale, s, t, u, eta=0)
-            asyn = simulate(w, chunks, g * gen_scale, s, t, u, eta=eta)
+            n = max(chunks, w)
+            g = gen_batch * gen_scale / n
+            sync = simulate(w, n, g, s, t, u, eta=0)
+            asyn = simulate(w, n, g, s, t, u, eta=eta)
             out.append((gen_scale, w, sync, asyn, asyn / sync))
     return out
 
@@ -139,6 +143,7 @@ def main() -> int:
     ap.add_argument("--config", default="configs/sentiment_tiny.yaml")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eta", type=int, default=1)
+    ap.add_argument("--async-learner-threads", type=int, default=1)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default=None, help="folder for results.json and projection.png")
     args = ap.parse_args()
@@ -150,7 +155,14 @@ def main() -> int:
         "cluster.dashboard=false",
         *args.overrides,
     ]
-    async_sets = ["pipeline.mode=async", f"pipeline.max_staleness={args.eta}", "learner.off_policy=tis"]
+    # In async mode the learner trains while a worker generates: on a small machine one thread each,
+    # or they oversubscribe the cores (two threads collapse when another process holds a core).
+    async_sets = [
+        "pipeline.mode=async",
+        f"pipeline.max_staleness={args.eta}",
+        "learner.off_policy=tis",
+        f"learner.torch_threads={args.async_learner_threads}",
+    ]
     sides = []
     for sets in (["pipeline.mode=sync"], async_sets):
         wait_for_idle()
@@ -202,25 +214,17 @@ def main() -> int:
         (out / "results.json").write_text(
             json.dumps({"sides": sides, "costs": costs, "projection": proj}, indent=1)
         )
-        try:
-            import matplotlib
+        from svg_plot import line_chart
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no plot)")
-            return 0
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for gen_scale in (1, 8, 64):
-            pts = [(w, x) for gs, w, _s, _a, x in proj if gs == gen_scale]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"generation {gen_scale}x")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("rollout workers")
-        ax.set_ylabel("async / sync throughput")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "projection.png", dpi=120)
-        print(f"plot: {out / 'projection.png'}")
+        series = {f"generation {gs}x": [(w, x) for g2, w, _s, _a, x in proj if g2 == gs] for gs in (1, 8, 64)}
+        plot = line_chart(
+            out / "projection.svg",
+            series,
+            f"async (eta={args.eta}) / sync throughput, projected",
+            "rollout workers",
+            "speed-up",
+        )
+        print(f"results: {out / 'results.json'}, plot: {plot}")
     return 0
 
 
