@@ -105,7 +105,10 @@ def trl_args(cfg: Any, steps: int) -> list[str]:
         for bad, text in [
             (s.top_k or s.top_p < 1.0, "sampling top_k/top_p (TRL: top_k=0, top_p=1)"),
             (lc.kl.adaptive or lc.kl.estimator == "k2", "adaptive KL or k2 (TRL: fixed coef, k1/k3)"),
-            (lc.clip_eps_high or lc.dual_clip or lc.off_policy != "none", "clip_eps_high/dual_clip/off_policy"),
+            (
+                lc.clip_eps_high or lc.dual_clip or lc.off_policy != "none",
+                "clip_eps_high/dual_clip/off_policy",
+            ),
             (lc.entropy_coef or lc.warmup_steps, "entropy_coef/warmup_steps (TRL has neither)"),
             (not lc.whiten_advantages or lc.loss_agg != "token-mean", "whitening off or loss_agg"),
             (batch % lc.num_minibatches, "rollout batch not a multiple of learner.num_minibatches"),

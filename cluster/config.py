@@ -154,7 +154,10 @@ class RunConfig(_Strict):
             )
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         if self.learner.off_policy == "auto":
-            self.learner.off_policy = "tis" if stale else "none"
+            # A correction is on whenever behaviour and proximal logprobs can differ: stale samples,
+            # or a generator whose numerics differ from the learner's (e.g. a bf16 engine).
+            mismatch = self.rollout.dtype != self.learner.dtype
+            self.learner.off_policy = "tis" if stale or mismatch else "none"
         if stale and self.learner.off_policy == "none":
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "

@@ -33,7 +33,6 @@ from .weight_sync import (
     export_bundle,
     load_into,
     push_weights,
-    start_checksummer,
     verify_ack,
 )
 
@@ -58,7 +57,6 @@ class Trainer:
         self.roles: Roles | None = None
         self.writer: MetricsWriter | None = None
         self.control: Any = None
-        self.checksummer: Any = None
         self.history: list[dict[str, float]] = []
         self.trained_prompts: collections.Counter[int] = collections.Counter()
         self.last_checkpoint: Path | None = None
@@ -85,7 +83,6 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        self.checksummer = start_checksummer()
         self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
         self.collector = RolloutCollector(
             self.roles.workers,
@@ -141,10 +138,9 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        for actor in (self.control, self.checksummer):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        self.control = self.checksummer = None
+        if self.control is not None:
+            ray.kill(self.control, no_restart=True)
+        self.control = None
         if self.roles is not None:
             stop_roles(self.roles)
             self.roles = None

@@ -14,7 +14,6 @@ One event loop on the driver moves small facts; samples travel between actors as
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from .calls import Call, CallTracker
 from .controller import LearnerStepError, RewardFailureError, Trainer
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
-from .weight_sync import CHECKSUM_MAX_BYTES, bounded_checksum, expected_fingerprint, verify_ack
+from .weight_sync import bundle_checksummer, expected_fingerprint, verify_ack
 
 LEARNER_KINDS = ("train", "export")
 
@@ -233,9 +232,7 @@ class AsyncTrainer(Trainer):
         """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
         (probe logprobs, checksum) is what the workers must acknowledge."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
-        checksum = functools.partial(
-            bounded_checksum, dtype=self.cfg.rollout.dtype, max_bytes=CHECKSUM_MAX_BYTES
-        )
+        checksum = bundle_checksummer(self.cfg.rollout.dtype)
         ranks = self.roles.ranks
         calls = [
             add(

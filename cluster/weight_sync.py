@@ -58,11 +58,6 @@ def bounded_checksum(state: dict[str, torch.Tensor], dtype: str, max_bytes: int)
     return state_checksum(state, torch_dtype(dtype))
 
 
-def start_checksummer() -> None:
-    """Kept for callers: bundles are checksummed on learner rank 0 while exporting, no actor needed."""
-    return None
-
-
 @dataclass
 class SyncResult:
     version: int
@@ -83,16 +78,15 @@ def push_weights(
     version: int,
     dtype: str,
     timeout: float,
-    checksummer: Any = None,
 ) -> tuple[SyncResult, Any]:
     """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
 
     `dtype` is the rollout dtype. A worker that dies or does not answer in time is reported in `lost`
     (it holds no weights anyone relies on); a worker that answers with the wrong version, checksum
-    or probe logprobs is an error naming it. (`checksummer` is ignored; see `start_checksummer`.)
+    or probe logprobs is an error naming it.
     """
     t0 = time.perf_counter()
-    refs = [r.export_weights.remote(_checksum(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
+    refs = [r.export_weights.remote(bundle_checksummer(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
     bundle = refs[0]
     meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
@@ -134,7 +128,7 @@ class CollectiveWeightSync:
         t0 = time.perf_counter()
         self._form(ranks[0], workers, timeout)
         acks = [w.receive_weights.remote() for w in workers]
-        refs = [r.broadcast_weights.remote(version, self.bucket_mb, _checksum(dtype)) for r in ranks]
+        refs = [r.broadcast_weights.remote(version, self.bucket_mb, bundle_checksummer(dtype)) for r in ranks]
         meta_ref = ranks[0].export_fingerprint.remote()
         expected = _await_export(refs, meta_ref, version, dtype, timeout)
         ray.get(refs[0])  # bytes sent: raises if rank 0's broadcast failed
@@ -155,7 +149,9 @@ def export_bundle(ranks: list[Any], timeout: float) -> Any:
     return refs[0]
 
 
-def _checksum(dtype: str) -> Any:
+def bundle_checksummer(dtype: str) -> Any:
+    """What learner rank 0 runs on the bundle while exporting: its checksum at the rollout dtype
+    (None for bundles over CHECKSUM_MAX_BYTES)."""
     return functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
 
 

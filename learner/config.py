@@ -73,7 +73,8 @@ class LearnerConfig(_Strict):
         description=(
             "Behaviour/proximal correction per token with rho = pi_prox/mu: 'tis' min(rho, cap), 'mask' "
             "1[rho <= cap], 'geo_mask' drops a sequence whose geometric-mean rho is outside "
-            "off_policy_geo_bounds. 'auto' = 'tis' in async mode with max_staleness > 0, else 'none'; "
+            "off_policy_geo_bounds. 'auto' = 'tis' in async mode with max_staleness > 0 or when "
+            "rollout.dtype differs from learner.dtype, else 'none'; "
             "'none' there is a config error."
         ),
     )

@@ -74,6 +74,9 @@ def test_async_needs_an_off_policy_correction_when_stale(demo_assets):
         == "none"
     )
     assert cfg_for(demo_assets, 2).learner.off_policy == "none"
+    assert (
+        cfg_for(demo_assets, 2, **{"rollout.dtype": "bfloat16"}).learner.off_policy == "tis"
+    )  # numerics differ
     with pytest.raises(ConfigError, match="learner.off_policy"):
         cfg_for(
             demo_assets,
