@@ -84,15 +84,7 @@ class Trainer:
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
-        self.collector = RolloutCollector(
-            self.roles.workers,
-            self.roles.references,
-            self.roles.scorers,
-            cfg.timeouts.generate_s,
-            cfg.timeouts.score_s,
-            start_timeout=cfg.timeouts.actor_start_s,
-            prepare=self._prepare,
-        )
+        self.collector = self.make_collector(RolloutCollector)
         self.control = (
             ray.remote(RunControl)
             .options(name=control_name(self.run_id), namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
@@ -102,6 +94,19 @@ class Trainer:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
         self.telemetry = Telemetry(cfg.run.name)
+
+    def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
+        """A collector of `cls` over this run's pools, timeouts and replacement hook."""
+        t = self.cfg.timeouts
+        return cls(
+            self.roles.workers,
+            self.roles.references,
+            self.roles.scorers,
+            t.generate_s,
+            t.score_s,
+            start_timeout=t.actor_start_s,
+            prepare=self._prepare,
+        )
 
     def _counts(self) -> dict[str, int]:
         r = self.roles
@@ -360,15 +365,7 @@ class Trainer:
     def evaluate(self) -> RolloutBatch:
         """Sample the fixed first prompts with the current weights (for the 'after' printout)."""
         k = max(self.cfg.run.sample_log_count, 1)
-        collector = RolloutCollector(
-            self.roles.workers,
-            self.roles.references,
-            self.roles.scorers,
-            self.cfg.timeouts.generate_s,
-            self.cfg.timeouts.score_s,
-            start_timeout=self.cfg.timeouts.actor_start_s,
-            prepare=self._prepare,
-        )
+        collector = self.make_collector(RolloutCollector)
         return collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
 
     def print_samples(self, title: str, batch: RolloutBatch) -> None:

@@ -157,11 +157,15 @@ class RolloutCollector:
         """Start a replacement without waiting for it: its start and preparation are tracked calls
         queued ahead of any work, so results of other actors keep being collected meanwhile."""
         new = pool.begin_replace(index)
-        tracker.add(new.name, new.handle.ping.remote(), "start", self.start_timeout)
-        kind = next(k for k, p in self.pools.items() if p is pool)
-        for ref, timeout, check in self.prepare(kind, new) if self.prepare else []:
-            tracker.add(new.name, ref, "prepare", timeout, check=check)
+        self.track_start(tracker, next(k for k, p in self.pools.items() if p is pool), new)
         return new
+
+    def track_start(self, tracker: CallTracker, kind: str, member: Member) -> None:
+        """Track a just-launched member's start (`ping`, timeouts.actor_start_s) and its preparation,
+        queued on it ahead of any work."""
+        tracker.add(member.name, member.handle.ping.remote(), "start", self.start_timeout)
+        for ref, timeout, check in self.prepare(kind, member) if self.prepare else []:
+            tracker.add(member.name, ref, "prepare", timeout, check=check)
 
     def settle(self, tracker: CallTracker, call: Call, stats: Any) -> tuple[bool, Any]:
         """Get a finished call's value. Returns (True, value), or (False, None) after a dead actor was

@@ -68,15 +68,7 @@ class AsyncTrainer(Trainer):
     def setup(self) -> None:
         super().setup()
         cfg = self.cfg
-        self.collector = StreamCollector(
-            self.roles.workers,
-            self.roles.references,
-            self.roles.scorers,
-            cfg.timeouts.generate_s,
-            cfg.timeouts.score_s,
-            start_timeout=cfg.timeouts.actor_start_s,
-            prepare=self._prepare,
-        )
+        self.collector = self.make_collector(StreamCollector)
         self.buffer = StreamBuffer(
             self.stream,
             cfg.data.prompts_per_step,
@@ -124,10 +116,7 @@ class AsyncTrainer(Trainer):
                 raise ValueError(f"{pool.prefix}: at least one actor is needed (asked for {want})")
             for m in pool.launch(max(0, want - len(live))):
                 pool.members.append(m)
-                c = self.collector
-                c.tracker.add(m.name, m.handle.ping.remote(), "start", c.start_timeout)
-                for ref, timeout, check in self._prepare(kind, m):
-                    c.tracker.add(m.name, ref, "prepare", timeout, check=check)
+                self.collector.track_start(self.collector.tracker, kind, m)
                 events.append(f"+{m.name}")
             for m in live[want:]:
                 self.collector.draining.add(m.name)
