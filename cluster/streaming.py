@@ -125,6 +125,7 @@ class AsyncTrainer(Trainer):
         return events
 
     def _reap_drained(self) -> None:
+        """Remove drained members whose calls are all done (and forget replaced workers' versions)."""
         c = self.collector
         for name in list(c.draining):
             if c.tracker.pending(name) == 0:
@@ -133,6 +134,9 @@ class AsyncTrainer(Trainer):
                     pool.remove(name)
                 self.worker_versions.pop(name, None)
                 c.draining.discard(name)
+        names = set(self.roles.workers.names)
+        for name in [n for n in self.worker_versions if n not in names]:  # replaced workers
+            del self.worker_versions[name]
 
     # ------------------------------------------------------------------ the stream
 
@@ -304,7 +308,8 @@ class AsyncTrainer(Trainer):
         n_workers = max(len(self.roles.workers), 1)
         gen_busy = self.busy["generate"] - busy0["generate"]
         eta = self.cfg.pipeline.max_staleness
-        lags = [self.version - v for v in self.worker_versions.values()]
+        live = [n for n in self.roles.workers.names if n not in self.collector.draining]
+        lags = [self.version - self.worker_versions.get(n, 0) for n in live]
         m = {
             "rollout/reward_mean": float(scores.mean()),
             "rollout/reward_std": float(scores.std()),
