@@ -268,10 +268,11 @@ class Trainer:
         self.finish_step(step, metrics)
         return metrics
 
-    def finish_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due."""
+    def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
+        """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
+        `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
         self.writer.write(step, metrics)
-        self.telemetry.record_step(metrics)
+        self.telemetry.record_step(metrics, worker_lags=worker_lags)
         self.history.append(metrics)
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0:

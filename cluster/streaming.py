@@ -284,7 +284,7 @@ class AsyncTrainer(Trainer):
             {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
         )
         metrics["scale/events"] = float(len(scaling))
-        self.finish_step(step, metrics)
+        self.finish_step(step, metrics, worker_lags=self._worker_lags)
         return metrics
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
@@ -310,6 +310,7 @@ class AsyncTrainer(Trainer):
         eta = self.cfg.pipeline.max_staleness
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         lags = [self.version - self.worker_versions.get(n, 0) for n in live]
+        self._worker_lags = dict(zip(live, lags, strict=True))
         m = {
             "rollout/reward_mean": float(scores.mean()),
             "rollout/reward_std": float(scores.std()),

@@ -110,6 +110,11 @@ class Telemetry:
             self._Gauge = Gauge
             for key, (name, desc) in GAUGES.items():
                 self._gauges[key] = Gauge(name, description=desc, tag_keys=("run",))
+            self._lag = Gauge(
+                "rayppo_worker_version_lag",
+                description="Policy versions a rollout worker trails the learner (async mode), per worker.",
+                tag_keys=("run", "worker"),
+            )
             self._busy = Gauge(
                 "rayppo_role_busy_seconds",
                 description="Seconds a role was busy during the step (rollout, reward, learner).",
@@ -128,7 +133,12 @@ class Telemetry:
         except Exception as err:  # metrics must never stop a run
             logger.warning("telemetry off: Ray metrics unavailable (%s)", err)
 
-    def record_step(self, metrics: dict[str, float], extra: dict[str, float] | None = None) -> None:
+    def record_step(
+        self,
+        metrics: dict[str, float],
+        extra: dict[str, float] | None = None,
+        worker_lags: dict[str, int] | None = None,
+    ) -> None:
         """Export one iteration's metrics (the controller's keys; missing ones are skipped).
 
         `extra` holds values outside the controller's metric set; each becomes a gauge named
@@ -138,6 +148,8 @@ class Telemetry:
             return
         try:
             self._record(metrics, extra or {})
+            for worker, lag in (worker_lags or {}).items():
+                self._lag.set(float(lag), tags={**self._tags, "worker": worker})
         except Exception as err:
             self.enabled = False
             logger.warning("telemetry off after a failed record (%s)", err)

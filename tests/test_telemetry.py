@@ -28,7 +28,7 @@ def scrape(port: int, run: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
         labels = dict(_LABEL.findall(m.group(2)))
         if labels.pop("run", None) != run:
             continue
-        keep = tuple(sorted((k, v) for k, v in labels.items() if k in ("role", "le")))
+        keep = tuple(sorted((k, v) for k, v in labels.items() if k in ("role", "le", "worker")))
         out[(m.group(1), keep)] = float(m.group(3))
     return out
 
@@ -71,7 +71,9 @@ def test_metrics_reach_prometheus_endpoint(ray_local):
     tel = Telemetry(run)
     assert tel.enabled
     tel.record_step(STEP1)
-    tel.record_step(STEP2, extra={"eval/acc@1": 0.9})
+    tel.record_step(
+        STEP2, extra={"eval/acc@1": 0.9}, worker_lags={"rollout-worker-0": 1, "rollout-worker-1.r1": 0}
+    )
 
     expect = {
         ("ray_rayppo_reward_mean", ()): 0.75,
@@ -94,6 +96,8 @@ def test_metrics_reach_prometheus_endpoint(ray_local):
         ("ray_rayppo_step_seconds_bucket", (("le", "0.5"),)): 1.0,
         ("ray_rayppo_step_seconds_bucket", (("le", "5.0"),)): 2.0,
         ("ray_rayppo_eval_acc_1", ()): 0.9,
+        ("ray_rayppo_worker_version_lag", (("worker", "rollout-worker-0"),)): 1.0,
+        ("ray_rayppo_worker_version_lag", (("worker", "rollout-worker-1.r1"),)): 0.0,
     }
     port = int(ray_local.nodes()[0]["MetricsExportPort"])
     deadline = time.monotonic() + 25.0  # Ray exports about every 10 s
