@@ -247,12 +247,7 @@ class Trainer:
         scaling = self.apply_scaling()
         prompts = self.stream.next_batch(cfg.data.prompts_per_step)
         batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-        total = len(batch.samples) + batch.dropped
-        if batch.dropped > cfg.reward.max_failure_frac * total:
-            raise RewardFailureError(
-                f"step {step}: {batch.dropped}/{total} rewards failed (> reward.max_failure_frac="
-                f"{cfg.reward.max_failure_frac}); first errors: {batch.reward_errors[:3]}"
-            )
+        self.check_reward_failures(step, batch.reward_errors, len(batch.samples) + batch.dropped)
         if step == 1:
             self.print_samples("before training (step 1 samples)", batch)
         t1 = time.perf_counter()
@@ -278,19 +273,46 @@ class Trainer:
         if every and step % every == 0:
             self.checkpoint()
 
+    def check_reward_failures(self, step: int, errors: list[str], total: int) -> None:
+        """Abort the step when more than reward.max_failure_frac of its `total` rewards failed."""
+        frac = self.cfg.reward.max_failure_frac
+        if len(errors) > frac * total:
+            raise RewardFailureError(
+                f"step {step}: {len(errors)}/{total} rewards failed (> reward.max_failure_frac="
+                f"{frac}); first errors: {errors[:3]}"
+            )
+
+    def sample_metrics(
+        self, scores: np.ndarray, lengths: np.ndarray, finish: list[str], failures: int, wall: float
+    ) -> dict[str, float]:
+        """The metrics of a step's trained samples and of the data, the same in both modes."""
+        stats = self.data_stats
+        m = {
+            "rollout/reward_mean": float(scores.mean()),
+            "rollout/reward_std": float(scores.std()),
+            "rollout/response_length": float(lengths.mean()),
+            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
+            "rollout/samples": float(len(scores)),
+            "rollout/reward_failures": float(failures),
+            "throughput/tokens_per_s": float(lengths.sum()) / wall,
+            "throughput/samples_per_s": len(scores) / wall,
+            "data/empty_prompts": float(stats.empty),
+            "data/truncated_prompts": float(stats.truncated),
+            "data/skipped_prompts": float(stats.skipped_long),
+        }
+        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
+        if probs is not None:
+            m["rollout/reward_prob_mean"] = float(probs.mean())
+        return m
+
     def step_metrics(
         self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
     ) -> dict:
         lengths = np.array([len(s.response_ids) for s in batch.samples])
+        finish = [s.finish_reason for s in batch.samples]
         staleness = [self.version - 1 - s.policy_version for s in batch.samples]
-        stats = self.data_stats
-        metrics = {
-            "rollout/reward_mean": float(batch.scores.mean()),
-            "rollout/reward_std": float(batch.scores.std()),
-            "rollout/response_length": float(lengths.mean()),
-            "rollout/truncated_frac": float(np.mean([s.finish_reason == "length" for s in batch.samples])),
-            "rollout/samples": float(len(batch.samples)),
-            "rollout/reward_failures": float(batch.dropped),
+        return {
+            **self.sample_metrics(batch.scores, lengths, finish, batch.dropped, wall),
             "rollout/queue_depth": float(batch.queue_depth),
             "rollout/staleness_mean": float(np.mean(staleness)),
             **learner,
@@ -299,20 +321,11 @@ class Trainer:
             "time/train": t_train,
             "time/weight_sync": t_sync,
             "time/step": wall,
-            "throughput/tokens_per_s": float(lengths.sum()) / wall,
-            "throughput/samples_per_s": len(batch.samples) / wall,
             "policy_version": float(self.version),
             "scale/rollout_workers": float(len(self.roles.workers)),
             "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
             "faults/redispatched_chunks": float(batch.redispatched),
-            "data/empty_prompts": float(stats.empty),
-            "data/truncated_prompts": float(stats.truncated),
-            "data/skipped_prompts": float(stats.skipped_long),
         }
-        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
-        if probs is not None:
-            metrics["rollout/reward_prob_mean"] = float(probs.mean())
-        return metrics
 
     # ------------------------------------------------------------------ whole run
 

@@ -164,7 +164,13 @@ class RolloutCollector:
         """Track a just-launched member's start (`ping`, timeouts.actor_start_s) and its preparation,
         queued on it ahead of any work."""
         tracker.add(member.name, member.handle.ping.remote(), "start", self.start_timeout)
-        for ref, timeout, check in self.prepare(kind, member) if self.prepare else []:
+        self.track_prepare(tracker, member, self.prepare(kind, member) if self.prepare else [])
+
+    @staticmethod
+    def track_prepare(tracker: CallTracker, member: Member, calls: list) -> None:
+        """Track `(ref, timeout, check)` calls queued on `member` ahead of its next work; `check`
+        runs on each value when it arrives."""
+        for ref, timeout, check in calls:
             tracker.add(member.name, ref, "prepare", timeout, check=check)
 
     def settle(self, tracker: CallTracker, call: Call, stats: Any) -> tuple[bool, Any]:

@@ -37,11 +37,6 @@ class StreamChunk:
     samples_ref: Any = None
     ref_logprobs_ref: Any = None
     scores: Any = None  # ScoreBatch (small: fetched by the driver)
-    t_generated: float = 0.0
-
-    @property
-    def samples(self) -> Any:  # what the scorers read: the samples object, by reference
-        return self.samples_ref
 
     @property
     def version(self) -> int:

@@ -14,6 +14,7 @@ One event loop on the driver moves small facts; samples travel between actors as
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,10 @@ import numpy as np
 import ray
 
 from .calls import Call, CallTracker
-from .controller import LearnerStepError, RewardFailureError, Trainer
+from .controller import LearnerStepError, Trainer
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
-from .weight_sync import bundle_checksummer, expected_fingerprint, verify_ack
+from .weight_sync import bundle_checksummer, expected_fingerprint
 
 LEARNER_KINDS = ("train", "export")
 
@@ -158,17 +159,11 @@ class AsyncTrainer(Trainer):
             c.submit(c.tracker, "generate", chunk, member)
 
     def _send_weights(self, member: Any) -> None:
-        """Queue the newest weights on a worker that is behind, ahead of its next chunk."""
-        if self._bundle is None or self.worker_versions.get(member.name, 0) >= self.version:
-            return
-        version, expected = self.version, self._checksum
-        ref = member.handle.load_weights.remote(self._bundle, version)
-
-        def check(ack: Any, name: str = member.name) -> None:
-            verify_ack(name, ack, version, expected)
-
-        self.collector.tracker.add(member.name, ref, "prepare", self.cfg.timeouts.weight_sync_s, check=check)
-        self.worker_versions[member.name] = version
+        """Queue the newest weights on a worker that is behind, ahead of its next chunk (the same
+        load-and-check as a new worker's; `_prepare` records the version it will hold)."""
+        if self._bundle is not None and self.worker_versions.get(member.name, 0) < self.version:
+            c = self.collector
+            c.track_prepare(c.tracker, member, self._prepare("generate", member))
 
     def _on_done(self, call: Call) -> Any:
         """Handle one finished call; returns the learner's value for learner calls."""
@@ -184,7 +179,6 @@ class AsyncTrainer(Trainer):
         chunk: StreamChunk = call.payload
         if call.kind == "generate":
             chunk.facts, chunk.samples_ref = value, call.extra["samples"]
-            chunk.t_generated = now
             for kind in ("reference", "reward"):
                 c.submit(c.tracker, kind, chunk)
         elif call.kind == "reference":
@@ -210,13 +204,15 @@ class AsyncTrainer(Trainer):
         shards = np.array_split(np.arange(len(items)), len(ranks))
         calls = []
         for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
-            parts: list = []
-            for k in shard:
-                chunk, j = items[k]
-                if not parts or parts[-1][3] is not chunk:
-                    parts.append([chunk.samples_ref, chunk.ref_logprobs_ref, [], chunk])
-                parts[-1][2].append((j, float(chunk.scores.scores[j])))
-            ref = rank.train_parts.remote([tuple(p[:3]) for p in parts])
+            parts = [  # consecutive samples of one chunk travel as one (samples, ref logprobs) pair
+                (
+                    chunk.samples_ref,
+                    chunk.ref_logprobs_ref,
+                    [(j, float(chunk.scores.scores[j])) for _, j in group],
+                )
+                for chunk, group in itertools.groupby((items[k] for k in shard), key=lambda it: it[0])
+            ]
+            ref = rank.train_parts.remote(parts)
             name = f"learner-rank-{i}"
             calls.append(self.collector.tracker.add(name, ref, "train", self.cfg.timeouts.train_s, name=name))
         return calls
@@ -290,11 +286,7 @@ class AsyncTrainer(Trainer):
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
         failed = [c.scores.errors[j] for c, pos in taken.parts for j in pos if not c.scores.ok[j]]
-        if len(failed) > self.cfg.reward.max_failure_frac * total:
-            raise RewardFailureError(
-                f"step {step}: {len(failed)}/{total} rewards failed (> reward.max_failure_frac="
-                f"{self.cfg.reward.max_failure_frac}); first errors: {failed[:3]}"
-            )
+        self.check_reward_failures(step, failed, total)
 
     def _metrics(self, step: _LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
         taken, depth = step.taken, step.depth
@@ -311,13 +303,8 @@ class AsyncTrainer(Trainer):
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         lags = [self.version - self.worker_versions.get(n, 0) for n in live]
         self._worker_lags = dict(zip(live, lags, strict=True))
-        m = {
-            "rollout/reward_mean": float(scores.mean()),
-            "rollout/reward_std": float(scores.std()),
-            "rollout/response_length": float(lengths.mean()),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
-            "rollout/samples": float(len(kept)),
-            "rollout/reward_failures": float(len(staleness) - len(kept)),
+        return {
+            **self.sample_metrics(scores, lengths, finish, len(staleness) - len(kept), wall),
             "rollout/queue_depth": float(depth),
             "rollout/staleness_mean": float(staleness.mean()),
             **step.metrics,
@@ -335,24 +322,13 @@ class AsyncTrainer(Trainer):
             "time/train": step.t_train,
             "time/weight_sync": step.t_sync,
             "time/step": wall,
-            "throughput/tokens_per_s": float(lengths.sum()) / wall,
-            "throughput/samples_per_s": len(kept) / wall,
             "policy_version": float(self.version),
             "scale/rollout_workers": float(len(self.roles.workers) - len(self.collector.draining)),
             "faults/actor_replacements": float(self._faults.replacements),
             "faults/redispatched_chunks": float(self._faults.redispatched),
-            "data/empty_prompts": float(self.data_stats.empty),
-            "data/truncated_prompts": float(self.data_stats.truncated),
-            "data/skipped_prompts": float(self.data_stats.skipped_long),
             "staleness/dropped_samples": float(step.stale_samples),
             "staleness/requeued_prompts": float(step.stale_prompts),
         }
-        from .summary import reward_to_prob
-
-        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
-        if probs is not None:
-            m["rollout/reward_prob_mean"] = float(probs.mean())
-        return m
 
 
 class _LearnerStep:
