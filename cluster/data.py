@@ -51,23 +51,33 @@ def read_prompts(cfg: DataSection) -> list[tuple[int, str, dict]]:
 def tokenize_prompts(
     rows: list[tuple[int, str, dict]], tokenizer, cfg: DataSection
 ) -> tuple[list[Prompt], DataStats]:
-    """Empty prompts are dropped (counted); over-long ones are truncated from the left or skipped."""
+    """Empty prompts are dropped (counted); over-long ones are truncated from the left or skipped.
+
+    `max_prompt_tokens` counts the BOS token; a truncated prompt keeps its BOS: the text is cut to the
+    last `max_prompt_tokens - 1` tokens first, then BOS is prepended.
+    """
     stats = DataStats(total_lines=len(rows))
     bos = tokenizer.bos_token_id if cfg.add_bos else None
+    room = cfg.max_prompt_tokens - (bos is not None)  # text tokens that fit beside the BOS
+    if room < 1:
+        raise ConfigError(
+            f"data.max_prompt_tokens={cfg.max_prompt_tokens} leaves no room for prompt text after the BOS "
+            "token: raise it, or set data.add_bos=false"
+        )
     prompts: list[Prompt] = []
     for index, text, meta in rows:
         if not text.strip():
             stats.empty += 1
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if bos is not None:
-            ids = [bos, *ids]
-        if len(ids) > cfg.max_prompt_tokens:
+        if len(ids) > room:
             if cfg.long_prompt == "skip":
                 stats.skipped_long += 1
                 continue
             stats.truncated += 1
-            ids = ids[-cfg.max_prompt_tokens :]
+            ids = ids[-room:]
+        if bos is not None:
+            ids = [bos, *ids]
         prompts.append(Prompt(index, text, np.asarray(ids, dtype=np.int64), meta))
     if not prompts:
         raise ConfigError(

@@ -35,6 +35,27 @@ def test_empty_and_long_prompts_are_counted(tmp_path):
     assert (stats.empty, stats.truncated, stats.skipped_long) == (2, 0, 1) and len(prompts) == 1
 
 
+def test_a_truncated_prompt_keeps_its_bos(tmp_path):
+    tok = build_tokenizer()  # word-level: one token per word, <bos> = 1
+    path = write_prompts(tmp_path / "p.jsonl", ["the film was very very very good and fun", "good fun"])
+    cfg = DataSection(prompts_path=str(path), max_prompt_tokens=5)
+    prompts, stats = tokenize_prompts(read_prompts(cfg), tok, cfg)
+    # 9 words > 5 - 1 = 4 places beside the BOS: the last 4 words, then the BOS in front.
+    assert stats.truncated == 1
+    assert prompts[0].ids.tolist() == [
+        tok.bos_token_id,
+        *tok.convert_tokens_to_ids(["very", "good", "and", "fun"]),
+    ]
+    assert prompts[1].ids.tolist() == [tok.bos_token_id, *tok.convert_tokens_to_ids(["good", "fun"])]
+    # without a BOS the whole budget is text
+    no_bos = cfg.model_copy(update={"add_bos": False})
+    prompts, _ = tokenize_prompts(read_prompts(no_bos), tok, no_bos)
+    assert tok.decode(prompts[0].ids) == "very very good and fun"
+    with pytest.raises(ConfigError, match="max_prompt_tokens=1 leaves no room"):
+        one = cfg.model_copy(update={"max_prompt_tokens": 1})
+        tokenize_prompts(read_prompts(one), tok, one)
+
+
 def test_unusable_prompt_files_name_the_problem(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ConfigError, match="holds no prompts"):
