@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from learner.sequences import fuse_tanh_gelu, gather_response
+from learner.sequences import fuse_tanh_gelu, gather_response, response_logits
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -42,10 +42,11 @@ def zero_dropout(config) -> list[str]:
 
 
 class PolicyWithValueHead(nn.Module):
-    """Policy logits and values from one backbone pass, projected only where response tokens are scored.
+    """Policy logits and values from one forward of the HF model, projected only where response tokens are scored.
 
     For a row with prompt length p, position p-1+t scores response token t (see learner.sequences);
-    the vocabulary projection runs on those R positions only, which keeps the [B, R, V] logits small.
+    the vocabulary projection runs on those R positions only where the model allows it, which keeps
+    the [B, R, V] logits small (`learner.sequences.response_logits`).
     """
 
     def __init__(self, policy: PreTrainedModel, value_head_std: float = 0.0, seed: int = 0) -> None:
@@ -62,8 +63,6 @@ class PolicyWithValueHead(nn.Module):
             else:
                 self.value_head.weight.zero_()
             self.value_head.bias.zero_()
-        text_cfg = policy.config.get_text_config()
-        self._softcap = getattr(text_cfg, "final_logit_softcapping", None)
 
     @classmethod
     def from_pretrained(
@@ -107,12 +106,18 @@ class PolicyWithValueHead(nn.Module):
         response_len: int,
         temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens."""
-        out = self.policy.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = gather_response(out.last_hidden_state, prompt_lens, response_len)
-        logits = self.policy.get_output_embeddings()(hidden)
-        if self._softcap is not None:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
+        """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens.
+
+        One forward of the HF causal LM: its own output path makes the logits (whatever scaling or
+        softcap the architecture applies), and its last hidden state (after the final norm, the
+        lm_head's input) feeds the value head. `output_hidden_states=-1` asks only for that last one
+        where transformers can select (>= 5.20); older versions read it as True and return all layers.
+        """
+        logits, out = response_logits(
+            self.policy, input_ids, attention_mask, prompt_lens, response_len, output_hidden_states=-1
+        )
+        hidden = gather_response(out.hidden_states[-1], prompt_lens, response_len)
+        del out  # the other layers' hidden states, where returned
         values = self.value_head(hidden).squeeze(-1)
         return logits / temperature, values
 

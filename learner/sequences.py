@@ -8,6 +8,9 @@ token t live at position p-1+t of the packed sequence.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,6 +68,72 @@ def response_tokens(input_ids: torch.Tensor, prompt_lens: torch.Tensor, response
     """The response token ids [B, R] (position p+t), for gathering their log-probabilities."""
     pos = response_positions(prompt_lens.to(input_ids.device), response_len, input_ids.shape[1]) + 1
     return torch.gather(input_ids, 1, pos.clamp(max=input_ids.shape[1] - 1))
+
+
+@functools.cache
+def keeps_positions_per_row(model_cls: type) -> bool:
+    """Whether `model_cls.forward(logits_to_keep=positions [B, K])` projects, per row, only those K positions.
+
+    True when the model's forward takes `logits_to_keep` and its modeling module slices with transformers'
+    shared `slice_logits_to_keep` in a version that reads a 2-D integer tensor as per-row positions
+    (transformers >= 5.20); other models (and older versions, which would index every row with the
+    whole [B, K] block) get an integer tail count instead. The check runs the slicer on a 2x2 example.
+    """
+    if "logits_to_keep" not in inspect.signature(model_cls.forward).parameters:
+        return False
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:
+        return False
+    if (
+        getattr(sys.modules.get(model_cls.__module__), "slice_logits_to_keep", None)
+        is not slice_logits_to_keep
+    ):
+        return False
+    try:
+        rows = slice_logits_to_keep(torch.arange(4.0).view(2, 2, 1), torch.tensor([[1], [0]]))
+    except (IndexError, RuntimeError, TypeError):
+        return False
+    return rows.flatten().tolist() == [1.0, 2.0]
+
+
+def response_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    response_len: int,
+    **forward_kwargs,
+):
+    """`(logits [B, R, V], output)`: the logits scoring each row's R response tokens, from one call of the
+    causal LM's own forward, so its own output path applies (Gemma's final softcap, Cohere's
+    `logit_scale`, Granite's `logits_scaling`, ...); `output` is what the forward returned (e.g. its
+    `hidden_states` when asked for with `forward_kwargs`). Every role that scores tokens (learner,
+    reference, probes) calls this one function, so they agree to rounding.
+
+    The vocabulary projection runs only where needed: at the R scoring positions of each row when the
+    model takes per-row positions (`keeps_positions_per_row`), else on the tail from the earliest
+    scoring position (integer `logits_to_keep`), else on every position. No temperature is applied.
+    """
+    prompt_lens = prompt_lens.to(input_ids.device)
+    B, L = input_ids.shape
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **forward_kwargs}
+    cls = type(model)
+    if keeps_positions_per_row(cls):
+        out = model(**kwargs, logits_to_keep=response_positions(prompt_lens, response_len, L))
+        logits = out.logits
+        if tuple(logits.shape[:2]) != (B, response_len):
+            raise RuntimeError(
+                f"{cls.__name__} returned logits of shape {tuple(logits.shape)} for per-row logits_to_keep "
+                f"[{B}, {response_len}]: its forward does not slice positions row by row"
+            )
+        return logits, out
+    if "logits_to_keep" in inspect.signature(cls.forward).parameters:
+        first = int(prompt_lens.min()) - 1  # the earliest scoring position of any row
+        out = model(**kwargs, logits_to_keep=L - first)
+        return gather_response(out.logits, prompt_lens - first, response_len), out
+    out = model(**kwargs)
+    return gather_response(out.logits, prompt_lens, response_len), out
 
 
 class TanhGELU(torch.nn.Module):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import numpy as np
@@ -10,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.algorithms import logprobs_from_logits
-from learner.sequences import fuse_tanh_gelu, gather_response, pack_sequences, response_tokens
+from learner.sequences import fuse_tanh_gelu, pack_sequences, response_logits, response_tokens
 from reward_service.config import ReferenceConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,8 +45,6 @@ class ReferencePolicy:
         # Right padding sits after every real token, so under causal attention its id never matters.
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
-        # Models that accept `logits_to_keep` project only the tail of the sequence onto the vocabulary.
-        self._can_trim = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._sequences = 0
         self._tokens = 0
         self._batches = 0
@@ -82,16 +79,7 @@ class ReferencePolicy:
         R = max(max(len(r) for r in responses), 1)
         tokens = response_tokens(ids, p_lens, R).to(self.device)
         ids, attn = ids.to(self.device), attn.to(self.device)
-        if self._can_trim:
-            # Keep positions from the earliest response-scoring position (min p - 1) to the end.
-            first = int(p_lens.min()) - 1
-            logits = self.model(
-                input_ids=ids, attention_mask=attn, logits_to_keep=ids.shape[1] - first
-            ).logits
-            p_lens = p_lens - first
-        else:
-            logits = self.model(input_ids=ids, attention_mask=attn).logits
-        logits = gather_response(logits, p_lens.to(self.device), R)
+        logits, _ = response_logits(self.model, ids, attn, p_lens, R)  # the model's own output path
         # Row by row, so a low-precision model never holds a float32 copy of the whole [B, R, V] block.
         lp = torch.cat(
             [

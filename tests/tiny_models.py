@@ -82,3 +82,47 @@ def build_classifier(out: Path, seed: int = 1) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Per-family config fields of tiny causal LMs (vocab and special ids from the word-level tokenizer).
+# Each family differs where the learner once diverged from transformers' own forward: GQA and tied
+# embeddings (Qwen2), a final logit softcap (Gemma2), a logit divisor (Granite), a logit multiplier
+# (Cohere). A larger init std than HF's 0.02 makes the logits peaked, so a missed scaling shows.
+FAMILIES: dict[str, dict] = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},
+    "llama": {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
+    "qwen2": {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "gemma2": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "final_logit_softcapping": 2.0,
+        "attn_logit_softcapping": 5.0,
+        "sliding_window": 4,
+        "query_pre_attn_scalar": 8,
+    },
+    "granite": {"num_attention_heads": 4, "num_key_value_heads": 2, "logits_scaling": 4.0},
+    "cohere": {"num_attention_heads": 4, "num_key_value_heads": 2, "logit_scale": 0.25},
+}
+
+
+def build_causal_lm(out: Path, family: str, seed: int = 0) -> Path:
+    """A 2-layer causal LM of `family` (a key of FAMILIES) with the word-level tokenizer, saved to `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    common = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "initializer_range": 0.3,
+    }
+    if family != "gpt2":
+        common.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+    config = AutoConfig.for_model(family, **common, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
