@@ -64,6 +64,104 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 
 # ---------------------------------------------------------------------------------------------
+# Running moments and reward normalisation (a critic that can move)
+# ---------------------------------------------------------------------------------------------
+
+REWARD_NORMS = ("off", "scale", "standardize")
+VALUE_CLIPS = ("absolute", "relative", "off")
+
+
+def batch_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """`(count, mean, M2)` of the valid entries of `x` in float64; M2 = sum of squared deviations from
+    the mean (0, 0, 0 when there are none)."""
+    valid = _valid(mask)
+    v = x.double()[valid]
+    n = int(v.numel())
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    mean = float(v.mean())
+    return float(n), mean, float(((v - mean) ** 2).sum())
+
+
+def merge_moments(a: tuple[float, float, float], b: tuple[float, float, float]) -> tuple[float, float, float]:
+    """`(count, mean, M2)` of the union of two disjoint sets from theirs (Chan, Golub & LeVeque 1979).
+
+    n = n_a + n_b,  d = mean_b - mean_a,  mean = mean_a + d * n_b / n,  M2 = M2_a + M2_b + d^2 n_a n_b / n.
+    Exact in real arithmetic, and stable: no difference of two large sums of squares.
+    """
+    na, ma, m2a = (float(v) for v in a)
+    nb, mb, m2b = (float(v) for v in b)
+    n = na + nb
+    if nb == 0:
+        return na, ma, m2a
+    if na == 0:
+        return nb, mb, m2b
+    d = mb - ma
+    return n, ma + d * nb / n, m2a + m2b + d * d * na * nb / n
+
+
+class RunningMoments:
+    """Mean and standard deviation of every number seen so far, merged batch by batch (`merge_moments`).
+
+    The learner feeds it each iteration's sequence scores from all ranks, so every rank holds the
+    same state; it is saved in checkpoints (`state_dict`) and restored on resume.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    def update(self, count: float, mean: float, m2: float) -> None:
+        """Merge in a batch's `(count, mean, M2)`."""
+        self.count, self.mean, self.m2 = merge_moments((self.count, self.mean, self.m2), (count, mean, m2))
+
+    @property
+    def std(self) -> float:
+        """Bessel-corrected standard deviation; 1.0 before two numbers are seen (nothing to scale by)."""
+        if self.count < 2:
+            return 1.0
+        return (self.m2 / (self.count - 1)) ** 0.5
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def normalize_scores(
+    scores: torch.Tensor,
+    mean: float,
+    std: float,
+    mode: str = "scale",
+    clip: float | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Sequence scores put on a unit scale with running statistics, before the KL penalty is added.
+
+    "off": unchanged; "scale": score / (std + eps) (keeps the sign and the zero of the reward, as
+    a logit-difference or a pass/fail reward have a meaningful 0); "standardize": (score - mean) /
+    (std + eps). With `clip`, the result is clipped to [-clip, clip] (the "off" mode is never clipped).
+    """
+    if mode not in REWARD_NORMS:
+        raise ValueError(f"unknown reward normalisation {mode!r}; allowed: {', '.join(REWARD_NORMS)}")
+    if mode == "off":
+        return scores
+    centre = mean if mode == "standardize" else 0.0
+    out = (scores - centre) / (std + eps)
+    return out if clip is None else out.clamp(-clip, clip)
+
+
+def value_clip_radius(mode: str, eps: float, returns_std: float = 1.0) -> float | None:
+    """How far the value may move from the old value in one update: "absolute" eps, "relative"
+    eps * std of the returns (the clip follows the scale of the rewards), "off" None (no clip)."""
+    if mode not in VALUE_CLIPS:
+        raise ValueError(f"unknown value clip {mode!r}; allowed: {', '.join(VALUE_CLIPS)}")
+    if mode == "off":
+        return None
+    return float(eps) * (float(returns_std) if mode == "relative" else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # KL penalty and reward shaping
 # ---------------------------------------------------------------------------------------------
 
@@ -284,16 +382,26 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float = 0.2,
+    clip_eps: float | torch.Tensor | None = 0.2,
     agg: str = "token-mean",
     global_tokens: float | None = None,
     global_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss: 1/2 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)."""
+    """Clipped value loss: 1/2 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2).
+
+    `clip_eps` is the clip radius: a number, a per-token tensor (e.g. from `value_clip_radius`), or
+    None for the plain 1/2 * (V - R)^2 (no clip: the critic may move any distance per update).
+    """
     v = _zero_invalid(values, mask)
     v_old = _zero_invalid(old_values, mask)
     ret = _zero_invalid(returns, mask)
-    v_clipped = v_old + torch.clamp(v - v_old, -clip_eps, clip_eps)
+    if clip_eps is None:
+        v_clipped = v
+    elif isinstance(clip_eps, torch.Tensor):
+        eps = _zero_invalid(clip_eps.to(v.dtype), mask)
+        v_clipped = v_old + torch.maximum(torch.minimum(v - v_old, eps), -eps)
+    else:
+        v_clipped = v_old + torch.clamp(v - v_old, -clip_eps, clip_eps)
     err = (v - ret) ** 2
     err_clipped = (v_clipped - ret) ** 2
     per_token = 0.5 * torch.maximum(err, err_clipped)

@@ -58,6 +58,27 @@ class LearnerConfig(_Strict):
         None, gt=1.0, description="Dual-clip constant c > 1 for negative advantages; None = off."
     )
     value_clip_eps: float = Field(0.2, gt=0.0, description="Value-function clip around the old values.")
+    value_clip: Literal["absolute", "relative", "off"] = Field(
+        "absolute",
+        description=(
+            "How far one PPO iteration may move the value from the old value: 'absolute' value_clip_eps; "
+            "'relative' value_clip_eps x the std of the batch's returns (all ranks), so the clip follows "
+            "the reward scale; 'off' no clip (plain squared error)."
+        ),
+    )
+    reward_norm: Literal["off", "scale", "standardize"] = Field(
+        "off",
+        description=(
+            "Normalise sequence scores with their running mean/std over all ranks and steps (saved in "
+            "checkpoints) before the KL penalty is added: 'scale' score/std (keeps the reward's zero), "
+            "'standardize' (score - mean)/std, 'off' raw scores."
+        ),
+    )
+    reward_norm_clip: float | None = Field(
+        None,
+        gt=0.0,
+        description="Clip normalised scores to [-c, c] (None = no clip; unused when reward_norm is off).",
+    )
     vf_coef: float = Field(0.1, ge=0.0, description="Weight of the value loss.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")

@@ -26,13 +26,16 @@ import torch
 import torch.distributed as dist
 
 from learner.algorithms import (
+    RunningMoments,
     aggregate_loss,
     compute_gae,
     entropy_from_logits,
     logprobs_from_logits,
+    normalize_scores,
     off_policy_weights,
     policy_loss,
     shape_rewards,
+    value_clip_radius,
     value_loss,
 )
 from learner.batch import Trajectory
@@ -186,14 +189,53 @@ def distributed_whiten(
     return torch.where(valid, out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
 
 
+def distributed_moments(x: torch.Tensor, mask: torch.Tensor, device="cpu") -> tuple[float, float, float]:
+    """`algorithms.batch_moments` over the valid entries of ALL ranks' `x`: (count, mean, M2), two-pass float64."""
+    valid = mask.to(torch.bool)
+    xv = torch.where(valid, x.double(), torch.zeros((), dtype=torch.float64))
+    count, total = all_reduce([valid.sum(), xv.sum()], "sum", device).tolist()
+    mean = total / max(count, 1.0)
+    dev = torch.where(valid, x.double() - mean, torch.zeros((), dtype=torch.float64))
+    m2 = float(all_reduce([(dev**2).sum()], "sum", device)[0])
+    return count, mean, m2
+
+
+def normalized_scores(
+    batch: Batch, config: LearnerConfig, reward_moments: RunningMoments | None, device
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scores that enter the reward: raw, or normalised (`learner.reward_norm`) with the running
+    moments of every finite score seen on all ranks, this batch's merged in first."""
+    if config.reward_norm == "off":
+        return batch.scores, {}
+    if reward_moments is None:
+        raise ValueError(f"learner.reward_norm={config.reward_norm!r} needs running reward moments")
+    # A non-finite score (it skips the step) must not poison the statistics for the rest of the run.
+    reward_moments.update(*distributed_moments(batch.scores, torch.isfinite(batch.scores), device))
+    mean, std = reward_moments.mean, reward_moments.std
+    scores = normalize_scores(batch.scores, mean, std, config.reward_norm, config.reward_norm_clip)
+    return scores, {
+        "reward_norm/mean": mean,
+        "reward_norm/std": std,
+        "reward_norm/count": reward_moments.count,
+    }
+
+
 def prepare(
-    engine, batch: Batch, config: LearnerConfig, kl_coef: float, temperature: float, pad_id: int, device
+    engine,
+    batch: Batch,
+    config: LearnerConfig,
+    kl_coef: float,
+    temperature: float,
+    pad_id: int,
+    device,
+    reward_moments: RunningMoments | None = None,
 ) -> dict[str, float]:
     """Proximal pass, shaped rewards, GAE, global whitening. Fills `batch.tokens`; returns global stats."""
     old_lp, values = proximal_pass(engine, batch, config, temperature, pad_id, device)
     mask = batch.mask
+    scores, norm_stats = normalized_scores(batch, config, reward_moments, device)
     rewards, kl = shape_rewards(
-        batch.scores, old_lp, batch.tokens["ref_logprobs"], mask, kl_coef, config.kl.estimator
+        scores, old_lp, batch.tokens["ref_logprobs"], mask, kl_coef, config.kl.estimator
     )
     adv, returns = compute_gae(rewards, values, mask, config.gamma, config.lam)
     valid = mask.to(torch.bool)
@@ -220,6 +262,12 @@ def prepare(
         "returns/mean": g[6] / tokens,
         "advantages/mean": g[7] / tokens,
     }
+    stats.update(norm_stats)
+    stats.update(critic_stats(values, returns, mask, device))
+    if config.value_clip == "relative":
+        radius = value_clip_radius("relative", config.value_clip_eps, stats["returns/std"])
+        batch.tokens["value_clip"] = torch.full_like(returns, radius)
+        stats["values/clip_radius"] = radius
     if config.whiten_advantages:
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
     batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
@@ -235,6 +283,19 @@ def prepare(
         batch.tokens["is_weights"] = w
     stats.update(_off_policy_stats(old_lp, batch.tokens["behaviour_logprobs"], mask, config, device))
     return stats
+
+
+def critic_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, device) -> dict[str, float]:
+    """Global std of the returns and the critic's explained variance 1 - Var(R - V) / Var(R) (1 = perfect,
+    0 = no better than a constant, < 0 worse)."""
+    n, _, m2_ret = distributed_moments(returns, mask, device)
+    _, _, m2_err = distributed_moments(returns - values, mask, device)
+    var_ret = m2_ret / (n - 1) if n >= 2 else 0.0
+    var_err = m2_err / (n - 1) if n >= 2 else 0.0
+    return {
+        "returns/std": math.sqrt(var_ret),
+        "values/explained_variance": 1.0 - var_err / var_ret if var_ret > 0 else float("nan"),
+    }
 
 
 def _off_policy_stats(old_lp, behaviour, mask, config: LearnerConfig, device) -> dict[str, float]:
@@ -274,9 +335,8 @@ def micro_batch_loss(
         global_tokens=g_tokens,
         global_seqs=g_seqs,
     )
-    vf, vf_m = value_loss(
-        values, t["old_values"], t["returns"], mb.mask, config.value_clip_eps, agg, g_tokens, g_seqs
-    )
+    vclip = None if config.value_clip == "off" else t.get("value_clip", config.value_clip_eps)
+    vf, vf_m = value_loss(values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs)
     with torch.set_grad_enabled(config.entropy_coef > 0 and torch.is_grad_enabled()):
         ent = aggregate_loss(entropy_from_logits(logits), mb.mask, agg, g_tokens, g_seqs)
     loss = pg + config.vf_coef * vf - config.entropy_coef * ent
@@ -372,14 +432,18 @@ def train_step(
     temperature: float,
     pad_id: int,
     generator: torch.Generator,
+    reward_moments: RunningMoments | None = None,
 ) -> dict[str, float]:
-    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks)."""
+    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks).
+
+    `reward_moments`: the running score statistics `learner.reward_norm` normalises with (updated here).
+    """
     start = time.perf_counter()
     device = engine.device
     engine.train()
     batch = pack_trajectories(trajectories, pad_id)
     kl_coef = float(kl_controller.value)
-    stats = prepare(engine, batch, config, kl_coef, temperature, pad_id, device)
+    stats = prepare(engine, batch, config, kl_coef, temperature, pad_id, device, reward_moments)
     metrics = ppo_update(engine, batch, config, temperature, pad_id, device, generator)
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))

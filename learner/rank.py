@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from learner.algorithms import AdaptiveKLController, FixedKLController
+from learner.algorithms import AdaptiveKLController, FixedKLController, RunningMoments
 from learner.batch import Trajectory
 from learner.config import LearnerConfig
 from learner.deepspeed_setup import (
@@ -60,6 +60,8 @@ class LearnerRank:
             if kl.adaptive
             else FixedKLController(kl.coef)
         )
+        # Running score statistics for learner.reward_norm: fed from all ranks, so the same everywhere.
+        self.reward_moments = RunningMoments()
         # Same seed on every rank: identical shuffling logic, each over its own shard.
         self.generator = torch.Generator().manual_seed(self.seed)
         self.engine = None
@@ -120,6 +122,7 @@ class LearnerRank:
             self.temperature,
             self.pad_token_id,
             self.generator,
+            self.reward_moments,
         )
 
     def kl_coef(self) -> float:
@@ -217,7 +220,8 @@ class LearnerRank:
             dist.barrier()
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller and every rank's RNG.
+        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller, running reward
+        moments and every rank's RNG.
 
         Everything in it must load with weights_only=True: RNG states are uint8 tensors, `client_state`
         is checked here so a bad one fails now rather than on resume.
@@ -235,7 +239,12 @@ class LearnerRank:
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        mine = {"client": dict(client_state), "kl_controller": self.kl_controller.state_dict(), "rng": rngs}
+        mine = {
+            "client": dict(client_state),
+            "kl_controller": self.kl_controller.state_dict(),
+            "reward_moments": self.reward_moments.state_dict(),
+            "rng": rngs,
+        }
         engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
 
     def load_checkpoint(self, path: str) -> dict:
@@ -256,6 +265,8 @@ class LearnerRank:
         if mine is None:
             raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
         self.kl_controller.load_state_dict(mine["kl_controller"])
+        if "reward_moments" in mine:  # absent in checkpoints written before reward normalisation existed
+            self.reward_moments.load_state_dict(mine["reward_moments"])
         rngs = mine["rng"]
         if len(rngs) != self.world_size:
             raise ValueError(

@@ -207,3 +207,38 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
         assert m_again["params/grad_norm"] == pytest.approx(m_first["params/grad_norm"], rel=1e-6)
 
         _assert_step_skipped(ray, two, [batch2[:2], batch2[2:]], z3)
+
+
+def test_reward_moments_are_global_and_come_back_from_a_checkpoint(ray_local, tiny_policy_dir, tmp_path):
+    """reward_norm + relative value clip: the running moments are those of all ranks' scores (numpy on
+    the concatenation), one rank and two ranks take the same step, and a checkpoint restores them."""
+    ray = ray_local
+    cfg = _config(reward_norm="standardize", value_clip="relative", value_clip_eps=0.3)
+    batch1, batch2 = _trajectories(9, seed=5), _trajectories(6, seed=6)
+    # Scores travel as float32; the moments are float64 over those values.
+    s1 = np.array([t.score for t in batch1], dtype=np.float32).astype(np.float64)
+    s12 = np.array([t.score for t in batch1 + batch2], dtype=np.float32).astype(np.float64)
+    with (
+        learner_group(ray, 1, tiny_policy_dir, cfg) as one,
+        learner_group(ray, 2, tiny_policy_dir, cfg) as two,
+    ):
+        m1 = _train(ray, one, [batch1])
+        m2 = _train(ray, two, [batch1[:3], batch1[3:]])
+        for m in (m1, m2):
+            assert m["reward_norm/count"] == 9
+            assert m["reward_norm/mean"] == pytest.approx(s1.mean(), rel=1e-12)
+            assert m["reward_norm/std"] == pytest.approx(s1.std(ddof=1), rel=1e-12)
+            assert m["values/clip_radius"] == pytest.approx(0.3 * m["returns/std"], rel=1e-12)
+        assert m2["returns/std"] == pytest.approx(m1["returns/std"], rel=1e-6)
+        _assert_same_weights(_weights(ray, one), _weights(ray, two))
+
+        ckpt = str(tmp_path / "ckpt")
+        _call(ray, two, "save_checkpoint", *[(ckpt, {})] * 2)
+        m_first = _train(ray, two, [batch2[:2], batch2[2:]])
+        assert m_first["reward_norm/count"] == 15
+        assert m_first["reward_norm/mean"] == pytest.approx(s12.mean(), rel=1e-12)
+        assert m_first["reward_norm/std"] == pytest.approx(s12.std(ddof=1), rel=1e-12)
+        _call(ray, two, "load_checkpoint", *[(ckpt,)] * 2)
+        m_again = _train(ray, two, [batch2[:2], batch2[2:]])  # counted once, not twice: state came back
+        for key in ("reward_norm/count", "reward_norm/mean", "reward_norm/std", "loss/value"):
+            assert m_again[key] == pytest.approx(m_first[key], rel=1e-9), key
