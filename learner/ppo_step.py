@@ -16,6 +16,7 @@ step on every rank (no weight, optimizer-state or LR-schedule change) - DeepSpee
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -31,7 +32,6 @@ from learner.algorithms import (
     compute_gae,
     entropy_from_logits,
     logprobs_from_logits,
-    normalize_scores,
     off_policy_weights,
     policy_loss,
     shape_rewards,
@@ -40,6 +40,7 @@ from learner.algorithms import (
 )
 from learner.batch import Trajectory
 from learner.config import LearnerConfig
+from learner.critic import critic_stats, normalized_scores
 from learner.sequences import pack_sequences, response_tokens
 
 
@@ -189,37 +190,6 @@ def distributed_whiten(
     return torch.where(valid, out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
 
 
-def distributed_moments(x: torch.Tensor, mask: torch.Tensor, device="cpu") -> tuple[float, float, float]:
-    """`algorithms.batch_moments` over the valid entries of ALL ranks' `x`: (count, mean, M2), two-pass float64."""
-    valid = mask.to(torch.bool)
-    xv = torch.where(valid, x.double(), torch.zeros((), dtype=torch.float64))
-    count, total = all_reduce([valid.sum(), xv.sum()], "sum", device).tolist()
-    mean = total / max(count, 1.0)
-    dev = torch.where(valid, x.double() - mean, torch.zeros((), dtype=torch.float64))
-    m2 = float(all_reduce([(dev**2).sum()], "sum", device)[0])
-    return count, mean, m2
-
-
-def normalized_scores(
-    batch: Batch, config: LearnerConfig, reward_moments: RunningMoments | None, device
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The scores that enter the reward: raw, or normalised (`learner.reward_norm`) with the running
-    moments of every finite score seen on all ranks, this batch's merged in first."""
-    if config.reward_norm == "off":
-        return batch.scores, {}
-    if reward_moments is None:
-        raise ValueError(f"learner.reward_norm={config.reward_norm!r} needs running reward moments")
-    # A non-finite score (it skips the step) must not poison the statistics for the rest of the run.
-    reward_moments.update(*distributed_moments(batch.scores, torch.isfinite(batch.scores), device))
-    mean, std = reward_moments.mean, reward_moments.std
-    scores = normalize_scores(batch.scores, mean, std, config.reward_norm, config.reward_norm_clip)
-    return scores, {
-        "reward_norm/mean": mean,
-        "reward_norm/std": std,
-        "reward_norm/count": reward_moments.count,
-    }
-
-
 def prepare(
     engine,
     batch: Batch,
@@ -233,7 +203,8 @@ def prepare(
     """Proximal pass, shaped rewards, GAE, global whitening. Fills `batch.tokens`; returns global stats."""
     old_lp, values = proximal_pass(engine, batch, config, temperature, pad_id, device)
     mask = batch.mask
-    scores, norm_stats = normalized_scores(batch, config, reward_moments, device)
+    reduce_sum = functools.partial(all_reduce, op="sum", device=device)
+    scores, norm_stats = normalized_scores(batch.scores, config, reward_moments, reduce_sum)
     rewards, kl = shape_rewards(
         scores, old_lp, batch.tokens["ref_logprobs"], mask, kl_coef, config.kl.estimator
     )
@@ -263,7 +234,7 @@ def prepare(
         "advantages/mean": g[7] / tokens,
     }
     stats.update(norm_stats)
-    stats.update(critic_stats(values, returns, mask, device))
+    stats.update(critic_stats(values, returns, mask, reduce_sum))
     if config.value_clip == "relative":
         radius = value_clip_radius("relative", config.value_clip_eps, stats["returns/std"])
         batch.tokens["value_clip"] = torch.full_like(returns, radius)
@@ -283,19 +254,6 @@ def prepare(
         batch.tokens["is_weights"] = w
     stats.update(_off_policy_stats(old_lp, batch.tokens["behaviour_logprobs"], mask, config, device))
     return stats
-
-
-def critic_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, device) -> dict[str, float]:
-    """Global std of the returns and the critic's explained variance 1 - Var(R - V) / Var(R) (1 = perfect,
-    0 = no better than a constant, < 0 worse)."""
-    n, _, m2_ret = distributed_moments(returns, mask, device)
-    _, _, m2_err = distributed_moments(returns - values, mask, device)
-    var_ret = m2_ret / (n - 1) if n >= 2 else 0.0
-    var_err = m2_err / (n - 1) if n >= 2 else 0.0
-    return {
-        "returns/std": math.sqrt(var_ret),
-        "values/explained_variance": 1.0 - var_err / var_ret if var_ret > 0 else float("nan"),
-    }
 
 
 def _off_policy_stats(old_lp, behaviour, mask, config: LearnerConfig, device) -> dict[str, float]:
