@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -117,6 +117,12 @@ class LearnerConfig(_Strict):
         default_factory=dict,
         description="Deep-merged into the generated DeepSpeed config (e.g. offload, bucket sizes, stage3_param_persistence_threshold).",
     )
+
+    @field_validator("value_clip", "reward_norm", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML reads a bare `off` as False: take it as the 'off' it was written as."""
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

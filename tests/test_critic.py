@@ -109,6 +109,10 @@ def test_config_names_the_allowed_values():
     assert "'absolute', 'relative' or 'off'" in str(err.value)
     with pytest.raises(ValueError, match="reward_norm"):
         LearnerConfig(reward_norm="whiten")
+    # YAML's bare `off` arrives as False
+    assert LearnerConfig(value_clip=False, reward_norm=False).value_clip == "off"
+    with pytest.raises(ValueError, match="value_clip"):
+        LearnerConfig(value_clip=True)
     with pytest.raises(ValueError, match="reward_norm_clip"):
         LearnerConfig(reward_norm_clip=0.0)
 
