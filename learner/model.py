@@ -111,7 +111,7 @@ class PolicyWithValueHead(nn.Module):
         One forward of the HF causal LM: its own output path makes the logits (whatever scaling or
         softcap the architecture applies), and its last hidden state (after the final norm, the
         lm_head's input) feeds the value head. `output_hidden_states=-1` asks only for that last one
-        where transformers can select (>= 5.20); older versions read it as True and return all layers.
+        where transformers can select (5.23 does); older versions read it as True and return all layers.
         """
         logits, out = response_logits(
             self.policy, input_ids, attention_mask, prompt_lens, response_len, output_hidden_states=-1

@@ -76,7 +76,7 @@ def keeps_positions_per_row(model_cls: type) -> bool:
 
     True when the model's forward takes `logits_to_keep` and its modeling module slices with transformers'
     shared `slice_logits_to_keep` in a version that reads a 2-D integer tensor as per-row positions
-    (transformers >= 5.20); other models (and older versions, which would index every row with the
+    (transformers 5.23 does, 5.19 does not); other models (and older versions, which would index every row with the
     whole [B, K] block) get an integer tail count instead. The check runs the slicer on a 2x2 example.
     """
     if "logits_to_keep" not in inspect.signature(model_cls.forward).parameters:
