@@ -33,7 +33,17 @@ class LearnerConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Training precision (bfloat16 on GPU)."
     )
-    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate (policy and value head).")
+    lr: float = Field(
+        1e-4, gt=0.0, description="AdamW learning rate (policy, and value head unless value_lr)."
+    )
+    value_lr: float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "AdamW learning rate of the value head alone (None = lr). Adam moves a weight by about its lr "
+            "per step, so with rewards of order 1-10 the critic needs a larger rate than the policy to keep up."
+        ),
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")

@@ -79,8 +79,19 @@ class LinearWarmup:
 
 
 def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
-    """torch AdamW over every trainable parameter: no JIT-built DeepSpeed op needed."""
+    """torch AdamW over every trainable parameter: no JIT-built DeepSpeed op needed.
+
+    With `config.value_lr` set, the model's `value_head` is a second parameter group with that rate
+    (Adam moves each weight by about its lr per step, so the critic's speed is set by its lr).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    head = getattr(model, "value_head", None)
+    if config.value_lr is not None and head is not None:
+        head_ids = {id(p) for p in head.parameters()}
+        params = [
+            {"params": [p for p in params if id(p) not in head_ids]},
+            {"params": [p for p in params if id(p) in head_ids], "lr": config.value_lr},
+        ]
     return torch.optim.AdamW(
         params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
     )

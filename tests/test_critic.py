@@ -146,3 +146,18 @@ def test_critic_stats_and_score_normalisation_in_one_process():
     assert same is scores and none == {}
     with pytest.raises(ValueError, match="needs running reward moments"):
         normalized_scores(scores, cfg, None, _one_process)
+
+
+def test_value_lr_puts_the_value_head_in_its_own_parameter_group(tiny_policy_dir):
+    from learner.deepspeed_setup import build_optimizer
+    from learner.model import PolicyWithValueHead
+
+    model = PolicyWithValueHead.from_pretrained(tiny_policy_dir)
+    one = build_optimizer(model, LearnerConfig(lr=1e-4))
+    assert [g["lr"] for g in one.param_groups] == [1e-4]  # the default: one group, as before
+    two = build_optimizer(model, LearnerConfig(lr=1e-4, value_lr=1e-3))
+    assert [g["lr"] for g in two.param_groups] == [1e-4, 1e-3]
+    head = {id(p) for p in model.value_head.parameters()}
+    assert {id(p) for p in two.param_groups[1]["params"]} == head
+    assert len(two.param_groups[0]["params"]) + len(head) == len(list(model.parameters()))
+    assert not head & {id(p) for p in two.param_groups[0]["params"]}

@@ -210,10 +210,10 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
 
 
 def test_reward_moments_are_global_and_come_back_from_a_checkpoint(ray_local, tiny_policy_dir, tmp_path):
-    """reward_norm + relative value clip: the running moments are those of all ranks' scores (numpy on
+    """reward_norm + relative value clip + value_lr: the running moments are those of all ranks' scores (numpy on
     the concatenation), one rank and two ranks take the same step, and a checkpoint restores them."""
     ray = ray_local
-    cfg = _config(reward_norm="standardize", value_clip="relative", value_clip_eps=0.3)
+    cfg = _config(reward_norm="standardize", value_clip="relative", value_clip_eps=0.3, value_lr=5e-3)
     batch1, batch2 = _trajectories(9, seed=5), _trajectories(6, seed=6)
     # Scores travel as float32; the moments are float64 over those values.
     s1 = np.array([t.score for t in batch1], dtype=np.float32).astype(np.float64)
