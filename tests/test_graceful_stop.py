@@ -122,3 +122,54 @@ def test_ctrl_c_checkpoints_prints_a_run_summary_and_stops_everything(demo_asset
     ckpt = latest_checkpoint(run_dir)
     assert f"continue with --resume {run_dir}" in out and str(ckpt) in out
     assert_nothing_left(tree, shm_before)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_prompt_once(
+    ray_local, demo_assets, tmp_path, mode
+):
+    """The stop hook shared by both trainers: a stop asked for while step 1 runs ends the run after
+    it with a checkpoint (async: the prompts in flight are recorded); the resumed run completes the
+    epoch with each prompt trained once, and its final checkpoint is written once."""
+    from cluster.config import load_config
+    from cluster.streaming import make_trainer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(demo_assets.prompts.read_text().splitlines()[:24]) + "\n")
+    extra = {
+        "data.prompts_path": prompts,
+        "data.prompts_per_step": 8,
+        "rollout.chunk_size": 4,
+        "learner.micro_batch_size": 8,
+        "pipeline.mode": mode,
+    }
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))  # no checkpoint but the stop's
+    run_dir = tmp_path / "run"
+    trainer = make_trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        trainer.iteration()  # step 1; the signal arrives while it runs
+        trainer.stop.request(signal.SIGTERM)
+        summary = trainer.train()
+    finally:
+        trainer.close()
+        trainer.stop.uninstall()
+    assert summary.interrupted and summary.steps == 1 and trainer.stop.exit_code == 143
+    ckpt = latest_checkpoint(run_dir)
+    assert summary.checkpoint == str(ckpt) and ckpt.name == "step-000001"
+
+    cfg.checkpoint.every_steps = 1
+    resumed = make_trainer(cfg, run_dir, resume_from=ckpt)
+    try:
+        resumed.setup()
+        done = resumed.train()
+        last = resumed.last_checkpoint
+        stamp = (last / "state.json").stat().st_mtime_ns
+        assert resumed.checkpoint() == last  # the step's checkpoint exists: not written again
+        assert (last / "state.json").stat().st_mtime_ns == stamp
+    finally:
+        resumed.close()
+    assert not done.interrupted and done.steps == 3 and last.name == "step-000003"
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002", "step-000003"]  # keep_last 2
+    assert set(resumed.trained_prompts.values()) == {1}
+    assert set(resumed.trained_prompts) == {p.index for p in resumed.prompts}

@@ -35,6 +35,7 @@ from cluster.submit import (
     follow,
     main,
     submit,
+    submit_training,
 )
 
 EXAMPLES = REPO_ROOT / "cluster" / "examples"
@@ -140,6 +141,41 @@ def test_cli_ships_the_repo_quotes_overrides_and_exits_1_when_the_job_fails(ray_
     assert f"model.policy_path: folder not found: {odd}" in out
     assert "FAILED" in out
     assert "run.output_dir='runs' is relative" in err
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
+def test_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, demo_assets, tmp_path):
+    """`ray job stop` sends SIGTERM: the job's driver ends its step, checkpoints and exits 143."""
+    import time
+
+    from demo_run import CONFIG, demo_overrides
+
+    from cluster.checkpoint import latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    client = connect(ray_head)
+    job_id = submit_training(
+        ray_head, str(CONFIG), demo_overrides(demo_assets, 1000), run_dir=str(run_dir), client=client
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 900  # the upload, start-up and one step on a loaded machine
+    while not (metrics.is_file() and metrics.read_text()):
+        status = client.get_job_status(job_id)
+        assert not status.is_terminal(), f"{status}: {client.get_job_logs(job_id)[-3000:]}"
+        assert time.monotonic() < deadline, "no step finished in time"
+        time.sleep(1)
+    assert client.stop_job(job_id)
+    deadline = time.monotonic() + 600
+    while not client.get_job_status(job_id).is_terminal():
+        assert time.monotonic() < deadline, "the stopped job did not end in time"
+        time.sleep(1)
+    logs = client.get_job_logs(job_id)
+    assert str(client.get_job_status(job_id)) == "STOPPED", logs[-3000:]
+    ckpt = latest_checkpoint(run_dir)  # complete and valid
+    assert "stopped by SIGTERM" in logs and f"{ckpt}  (continue with --resume {run_dir})" in logs, logs[
+        -3000:
+    ]
 
 
 def test_build_entrypoint_quotes_every_argument():
