@@ -44,7 +44,9 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def install(self) -> None:
-        """Handle SIGINT and SIGTERM in this (main) thread until `uninstall`."""
+        """Handle SIGINT and SIGTERM until `uninstall` (only the main thread may; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
