@@ -65,14 +65,10 @@ def _kill_session(sid: int) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """Dashboard address of a fresh `ray start --head` with its own ports and temp dir."""
+def _start_head(bin_dir: Path, env: dict[str, str]) -> tuple[str, str, int]:
+    """One `ray start --head` with its own ports and temp dir: (dashboard URL, temp dir, session id)."""
     temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
     dashboard = _free_port()
-    bin_dir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the jobs' `python` is this venv's
     cmd = [
         str(bin_dir / "ray"),
         "start",
@@ -91,13 +87,37 @@ def ray_head():
         cmd, env=env, cwd=temp_dir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        out, _ = starter.communicate(timeout=90)
-        if starter.returncode != 0:
-            pytest.fail(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
-        yield f"http://127.0.0.1:{dashboard}"
-    finally:
+        out, _ = starter.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
         starter.kill()
-        _kill_session(starter.pid)  # `ray start` led the session that every head process inherited
+        out, _ = starter.communicate()
+    if starter.returncode != 0:
+        _kill_session(starter.pid)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise RuntimeError(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
+    return f"http://127.0.0.1:{dashboard}", temp_dir, starter.pid
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """Dashboard address of a fresh `ray start --head` with its own ports and temp dir. Ray gives a
+    raylet a fixed 30 s to register, which a loaded machine can miss: up to three tries."""
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the jobs' `python` is this venv's
+    errors = []
+    for _ in range(3):
+        try:
+            address, temp_dir, sid = _start_head(bin_dir, env)
+            break
+        except RuntimeError as err:
+            errors.append(str(err))
+    else:
+        pytest.fail("\n".join(errors))
+    try:
+        yield address
+    finally:
+        _kill_session(sid)  # `ray start` led the session that every head process inherited
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
