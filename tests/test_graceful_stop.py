@@ -173,3 +173,51 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002", "step-000003"]  # keep_last 2
     assert set(resumed.trained_prompts.values()) == {1}
     assert set(resumed.trained_prompts) == {p.index for p in resumed.prompts}
+
+
+FAILING_RULE = """
+from reward_service.rules import register_reward
+
+@register_reward("always_fails")
+def always_fails(prompt, response, meta):
+    raise RuntimeError("judge down")
+"""
+
+
+def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
+    """Every process the run started is watched while it runs (its tree grows as actors start)."""
+    shm_before = shm_files()
+    module = tmp_path / "failing_rule.py"
+    module.write_text(FAILING_RULE)
+    rule = [
+        "reward.kind=rule",
+        "reward.rule=always_fails",
+        f"reward.rule_module={module}",
+        "reward.max_failure_frac=0",
+    ]
+    log = (tmp_path / "out.log").open("w+")
+    sets = sum((["--set", s] for s in [*demo_overrides(demo_assets, 3), *rule]), [])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, "--run-dir", str(tmp_path / "run")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + STEP_WAIT_S
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the failing run did not end in time"
+            with contextlib.suppress(psutil.Error):
+                seen.update({p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)})
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 1, out[-3000:]
+    assert "rewards failed" in out and "judge down" in out
+    assert len(seen) >= 3  # Ray's own processes and the actors were seen
+    assert_nothing_left(list(seen.values()), shm_before)
