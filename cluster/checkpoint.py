@@ -4,15 +4,20 @@ A checkpoint is written into a hidden `.step-N.partial` folder and renamed to `s
 after every part is on disk and a COMPLETE marker (holding the state file's sha256) is written,
 so a crash mid-write never leaves a folder that looks complete. Resuming from a folder that is
 empty or corrupt is an error, never a silent fresh start.
+
+When one is written (`Cadence`: every N steps and/or M minutes) and which are kept (`to_prune`: the
+newest K plus the best K by a step metric) are pure logic here, tested without Ray.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +42,65 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class Cadence:
+    """When a checkpoint is due at the end of a step: every `every_steps` steps, and/or once
+    `every_minutes` have passed since the last checkpoint (or the start). `clock` is injectable."""
+
+    def __init__(
+        self, every_steps: int, every_minutes: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every_steps, self.every_s, self.clock = every_steps, every_minutes * 60.0, clock
+        self.last = clock()
+
+    def due(self, step: int) -> bool:
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return self.every_s > 0 and self.clock() - self.last >= self.every_s
+
+    def written(self) -> None:
+        """A checkpoint was just written (by the cadence or otherwise): the minutes count from now."""
+        self.last = self.clock()
+
+
+def to_prune(scores: dict[int, float | None], keep_last: int, keep_best: int, mode: str) -> list[int]:
+    """Steps (of `scores`: step -> best_metric value) whose checkpoints are deleted: all but the
+    newest `keep_last` and the `keep_best` with the best value (`mode` 'max' or 'min'; ties go to
+    the newer step; a missing or NaN value is never among the best)."""
+    steps = sorted(scores)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    sign = -1.0 if mode == "max" else 1.0
+    ranked = sorted(
+        (s for s in steps if scores[s] is not None and math.isfinite(scores[s])),
+        key=lambda s: (sign * scores[s], -s),
+    )
+    keep.update(ranked[:keep_best])
+    return [s for s in steps if s not in keep]
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    return int(Path(ckpt).name.split("-")[1])
+
+
+def prune(run_dir: Path, keep_last: int, keep_best: int, mode: str) -> list[Path]:
+    """Delete the complete checkpoints `to_prune` names (by their state's `score`); returns them."""
+    found = {checkpoint_step(p): p for p in list_checkpoints(run_dir)}
+    scores = {}
+    for step, path in found.items():
+        try:
+            scores[step] = json.loads((path / STATE_FILE).read_text()).get("score")
+        except (OSError, json.JSONDecodeError):
+            scores[step] = None
+    gone = [found[s] for s in to_prune(scores, keep_last, keep_best, mode)]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, ranks: list[Any], state: dict, keep: int, timeout: float
+    run_dir: Path, step: int, ranks: list[Any], state: dict, keep: tuple[int, int, str], timeout: float
 ) -> Path:
+    """Write `step-N` (every learner rank's DeepSpeed state plus `state`), then prune with
+    `keep` = (keep_last, keep_best, mode); `state['score']` is what keep_best ranks."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -60,8 +121,7 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, *keep)
     return final
 
 
@@ -73,7 +133,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     found = [
         p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / COMPLETE).is_file()
     ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=checkpoint_step)
 
 
 def read_state(ckpt: Path) -> dict:

@@ -114,9 +114,31 @@ class PipelineSection(_Strict):
 
 class CheckpointSection(_Strict):
     every_steps: int = Field(
-        0, ge=0, description="Checkpoint every N steps (0 = only at the end of the run)."
+        0, ge=0, description="Checkpoint every N steps (0 = no step cadence; every_minutes still applies)."
     )
-    keep: int = Field(2, ge=1, description="Complete checkpoints kept; older ones are deleted.")
+    every_minutes: float = Field(
+        30.0,
+        ge=0,
+        description="Checkpoint at the end of the first step that ends this many minutes after the last "
+        "checkpoint (or the start): bounds the work a crash loses (0 = off).",
+    )
+    keep_last: int = Field(2, ge=1, description="Newest complete checkpoints kept; older ones are deleted.")
+    keep_best: int = Field(
+        0, ge=0, description="Also keep the K checkpoints with the best best_metric (0 = off)."
+    )
+    best_metric: str = Field(
+        "rollout/reward_mean",
+        description="Step metric (a metrics.jsonl key) that ranks checkpoints for keep_best.",
+    )
+    best_mode: Literal["max", "min"] = Field(
+        "max", description="Whether a higher or lower best_metric is better."
+    )
+    stop_grace_s: float = Field(
+        600.0,
+        gt=0,
+        description="After SIGTERM/SIGINT the current learner step may finish within this many seconds, then a "
+        "checkpoint is written; past it (or on a second signal) the run stops without one.",
+    )
 
 
 class RunConfig(_Strict):

@@ -19,13 +19,15 @@ import yaml
 from transformers import AutoTokenizer
 
 from .actors import Roles, start_roles, stop_roles
-from .checkpoint import read_state, save_checkpoint
+from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
 from .metrics import MetricsWriter, truncate_metrics
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
+from .run_folder import check_ranks_see_run_folder
+from .stopping import StopRequest
 from .summary import RunSummary, reward_to_prob
 from .telemetry import Telemetry
 from .weight_sync import (
@@ -48,7 +50,7 @@ class RewardFailureError(RuntimeError):
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
         self.resume_from = resume_from
         self.run_id = current_run_id(self.run_dir)
         self.version = 0
@@ -67,6 +69,9 @@ class Trainer:
         self._checksum: str | None = None
         self.sync_replacements = 0
         self.t_start = time.perf_counter()
+        ck = cfg.checkpoint
+        self.stop = StopRequest(ck.stop_grace_s)  # `train.main` installs its signal handlers
+        self.cadence = Cadence(ck.every_steps, ck.every_minutes)
 
     # ------------------------------------------------------------------ set-up
 
@@ -84,6 +89,7 @@ class Trainer:
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
+        check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
             ray.remote(RunControl)
@@ -94,6 +100,7 @@ class Trainer:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
         self.telemetry = Telemetry(cfg.run.name)
+        self.cadence.written()  # the minutes count from the end of set-up
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over this run's pools, timeouts and replacement hook."""
@@ -153,12 +160,18 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self) -> Path:
+        """Write the checkpoint of the current step (once: a second call at the same step returns it)."""
+        if self.last_checkpoint is not None and checkpoint_step(self.last_checkpoint) == self.step:
+            return self.last_checkpoint
+        ck = self.cfg.checkpoint
+        score = self.history[-1].get(ck.best_metric) if self.history else None
         state = {
             "step": self.step,
             "version": self.version,
             "samples_seen": self.samples_seen,
             "stream": self.stream.state_dict(),
             "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
+            "score": score,
             **self._extra_state,
         }
         self.last_checkpoint = save_checkpoint(
@@ -166,9 +179,10 @@ class Trainer:
             self.step,
             self.roles.ranks,
             state,
-            self.cfg.checkpoint.keep,
+            (ck.keep_last, ck.keep_best, ck.best_mode),
             self.cfg.timeouts.train_s,
         )
+        self.cadence.written()
         return self.last_checkpoint
 
     def restore(self, ckpt: Path) -> None:
@@ -269,8 +283,7 @@ class Trainer:
         self.writer.write(step, metrics)
         self.telemetry.record_step(metrics, worker_lags=worker_lags)
         self.history.append(metrics)
-        every = self.cfg.checkpoint.every_steps
-        if every and step % every == 0:
+        if self.cadence.due(step):
             self.checkpoint()
 
     def check_reward_failures(self, step: int, errors: list[str], total: int) -> None:
@@ -338,24 +351,29 @@ class Trainer:
                 total=self.cfg.run.steps, initial=self.step, desc="ppo", unit="step", dynamic_ncols=True
             )
         try:
-            while self.step < self.cfg.run.steps:
+            while self.step < self.cfg.run.steps and not self.stop.requested:
                 m = self.iteration()
                 if bar is not None:
                     bar.set_postfix(_postfix(m))
                     bar.update(1)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # forced: no new checkpoint, the last one stays resumable
             if bar is not None:
                 bar.close()
             return self.summary(interrupted=True)
         if bar is not None:
             bar.close()
+        if self.stop.requested:  # a safe point: the step is done
+            self.stop.reached_safe_point()
+            if self.step:
+                self.checkpoint()
+            return self.summary(interrupted=True)
         self.checkpoint()
         final_dir = self.run_dir / "final"
+        # rank 0 writes all of final/ (policy, value head, tokenizer files), so it lands on one node
         ray.get(
-            [r.save_pretrained.remote(str(final_dir)) for r in self.roles.ranks],
+            [r.save_pretrained.remote(str(final_dir), self.cfg.tokenizer_path) for r in self.roles.ranks],
             timeout=self.cfg.timeouts.train_s,
         )
-        self.tokenizer.save_pretrained(str(final_dir))
         self.print_samples("after training", self.evaluate())
         return self.summary(final_dir=final_dir)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shlex
 import sys
@@ -191,6 +192,15 @@ def config_path_on_cluster(config: str, working_dir: str | Path | None) -> str:
         ) from None
 
 
+CHECKPOINT_MARGIN_S = 300  # after the grace period: the stop's checkpoint, summary and shutdown
+
+
+def job_stop_wait_s(cfg: RunConfig) -> int:
+    """How long `ray job stop` waits after its SIGTERM before SIGKILL (`RAY_JOB_STOP_WAIT_TIME_S`,
+    read by the job's supervisor; Ray's default 3 s would kill the run before its checkpoint)."""
+    return int(math.ceil(cfg.checkpoint.stop_grace_s + CHECKPOINT_MARGIN_S))
+
+
 def submit_training(
     address: str,
     config: str,
@@ -209,6 +219,7 @@ def submit_training(
         address,
         entrypoint,
         working_dir=working_dir,
+        env_vars={"RAY_JOB_STOP_WAIT_TIME_S": str(job_stop_wait_s(cfg))},
         metadata={"rayppo_run": cfg.run.name},
         timeout_s=timeout_s,
         client=client,

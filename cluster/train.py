@@ -2,6 +2,9 @@
 
 Everything that can be checked before an actor starts is checked first; a bad config or a
 missing file exits with code 2 and a message that names the field or file.
+
+Exit codes: 0 done; 1 the run failed; 2 bad input; 130 stopped by SIGINT; 143 stopped by SIGTERM
+(`cluster/stopping.py`: the current step ends, a checkpoint is written, `--resume` continues it).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
 from .config import ConfigError, RunConfig, load_config
+from .run_folder import resolve_paths
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -82,9 +86,10 @@ def init_ray(cfg: RunConfig) -> str | None:
 
 
 def run_dir_for(cfg: RunConfig, explicit: str | None) -> Path:
+    """The run folder, absolute: every actor and node must mean the same folder by it."""
     if explicit:
-        return Path(explicit)
-    return Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return Path(explicit).resolve()
+    return Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:
@@ -122,13 +127,13 @@ def resolve_resume(cfg: RunConfig, resume: str | None) -> tuple[Path | None, Pat
     if not resume:
         return None, None
     run_dir = find_auto_resume(cfg.run.output_dir, cfg.run.name) if resume == "auto" else Path(resume)
-    return run_dir, latest_checkpoint(run_dir)
+    return run_dir.resolve(), latest_checkpoint(run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_paths(load_config(args.config, args.overrides))
         preflight(cfg)
         resume_dir, ckpt = resolve_resume(cfg, args.resume)
     except (ConfigError, CheckpointError) as err:
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from .controller import LearnerStepError, RewardFailureError
     from .pools import ActorStartError
     from .rollout import RolloutError
+    from .run_folder import SharedStorageError
     from .streaming import make_trainer
     from .weight_sync import WeightSyncError
 
@@ -148,17 +154,24 @@ def main(argv: list[str] | None = None) -> int:
         WeightSyncError,
         ActorStartError,
         CheckpointError,
+        SharedStorageError,
     )
 
+    import ray
+
+    own_ray = not ray.is_initialized()  # a local Ray this driver starts is shut down when it ends
     dashboard = init_ray(cfg)
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
     trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
+    trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/stopping.py)
     try:
         trainer.setup()
         print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)
         summary = trainer.train()
+    except KeyboardInterrupt:  # forced during set-up or the final save: no new checkpoint
+        summary = trainer.summary(interrupted=True)
     except Exception as err:  # noqa: BLE001 - any failure ends the run with its message and a summary
         if not isinstance(err, RUN_ERRORS):
             traceback.print_exc()
@@ -170,10 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     finally:
         trainer.close()
-    print("\n=== run summary ===")
+        trainer.stop.uninstall()
+        if own_ray:
+            ray.shutdown()
+    title = f"stopped by {trainer.stop.name}" if trainer.stop.requested else "interrupted"
+    print(f"\n=== run summary{f' ({title})' if summary.interrupted else ''} ===")
     for line in summary.lines():
-        print(line)
-    return EXIT_INTERRUPTED if summary.interrupted else 0
+        print(line, flush=True)
+    if summary.interrupted:
+        return trainer.stop.exit_code or EXIT_INTERRUPTED
+    return 0
 
 
 if __name__ == "__main__":

@@ -210,12 +210,13 @@ class LearnerRank:
             out.append(logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy())
         return out
 
-    def save_pretrained(self, path: str) -> None:
-        """Rank 0 writes the HF policy, value head and tokenizer files to `path`; all ranks must call it."""
+    def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
+        """Rank 0 writes the HF policy, value head and tokenizer files (copied from `tokenizer_from`,
+        default the policy's folder) to `path`; all ranks must call it."""
         engine = self._require_engine()
         with self._gathered():
             if self.rank == 0:
-                engine.module.save_pretrained(path, tokenizer_from=self.model_path)
+                engine.module.save_pretrained(path, tokenizer_from=tokenizer_from or self.model_path)
         if dist.is_initialized():
             dist.barrier()
 

@@ -1,0 +1,223 @@
+"""SIGTERM and SIGINT on the real command line: the step ends, a checkpoint is written, the summary
+names the `--resume` command, every process the run started is gone, and the run resumes.
+
+Each run is its own process with its own local Ray. Nothing waits on time alone: the signal is sent
+once metrics.jsonl shows a finished step, and the timeouts are generous for a loaded machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from demo_run import CONFIG, demo_overrides
+
+from cluster.checkpoint import latest_checkpoint, list_checkpoints
+from cluster.stopping import EXIT_CODES
+
+pytestmark = pytest.mark.slow
+
+STEP_WAIT_S = 900  # start-up plus one step, on a machine shared with other CPU-bound work
+EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's shutdown
+
+
+def start_run(assets, run_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
+    sets = sum((["--set", s] for s in demo_overrides(assets, steps)), [])
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, *extra, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its process tree is the run's alone
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
+    """Block until metrics.jsonl holds `n` finished steps (the event the signal waits on)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + STEP_WAIT_S
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {n} steps within {STEP_WAIT_S}s"
+        time.sleep(0.5)
+
+
+def shm_files() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("deepspeed_")}
+
+
+def stop_with(sig: int, assets, run_dir: Path) -> tuple[str, list[psutil.Process]]:
+    """Start a long run, send `sig` after step 1; returns its output and its process tree."""
+    proc = start_run(assets, run_dir, 1000)
+    tree: list[psutil.Process] = []
+    try:
+        wait_for_steps(proc, run_dir, 1)
+        tree = psutil.Process(proc.pid).children(recursive=True)  # raylet, gcs, dashboard, actors...
+        assert len(tree) >= 3
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=EXIT_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == EXIT_CODES[sig], out[-3000:]
+    return out, tree
+
+
+def assert_nothing_left(tree: list[psutil.Process], shm_before: set[str]) -> None:
+    _, alive = psutil.wait_procs(tree, timeout=120)
+    names = [f"{p.pid}:{p.name()}" for p in alive if p.is_running()]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert not names, f"processes of the run still running: {names}"
+    assert not (shm_files() - shm_before), "DeepSpeed shared-memory files left behind"
+
+
+def test_sigterm_checkpoints_stops_everything_and_resumes(demo_assets, tmp_path):
+    shm_before = shm_files()
+    run_dir = tmp_path / "run"
+    out, tree = stop_with(signal.SIGTERM, demo_assets, run_dir)
+    assert "stopped by SIGTERM" in out and "Aborted" not in out
+    ckpt = latest_checkpoint(run_dir)
+    done = json.loads((ckpt / "state.json").read_text())["step"]
+    assert done >= 1 and ckpt.name == f"step-{done:06d}"
+    assert f"checkpoint   {ckpt}" in out
+    resume = re.search(r"continue with --resume (\S+)\)", out).group(1)
+    assert Path(resume) == run_dir
+    assert_nothing_left(tree, shm_before)
+
+    # The printed command continues the run: one more step, then a normal end.
+    proc = start_run(demo_assets, run_dir, done + 1, "--resume", resume)
+    try:
+        out, _ = proc.communicate(timeout=STEP_WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resuming from {ckpt.name}" in out and f"finished {done + 1} steps" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, done + 2))
+    assert [p.name for p in list_checkpoints(run_dir)][-1] == f"step-{done + 1:06d}"
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert (run_dir / "final" / "tokenizer.json").is_file()  # written by rank 0 with the model
+
+
+def test_ctrl_c_checkpoints_prints_a_run_summary_and_stops_everything(demo_assets, tmp_path):
+    shm_before = shm_files()
+    run_dir = tmp_path / "run"
+    out, tree = stop_with(signal.SIGINT, demo_assets, run_dir)
+    assert "stopped by SIGINT" in out and "interrupted after" in out and "metrics" in out
+    ckpt = latest_checkpoint(run_dir)
+    assert f"continue with --resume {run_dir}" in out and str(ckpt) in out
+    assert_nothing_left(tree, shm_before)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_prompt_once(
+    ray_local, demo_assets, tmp_path, mode
+):
+    """The stop hook shared by both trainers: a stop asked for while step 1 runs ends the run after
+    it with a checkpoint (async: the prompts in flight are recorded); the resumed run completes the
+    epoch with each prompt trained once, and its final checkpoint is written once."""
+    from cluster.config import load_config
+    from cluster.streaming import make_trainer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(demo_assets.prompts.read_text().splitlines()[:24]) + "\n")
+    extra = {
+        "data.prompts_path": prompts,
+        "data.prompts_per_step": 8,
+        "rollout.chunk_size": 4,
+        "learner.micro_batch_size": 8,
+        "pipeline.mode": mode,
+    }
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))  # no checkpoint but the stop's
+    run_dir = tmp_path / "run"
+    trainer = make_trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        trainer.iteration()  # step 1; the signal arrives while it runs
+        trainer.stop.request(signal.SIGTERM)
+        summary = trainer.train()
+    finally:
+        trainer.close()
+        trainer.stop.uninstall()
+    assert summary.interrupted and summary.steps == 1 and trainer.stop.exit_code == 143
+    ckpt = latest_checkpoint(run_dir)
+    assert summary.checkpoint == str(ckpt) and ckpt.name == "step-000001"
+
+    cfg.checkpoint.every_steps = 1
+    resumed = make_trainer(cfg, run_dir, resume_from=ckpt)
+    try:
+        resumed.setup()
+        done = resumed.train()
+        last = resumed.last_checkpoint
+        stamp = (last / "state.json").stat().st_mtime_ns
+        assert resumed.checkpoint() == last  # the step's checkpoint exists: not written again
+        assert (last / "state.json").stat().st_mtime_ns == stamp
+    finally:
+        resumed.close()
+    assert not done.interrupted and done.steps == 3 and last.name == "step-000003"
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002", "step-000003"]  # keep_last 2
+    assert set(resumed.trained_prompts.values()) == {1}
+    assert set(resumed.trained_prompts) == {p.index for p in resumed.prompts}
+
+
+FAILING_RULE = """
+from reward_service.rules import register_reward
+
+@register_reward("always_fails")
+def always_fails(prompt, response, meta):
+    raise RuntimeError("judge down")
+"""
+
+
+def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
+    """Every process the run started is watched while it runs (its tree grows as actors start)."""
+    shm_before = shm_files()
+    module = tmp_path / "failing_rule.py"
+    module.write_text(FAILING_RULE)
+    rule = [
+        "reward.kind=rule",
+        "reward.rule=always_fails",
+        f"reward.rule_module={module}",
+        "reward.max_failure_frac=0",
+    ]
+    log = (tmp_path / "out.log").open("w+")
+    sets = sum((["--set", s] for s in [*demo_overrides(demo_assets, 3), *rule]), [])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, "--run-dir", str(tmp_path / "run")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + STEP_WAIT_S
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the failing run did not end in time"
+            with contextlib.suppress(psutil.Error):
+                seen.update({p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)})
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 1, out[-3000:]
+    assert "rewards failed" in out and "judge down" in out
+    assert len(seen) >= 3  # Ray's own processes and the actors were seen
+    assert_nothing_left(list(seen.values()), shm_before)
