@@ -88,7 +88,11 @@ class ClusterSection(_Strict):
 
 
 class TimeoutSection(_Strict):
-    actor_start_s: float = Field(300.0, gt=0, description="Longest wait for actors to start and load models.")
+    actor_start_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for the placement plan on a busy cluster, and for actors to start and load models.",
+    )
     generate_s: float = Field(600.0, gt=0, description="Longest wait for one generate call.")
     score_s: float = Field(600.0, gt=0, description="Longest wait for one reference or reward call.")
     train_s: float = Field(1800.0, gt=0, description="Longest wait for one learner step.")

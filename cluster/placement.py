@@ -180,14 +180,20 @@ class PlacementPlan:
         if role == "rollout" and self.rollout.tensor_parallel_on_gpus:
             return self.rollout.options(slot)
         opts = self.shapes[role].actor_options()
+        index = self.bundle_index(role, slot)
+        if index is not None and self.group is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=index
+            )
+        return opts
+
+    def bundle_index(self, role: str, slot: int) -> int | None:
+        """The bundle `role`'s actor in `slot` holds: its own from before (a replacement), else the
+        role's first free one, else None (beyond the plan)."""
         key = (role, slot)
         if key not in self._held and self._free.get(role):
             self._held[key] = self._free[role].pop(0)
-        if key in self._held and self.group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self.group, placement_group_bundle_index=self._held[key]
-            )
-        return opts
+        return self._held.get(key)
 
     def release(self, role: str, slot: int) -> None:
         """`role`'s actor in `slot` is gone for good (scaled down): its bundle goes to the next one."""
