@@ -102,10 +102,12 @@ def small_demo(assets, tmp_path: Path, steps: int, **extra) -> list[str]:
     )
 
 
-def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, tmp_path, mode):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     steps = 4
     pins = {
+        "pipeline.mode": mode,
         "learner.resources": "{learner_node: 1}",
         "rollout.resources": "{rollout_node: 1}",
         "reference.resources": "{reward_node: 1}",
