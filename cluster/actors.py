@@ -130,7 +130,7 @@ def make_pools(
             .remote(rew, cfg.tokenizer_path)
         )
 
-    def pool(role: str, start: Callable[[str, int], Any], on_start: Any = None) -> ActorPool:
+    def pool(role: str, start: Callable[[str, int], Any], on_start: Callable | None = None) -> ActorPool:
         release = functools.partial(plan.release, role)
         return ActorPool(plan.shapes[role].prefix, start, wait, on_start, release=release)
 
