@@ -118,11 +118,11 @@ class PlacementPlan:
             self._free[role] = list(range(len(self.bundles), len(self.bundles) + shape.count))
             self.bundles += [shape.bundle() for _ in range(shape.count)]
 
-    def own_groups(self) -> list[tuple[str, list[dict[str, float]]]]:
-        """(label, bundles) of every STRICT_PACK group the plan creates with its own."""
+    def own_groups(self) -> list[list[dict[str, float]]]:
+        """The bundles of each STRICT_PACK group (one per tensor-parallel worker slot) made with the plan."""
         if not self.rollout.tensor_parallel_on_gpus:
             return []
-        return [(f"rollout-worker-{s}", self.rollout.bundles()) for s in range(self.shapes["rollout"].count)]
+        return [self.rollout.bundles() for _ in range(self.shapes["rollout"].count)]
 
     def asked(self) -> str:
         parts = []
@@ -148,7 +148,7 @@ class PlacementPlan:
 
     def check_fits(self) -> None:
         """Fail at once when no state of the live nodes, all idle, could hold the plan."""
-        items = self.bundles + [_sum(bundles) for _, bundles in self.own_groups()]
+        items = self.bundles + [_sum(bundles) for bundles in self.own_groups()]
         totals = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         try:
             fits = pack(items, totals) is not None
@@ -217,4 +217,4 @@ def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
 def demand(cfg: RunConfig) -> dict[str, float]:
     """Every resource the plan asks for in all (sizes a local Ray)."""
     plan = PlacementPlan(cfg)
-    return _sum(plan.bundles + [b for _, group in plan.own_groups() for b in group])
+    return _sum(plan.bundles + [b for group in plan.own_groups() for b in group])

@@ -39,4 +39,4 @@ def test_single_device_workers_are_bundles_of_the_plan_tensor_parallel_ones_a_gr
     )
     assert gpu_tp.rollout.tensor_parallel_on_gpus  # a 0-GPU wrapper in a 2-GPU group (needs GPUs to run)
     assert gpu_tp.bundles == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]  # the worker is not in the gang
-    assert gpu_tp.own_groups() == [("rollout-worker-0", [{"GPU": 1.0, "CPU": 0.5, **pinned}, {"GPU": 1.0}])]
+    assert gpu_tp.own_groups() == [[{"GPU": 1.0, "CPU": 0.5, **pinned}, {"GPU": 1.0}]]
