@@ -191,7 +191,8 @@ def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(demo_asset
 def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(demo_assets, tmp_path):
     """2.7 CPUs asked of 3 x 1 CPU, yet no layout holds them: each 0.8-CPU learner rank leaves
     0.2 of its node, too little for anything else, and the rest (1.1 CPUs) exceeds the third node.
-    Ray would keep that group pending; the run fails before timeouts.actor_start_s, naming why."""
+    Ray would keep that group pending; the run fails before timeouts.actor_start_s, naming why.
+    With cluster.autoscaling it waits actor_start_s for nodes instead."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     one_cpu = {"num_cpus": 1}
     with ray_cluster(one_cpu, one_cpu, one_cpu) as (cluster, _nodes):
@@ -205,8 +206,19 @@ def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(demo
         proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **plan))
         out = finish(proc, log)
         actors = actors_by_name(cluster)
-    assert proc.returncode == 1, out[-4000:]
-    assert "cannot hold these bundles even when idle" in out
-    assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
-    assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
-    assert not actors  # no actor was started
+        assert proc.returncode == 1, out[-4000:]
+        assert "cannot hold these bundles even when idle" in out
+        assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
+        assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
+        assert not actors  # no actor was started
+
+        # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
+        # then fails the same way and takes its pending group back.
+        waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 20}
+        log = tmp_path / "waiting.log"
+        proc = start_run(cluster, tmp_path / "run2", log, small_demo(demo_assets, tmp_path, 1, **waiting))
+        out = finish(proc, log)
+        assert proc.returncode == 1, out[-4000:]
+        assert "not placed within 20s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
+        groups = cluster.global_state.placement_group_table()
+        assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}
