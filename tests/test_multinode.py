@@ -31,13 +31,17 @@ def ray_cluster(*nodes: dict):
     cluster = Cluster(
         initialize_head=True,
         head_node_args={**nodes[0], "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+        shutdown_at_exit=False,
     )
     try:
         added = [cluster.add_node(**n, object_store_memory=OBJECT_STORE) for n in nodes[1:]]
         cluster.wait_for_nodes(timeout=120)
         yield cluster, [cluster.head_node, *added]
     finally:
-        cluster.shutdown()
+        # Each node's processes, not Cluster.shutdown(): that also resets this process's Ray client
+        # state, which the session's local Ray (conftest.ray_local) may still be using.
+        for node in [*cluster.worker_nodes, cluster.head_node]:
+            cluster.remove_node(node)
 
 
 def start_run(cluster: Cluster, run_dir: Path, log: Path, overrides: list[str]) -> subprocess.Popen:
