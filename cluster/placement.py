@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from .config import RunConfig
 from .packing import PackingUndecided, pack
@@ -97,6 +97,13 @@ def node_resources() -> list[str]:
         ]
         lines.append(f"{node['NodeManagerAddress']} {node['NodeID'][:8]}: {', '.join(shown) or 'nothing'}")
     return lines
+
+
+def on_driver_node() -> dict[str, Any]:
+    """Actor options that keep a run's own bookkeeping actor (no resources of its own) on the
+    driver's node: Ray would put it on any node, and losing that node would end the run."""
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 class PlacementPlan:
