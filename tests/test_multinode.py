@@ -125,7 +125,14 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     ) as (cluster, (head, learner_node, rollout_node)):
         proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins))
         try:
-            wanted = ("learner-rank-0", "rollout-worker-0", "reference-0", "reward-scorer-0")
+            # the roles, and the run's control actor (started last, named after the run folder)
+            wanted = (
+                "learner-rank-0",
+                "rollout-worker-0",
+                "reference-0",
+                "reward-scorer-0",
+                "rayppo-control-run",
+            )
 
             def placed():
                 actors = actors_by_name(cluster)
@@ -136,9 +143,8 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
             assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
             assert actors["reference-0"]["NodeID"] == head.node_id
             assert actors["reward-scorer-0"]["NodeID"] == head.node_id
-            # The run's control actor (no resources) lives with the driver, on the head node.
-            (control,) = [a for name, a in actors.items() if name.startswith("rayppo-control-")]
-            assert control["NodeID"] == head.node_id
+            # The control actor (no resources) lives with the driver, on the head node.
+            assert actors["rayppo-control-run"]["NodeID"] == head.node_id
 
             wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
             cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
