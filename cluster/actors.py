@@ -1,16 +1,15 @@
-"""Placement of the role actors on Ray, with readable names for the dashboard's Actors view."""
+"""The role actors on Ray (placed by `cluster.placement`), with readable names for the dashboard's Actors view."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.batch import Trajectory
 from learner.rank import LearnerRank
@@ -19,8 +18,8 @@ from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
 
 from .config import RunConfig
+from .placement import PlacementPlan
 from .pools import ActorPool, ActorStartError, wait_ready, wait_until
-from .rollout_placement import RolloutPlacement
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -95,76 +94,63 @@ class Roles:
     workers: ActorPool
     references: ActorPool
     scorers: ActorPool
+    plan: PlacementPlan
     ranks: list[Any] = field(default_factory=list)
-    learner_pg: Any = None
 
     def pools(self) -> list[ActorPool]:
         return [self.workers, self.references, self.scorers]
 
 
-def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | None = None) -> Roles:
-    """Pools for the scalable roles; actors start when the pools grow."""
-    r, ref, rew = cfg.rollout, cfg.reference, cfg.reward
-    temperature = r.sampling.temperature
+def make_pools(
+    cfg: RunConfig, plan: PlacementPlan, on_worker_start: Callable[[Any, str], None] | None = None
+) -> Roles:
+    """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
+    ref, rew = cfg.reference, cfg.reward
+    temperature = cfg.rollout.sampling.temperature
     wait = cfg.timeouts.actor_start_s
-
-    placement = RolloutPlacement(cfg)  # tensor-parallel vLLM: a 0-GPU wrapper in a TP-GPU placement group
 
     def worker(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingRolloutWorker)
-            .options(name=name, **placement.options(slot), **ACTOR_ENV)
-            .remote(cfg.model.policy_path, placement.config, slot, 0)
+            .options(name=name, **plan.options("rollout", slot), **ACTOR_ENV)
+            .remote(cfg.model.policy_path, plan.rollout.config, slot, 0)
         )
 
-    def reference(name: str, _slot: int) -> Any:
+    def reference(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingReference)
-            .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus, **ACTOR_ENV)
+            .options(name=name, **plan.options("reference", slot), **ACTOR_ENV)
             .remote(cfg.reference_path, ref, temperature)
         )
 
-    def scorer(name: str, _slot: int) -> Any:
+    def scorer(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingScorer)
-            .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus, **ACTOR_ENV)
+            .options(name=name, **plan.options("reward", slot), **ACTOR_ENV)
             .remote(rew, cfg.tokenizer_path)
         )
 
+    def pool(role: str, start: Callable[[str, int], Any], on_start: Callable | None = None) -> ActorPool:
+        release = functools.partial(plan.release, role)
+        return ActorPool(plan.shapes[role].prefix, start, wait, on_start, release=release)
+
     return Roles(
-        workers=ActorPool("rollout-worker", worker, wait, on_worker_start),
-        references=ActorPool("reference", reference, wait),
-        scorers=ActorPool("reward-scorer", scorer, wait),
+        workers=pool("rollout", worker, on_worker_start),
+        references=pool("reference", reference),
+        scorers=pool("reward", scorer),
+        plan=plan,
     )
 
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
-    """N ranks in one placement group, joined into one torch.distributed world."""
+    """N ranks in the plan's bundles, joined into one torch.distributed world."""
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s
-    bundle = {"CPU": lc.num_cpus_per_rank, **({"GPU": lc.num_gpus_per_rank} if lc.num_gpus_per_rank else {})}
-    roles.learner_pg = placement_group([dict(bundle) for _ in range(lc.num_ranks)], strategy="PACK")
-    try:
-        ray.get(roles.learner_pg.ready(), timeout=wait)
-    except ray.exceptions.GetTimeoutError:
-        raise ActorStartError(
-            f"learner placement group of {lc.num_ranks} x {bundle} not schedulable within {wait:.0f}s: "
-            "the cluster lacks the resources"
-        ) from None
-    names = [f"learner-rank-{rank}" for rank in range(lc.num_ranks)]
+    names = [f"{roles.plan.shapes['learner'].prefix}-{rank}" for rank in range(lc.num_ranks)]
     for rank, name in enumerate(names):
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=roles.learner_pg, placement_group_bundle_index=rank
-        )
         roles.ranks.append(
             ray.remote(StreamingLearnerRank)
-            .options(
-                name=name,
-                num_cpus=lc.num_cpus_per_rank,
-                num_gpus=lc.num_gpus_per_rank,
-                scheduling_strategy=strategy,
-                **ACTOR_ENV,
-            )
+            .options(name=name, **roles.plan.options("learner", rank), **ACTOR_ENV)
             .remote(
                 rank,
                 lc.num_ranks,
@@ -185,13 +171,20 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
 
 
 def start_roles(cfg: RunConfig, pad_token_id: int, on_worker_start=None) -> Roles:
-    roles = make_pools(cfg, on_worker_start)
-    counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
-    # Every actor starts at once (model loading overlaps); the learner's rendezvous runs meanwhile.
-    launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
-    start_learner(cfg, roles, pad_token_id)
-    for pool, started in zip(roles.pools(), launched, strict=True):
-        pool.admit(started)
+    """Reserve the whole placement plan first (it fails fast when the cluster cannot hold it), then
+    start every actor at once (model loading overlaps); the learner's rendezvous runs meanwhile."""
+    plan = PlacementPlan(cfg)
+    plan.reserve()
+    roles = make_pools(cfg, plan, on_worker_start)
+    try:
+        counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
+        launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
+        start_learner(cfg, roles, pad_token_id)
+        for pool, started in zip(roles.pools(), launched, strict=True):
+            pool.admit(started)
+    except BaseException:
+        stop_roles(roles)
+        raise
     return roles
 
 
@@ -205,6 +198,4 @@ def stop_roles(roles: Roles) -> None:
             ray.kill(rank, no_restart=True)
     for pool in roles.pools():
         pool.kill_all()
-    if roles.learner_pg is not None:
-        with contextlib.suppress(Exception):
-            remove_placement_group(roles.learner_pg)
+    roles.plan.remove()

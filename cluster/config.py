@@ -16,6 +16,8 @@ from learner.config import LearnerConfig
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field or file."""
@@ -78,10 +80,19 @@ class ClusterSection(_Strict):
         description="Dashboard bind address; the job API runs arbitrary code, keep it on loopback.",
     )
     dashboard_port: int = Field(8265, ge=1, le=65535, description="Dashboard port.")
+    autoscaling: bool = Field(
+        False,
+        description="The cluster adds nodes for pending work (Ray autoscaler, KubeRay): a placement plan the "
+        "current nodes cannot hold waits up to timeouts.actor_start_s for new nodes instead of failing at once.",
+    )
 
 
 class TimeoutSection(_Strict):
-    actor_start_s: float = Field(300.0, gt=0, description="Longest wait for actors to start and load models.")
+    actor_start_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for the placement plan on a busy cluster, and for actors to start and load models.",
+    )
     generate_s: float = Field(600.0, gt=0, description="Longest wait for one generate call.")
     score_s: float = Field(600.0, gt=0, description="Longest wait for one reference or reward call.")
     train_s: float = Field(1800.0, gt=0, description="Longest wait for one learner step.")
@@ -198,6 +209,26 @@ class RunConfig(_Strict):
             raise ValueError("reward.rule is required when reward.kind='rule'")
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
+        return self
+
+    @model_validator(mode="after")
+    def _role_resources(self) -> RunConfig:
+        """Custom resources: positive amounts, and never the ones Ray sets through num_cpus/num_gpus."""
+        by_field = {
+            "learner.resources": self.learner.resources,
+            "rollout.resources": self.rollout.resources,
+            "reference.resources": self.reference.resources,
+            "reward.resources": self.reward.resources,
+        }
+        for field, amounts in by_field.items():
+            for name, amount in amounts.items():
+                if name in RAY_BUILTIN_RESOURCES:
+                    raise ValueError(
+                        f"{field}: {name!r} is set by the role's num_cpus/num_gpus fields; custom resources "
+                        f"name node types, e.g. {{'{field.split('.')[0]}_node': 1}}"
+                    )
+                if not amount > 0:
+                    raise ValueError(f"{field}.{name}: must be > 0 (got {amount})")
         return self
 
     @property

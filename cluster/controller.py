@@ -24,6 +24,7 @@ from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
 from .metrics import MetricsWriter, truncate_metrics
+from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .run_folder import check_ranks_see_run_folder
@@ -93,7 +94,13 @@ class Trainer:
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
             ray.remote(RunControl)
-            .options(name=control_name(self.run_id), namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
+            .options(
+                name=control_name(self.run_id),
+                namespace=NAMESPACE,
+                num_cpus=0,
+                get_if_exists=True,
+                **on_driver_node(),
+            )
             .remote(self._counts())
         )
         if self.resume_from is not None:

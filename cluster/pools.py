@@ -66,12 +66,15 @@ class Member:
 
 @dataclass
 class ActorPool:
-    """`start(name, slot)` creates one actor; `on_start(handle, name)` prepares it (e.g. loads weights)."""
+    """`start(name, slot)` creates one actor; `on_start(handle, name)` prepares it (e.g. loads weights);
+    `release(slot)` is told when a slot's actor is gone for good (scaled down), so its placement
+    bundle can go to the next actor started."""
 
     prefix: str
     start: Callable[[str, int], Any]
     ready_timeout: float
     on_start: Callable[[Any, str], None] | None = None
+    release: Callable[[int], None] | None = None
     members: list[Member] = field(default_factory=list)
     replaced: int = 0
     _slots: Any = field(default_factory=itertools.count)
@@ -118,8 +121,7 @@ class ActorPool:
         gone = self.members[len(self.members) - count :]
         self.members = self.members[: len(self.members) - count]
         for m in gone:
-            with contextlib.suppress(Exception):
-                ray.kill(m.handle, no_restart=True)
+            self._stop(m)
         return [m.name for m in gone]
 
     def resize(self, target: int) -> tuple[list[str], list[str]]:
@@ -171,10 +173,15 @@ class ActorPool:
         for i, m in enumerate(self.members):
             if m.name == name:
                 del self.members[i]
-                with contextlib.suppress(Exception):
-                    ray.kill(m.handle, no_restart=True)
+                self._stop(m)
                 return
         raise KeyError(name)
+
+    def _stop(self, member: Member) -> None:
+        with contextlib.suppress(Exception):
+            ray.kill(member.handle, no_restart=True)
+        if self.release is not None:
+            self.release(member.slot)
 
     def next(self) -> int:
         """Round-robin index of the member to give the next piece of work."""

@@ -1,14 +1,15 @@
 """Where a rollout worker runs, and the engine settings only the run as a whole knows.
 
-- `hf`, or `vllm` with `tensor_parallel_size` 1: one actor holding `num_cpus_per_worker` CPUs and
-  `num_gpus_per_worker` GPUs (fractions allowed).
+- `hf`, or `vllm` with `tensor_parallel_size` 1: one actor holding `num_cpus_per_worker` CPUs,
+  `num_gpus_per_worker` GPUs (fractions allowed) and `resources`, in its bundle of the run's
+  placement plan (`cluster.placement`).
 - `vllm` with `tensor_parallel_size` = tp > 1 on GPUs (`num_gpus_per_worker` = tp, checked by the
   config): the actor is a 0-GPU wrapper placed in bundle 0 of its own placement group of tp
-  `{"GPU": 1}` bundles on one node (STRICT_PACK), with `placement_group_capture_child_tasks`. vLLM's
+  `{"GPU": 1}` bundles on one node (STRICT_PACK; bundle 0 also holds its CPUs and `resources`), with `placement_group_capture_child_tasks`. vLLM's
   Ray executor finds that group (`ray.util.get_current_placement_group()`, handed on to its engine
   process) and starts one GPU worker per bundle inside it, so the GPUs are reserved once, not by
-  the wrapper and again by vLLM. A replacement worker reuses its slot's group; the groups live as
-  long as the run's driver.
+  the wrapper and again by vLLM. A replacement worker reuses its slot's group; the groups are
+  created with the run's placement plan (`cluster.placement`) and removed with it.
 - `vllm` on CPU (no GPUs) with tp > 1: vLLM's `mp` executor forks its workers inside the actor,
   which holds `num_cpus_per_worker` CPUs for all of them.
 
@@ -39,7 +40,8 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
 
 
 class RolloutPlacement:
-    """Actor options per worker slot (one placement group per slot for tensor-parallel vLLM on GPUs)."""
+    """The placement groups of tensor-parallel vLLM workers on GPUs, one per worker slot (the
+    other workers are bundles of the run's placement plan, `cluster.placement`)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.rollout = cfg.rollout
@@ -51,17 +53,23 @@ class RolloutPlacement:
         r = self.rollout
         return r.engine == "vllm" and r.vllm.tensor_parallel_size > 1 and r.num_gpus_per_worker > 0
 
+    def bundles(self) -> list[dict[str, float]]:
+        """One worker's group: the wrapper's CPUs (and custom resources) with the first GPU."""
+        r = self.rollout
+        first = {"GPU": 1.0, "CPU": r.num_cpus_per_worker, **r.resources}
+        return [first] + [{"GPU": 1.0} for _ in range(r.vllm.tensor_parallel_size - 1)]
+
+    def group(self, slot: int) -> Any:
+        if slot not in self.groups:
+            self.groups[slot] = placement_group(self.bundles(), strategy="STRICT_PACK")
+        return self.groups[slot]
+
     def options(self, slot: int) -> dict[str, Any]:
         r = self.rollout
-        if not self.tensor_parallel_on_gpus:
-            return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker}
-        if slot not in self.groups:
-            tp = r.vllm.tensor_parallel_size
-            bundles = [{"GPU": 1.0, "CPU": r.num_cpus_per_worker}] + [{"GPU": 1.0} for _ in range(tp - 1)]
-            self.groups[slot] = placement_group(bundles, strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.groups[slot],
+            placement_group=self.group(slot),
             placement_group_bundle_index=0,
             placement_group_capture_child_tasks=True,
         )
-        return {"num_cpus": r.num_cpus_per_worker, "num_gpus": 0, "scheduling_strategy": strategy}
+        extra = {"resources": dict(r.resources)} if r.resources else {}
+        return {"num_cpus": r.num_cpus_per_worker, "num_gpus": 0, "scheduling_strategy": strategy, **extra}

@@ -56,14 +56,15 @@ def preflight(cfg: RunConfig) -> None:
             raise ConfigError(f"reward.rule: {err}") from None
 
 
-def local_cpus(cfg: RunConfig) -> float:
-    want = (
-        cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
-        + cfg.reference.num_replicas * cfg.reference.num_cpus
-        + cfg.reward.num_replicas * cfg.reward.num_cpus
-        + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
-    )
-    return float(max(os.cpu_count() or 1, math.ceil(want)))  # Ray wants whole CPUs
+def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
+    """Logical CPUs and custom resources of a local Ray: what the placement plan asks for (one
+    local node is every node type at once), and at least the cores."""
+    from .placement import demand
+
+    want = demand(cfg)
+    cpus = float(max(os.cpu_count() or 1, math.ceil(want.pop("CPU", 0.0))))  # Ray wants whole CPUs
+    want.pop("GPU", None)  # detected, or cluster.num_gpus
+    return cpus, want
 
 
 def init_ray(cfg: RunConfig) -> str | None:
@@ -75,8 +76,10 @@ def init_ray(cfg: RunConfig) -> str | None:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         return ray.init(address=address, log_to_driver=True).dashboard_url
+    cpus, custom = local_resources(cfg)
     return ray.init(
-        num_cpus=cfg.cluster.num_cpus or local_cpus(cfg),
+        num_cpus=cfg.cluster.num_cpus or cpus,
+        resources=custom or None,
         num_gpus=cfg.cluster.num_gpus,
         include_dashboard=cfg.cluster.dashboard,
         dashboard_host=cfg.cluster.dashboard_host,

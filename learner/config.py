@@ -25,6 +25,10 @@ class LearnerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel learner ranks (one torch.distributed world).")
     num_cpus_per_rank: float = Field(0.5, gt=0.0, description="Ray CPUs per learner rank.")
     num_gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each learner rank needs besides CPUs/GPUs, to pin it to node types: {'learner_node': 1} runs it only on nodes started with `ray start --resources` naming learner_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per rank.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto = nccl with GPUs, else gloo."

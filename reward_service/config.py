@@ -47,6 +47,10 @@ class RewardConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="Reward scorer actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reward actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reward actor.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each reward actor needs besides CPUs/GPUs, to pin it to node types: {'reward_node': 1} runs it only on nodes started with `ray start --resources` naming reward_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
+    )
     batch_size: int = Field(
         64, ge=1, description="Samples per reward-model forward (and per remote request)."
     )
@@ -62,6 +66,10 @@ class ReferenceConfig(_Strict):
     num_replicas: int = Field(1, ge=1, description="Reference policy actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reference actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reference actor.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each reference actor needs besides CPUs/GPUs, to pin it to node types: {'reward_node': 1} runs it only on nodes started with `ray start --resources` naming reward_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
+    )
     batch_size: int = Field(64, ge=1, description="Sequences per reference forward.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Reference weights dtype."

@@ -75,6 +75,10 @@ class RolloutConfig(_Strict):
         0.0, ge=0.0, description="Ray GPUs per rollout worker (fractions allowed)."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads inside each worker.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each rollout worker needs besides CPUs/GPUs, to pin it to node types: {'rollout_node': 1} runs it only on nodes started with `ray start --resources` naming rollout_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype for generation."
     )

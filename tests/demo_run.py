@@ -24,3 +24,11 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
         **extra,
     }
     return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
+
+
+def prompt_file(assets, folder: Path, n: int) -> Path:
+    """The first `n` demo prompts as a file of their own (one epoch = n prompts)."""
+    rows = assets.prompts.read_text().splitlines()[:n]
+    path = Path(folder) / "prompts.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path

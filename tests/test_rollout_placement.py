@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cluster.config import build_config
+from cluster.placement import PlacementPlan
 from cluster.rollout_placement import RolloutPlacement, worker_config
 
 
@@ -24,10 +25,18 @@ def test_vllm_reserves_kv_cache_for_the_longest_prompt_and_response_only():
     assert worker_config(_cfg(engine="hf")).vllm.max_model_len is None
 
 
-def test_single_device_workers_hold_their_resources_tensor_parallel_ones_a_group():
-    placement = RolloutPlacement(_cfg(engine="vllm", num_cpus_per_worker=1, num_gpus_per_worker=1))
-    assert placement.options(0) == {"num_cpus": 1, "num_gpus": 1} and not placement.groups
+def test_single_device_workers_are_bundles_of_the_plan_tensor_parallel_ones_a_group():
+    pinned = {"rollout_node": 1.0}
+    plan = PlacementPlan(_cfg(engine="vllm", num_cpus_per_worker=1, num_gpus_per_worker=1, resources=pinned))
+    # learner rank first, then the worker, the reference and the scorer: one group, one bundle each
+    assert plan.bundles == [{"CPU": 0.5}, {"CPU": 1, "GPU": 1, **pinned}, {"CPU": 0.25}, {"CPU": 0.25}]
+    assert plan.options("rollout", 0) == {"num_cpus": 1, "num_gpus": 1, "resources": pinned}
+    assert not plan.rollout.groups and not plan.own_groups()
     cpu_tp = RolloutPlacement(_cfg(engine="vllm", num_gpus_per_worker=0, vllm={"tensor_parallel_size": 2}))
     assert not cpu_tp.tensor_parallel_on_gpus  # vLLM's mp executor forks inside the actor
-    gpu_tp = RolloutPlacement(_cfg(engine="vllm", num_gpus_per_worker=2, vllm={"tensor_parallel_size": 2}))
-    assert gpu_tp.tensor_parallel_on_gpus  # a 0-GPU wrapper in a 2-GPU placement group (needs GPUs to run)
+    gpu_tp = PlacementPlan(
+        _cfg(engine="vllm", num_gpus_per_worker=2, vllm={"tensor_parallel_size": 2}, resources=pinned)
+    )
+    assert gpu_tp.rollout.tensor_parallel_on_gpus  # a 0-GPU wrapper in a 2-GPU group (needs GPUs to run)
+    assert gpu_tp.bundles == [{"CPU": 0.5}, {"CPU": 0.25}, {"CPU": 0.25}]  # the worker is not in the gang
+    assert gpu_tp.own_groups() == [[{"GPU": 1.0, "CPU": 0.5, **pinned}, {"GPU": 1.0}]]

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import ray
-from demo_run import CONFIG, demo_overrides
+from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.checkpoint import latest_checkpoint
 from cluster.config import ConfigError, load_config
@@ -35,13 +35,6 @@ def slow_positive(prompt, response, meta):
 def cfg_for(assets, steps, **extra):
     base = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
     return load_config(CONFIG, demo_overrides(assets, steps, **{**base, **extra}))
-
-
-def _prompt_file(assets, tmp_path, n):
-    rows = assets.prompts.read_text().splitlines()[:n]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def _run(cfg, run_dir, steps):
@@ -96,7 +89,7 @@ def test_no_trained_sample_is_older_than_the_bound(ray_local, demo_assets, tmp_p
             "pipeline.mode": "async",
             "pipeline.max_staleness": eta,
             "learner.off_policy": "tis",
-            "data.prompts_path": _prompt_file(demo_assets, tmp_path, 48),
+            "data.prompts_path": prompt_file(demo_assets, tmp_path, 48),
             "rollout.num_workers": 2,
             "rollout.num_cpus_per_worker": 0.25,
             "rollout.chunk_size": 2,
@@ -129,7 +122,7 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
         "pipeline.mode": "async",
         "pipeline.max_staleness": 1,
         "learner.off_policy": "tis",
-        "data.prompts_path": _prompt_file(demo_assets, tmp_path, 64),
+        "data.prompts_path": prompt_file(demo_assets, tmp_path, 64),
         "rollout.chunk_size": 2,
         "rollout.num_cpus_per_worker": 0.25,
         "checkpoint.every_steps": 4,

@@ -1,0 +1,237 @@
+"""The demo on a 3-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per
+node, each with its own CPUs and custom resources), driven by `python -m cluster.train` with
+`cluster.address` as a user would: roles pinned to node types through the config, the node holding
+the rollout worker killed mid-run, the 3 x 1-CPU plan that failed in issue 10, and a plan no
+state of the cluster can hold failing at once with the free resources per node."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from demo_run import CONFIG, demo_overrides, prompt_file
+from ray.cluster_utils import Cluster
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+OBJECT_STORE = 128 * 2**20  # per node; the demo's objects are small
+WAIT = 900.0  # the machine is shared: every wait is on an event, with room to spare
+
+
+@contextlib.contextmanager
+def ray_cluster(*nodes: dict):
+    """A head node and more, each {'num_cpus': .., 'resources': {..}}; always shut down."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**nodes[0], "object_store_memory": OBJECT_STORE, "include_dashboard": False},
+        shutdown_at_exit=False,
+    )
+    try:
+        added = [cluster.add_node(**n, object_store_memory=OBJECT_STORE) for n in nodes[1:]]
+        cluster.wait_for_nodes(timeout=120)
+        yield cluster, [cluster.head_node, *added]
+    finally:
+        # Each node's processes, not Cluster.shutdown(): that also resets this process's Ray client
+        # state, which the session's local Ray (conftest.ray_local) may still be using.
+        for node in [*cluster.worker_nodes, cluster.head_node]:
+            cluster.remove_node(node)
+
+
+def start_run(cluster: Cluster, run_dir: Path, log: Path, overrides: list[str]) -> subprocess.Popen:
+    sets = [*overrides, f"cluster.address={cluster.address}"]
+    cmd = [sys.executable, "-m", "cluster.train", str(CONFIG), "--run-dir", str(run_dir)]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        proc.wait(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return log.read_text()
+
+
+def actors_by_name(cluster: Cluster) -> dict[str, dict]:
+    """Every actor the cluster has seen (dead ones too): name -> {'State', 'NodeID'}."""
+    table = cluster.global_state.actor_table(None)
+    return {
+        a["Name"]: {"State": a["State"], "NodeID": a["Address"]["NodeID"]}
+        for a in table.values()
+        if a["Name"]
+    }
+
+
+def wait_for(what: str, check, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"no {what} within {WAIT:.0f}s")
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def small_demo(assets, tmp_path: Path, steps: int, **extra) -> list[str]:
+    """`steps` steps of 8 prompts over an epoch of exactly steps x 8 prompts."""
+    return demo_overrides(
+        assets,
+        steps,
+        **{
+            "data.prompts_per_step": 8,
+            "data.prompts_path": prompt_file(assets, tmp_path, steps * 8),
+            "rollout.chunk_size": 4,
+            "learner.micro_batch_size": 8,
+            **extra,
+        },
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, tmp_path, mode):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    steps = 4
+    pins = {
+        "pipeline.mode": mode,
+        "learner.resources": "{learner_node: 1}",
+        "rollout.resources": "{rollout_node: 1}",
+        "reference.resources": "{reward_node: 1}",
+        "reward.resources": "{reward_node: 1}",
+        "checkpoint.every_steps": 2,
+    }
+    with ray_cluster(
+        {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer
+        {"num_cpus": 1, "resources": {"learner_node": 1}},
+        {"num_cpus": 1, "resources": {"rollout_node": 1}},
+    ) as (cluster, (head, learner_node, rollout_node)):
+        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins))
+        try:
+            # the roles, and the run's control actor (started last, named after the run folder)
+            wanted = (
+                "learner-rank-0",
+                "rollout-worker-0",
+                "reference-0",
+                "reward-scorer-0",
+                "rayppo-control-run",
+            )
+
+            def placed():
+                actors = actors_by_name(cluster)
+                return actors if all(actors.get(n, {}).get("State") == "ALIVE" for n in wanted) else None
+
+            actors = wait_for("every role started", placed, proc, log)
+            assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
+            assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
+            assert actors["reference-0"]["NodeID"] == head.node_id
+            assert actors["reward-scorer-0"]["NodeID"] == head.node_id
+            # The control actor (no resources) lives with the driver, on the head node.
+            assert actors["rayppo-control-run"]["NodeID"] == head.node_id
+
+            wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
+            cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
+            replacement_node = cluster.add_node(
+                num_cpus=1, resources={"rollout_node": 1}, object_store_memory=OBJECT_STORE
+            )
+            out = finish(proc, log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out[-4000:]
+        actors = actors_by_name(cluster)
+
+    # The worker's bundle moved to the node that joined; its replacement ran there.
+    assert actors["rollout-worker-0"]["State"] == "DEAD"
+    replacements = [n for n in actors if n.startswith("rollout-worker-0.r")]
+    assert replacements and actors[replacements[-1]]["NodeID"] == replacement_node.node_id
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert sum(r["faults/actor_replacements"] for r in rows) >= 1
+
+    # Every prompt of the epoch trained exactly once, the lost chunk included.
+    state = json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())
+    assert {int(k): v for k, v in state["trained_prompts"].items()} == {i: 1 for i in range(steps * 8)}
+
+    # Where every file of the run went: all under the one run folder on the shared disk, written by
+    # the driver (config, metrics, checkpoint state, tokenizer) and learner rank 0 (DeepSpeed
+    # state, final model), whatever node each ran on.
+    files = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()}
+    for step in (2, 4):
+        ckpt = f"checkpoints/step-{step:06d}"
+        assert {f"{ckpt}/state.json", f"{ckpt}/COMPLETE"} <= files
+        assert any(f.startswith(f"{ckpt}/learner/") for f in files), files
+    assert {"config.yaml", "metrics.jsonl", "final/config.json", "final/tokenizer_config.json"} <= files
+    assert any(f.startswith("final/model") for f in files), files
+    assert not any(".partial" in f for f in files)
+
+
+def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(demo_assets, tmp_path):
+    """Issue 10: 2.5 CPUs asked of 3 x 1 CPU. Small actors placed first, one per node, left no
+    node a whole CPU for the learner; placed as one plan, the learner gets a node of its own."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    one_cpu = {"num_cpus": 1}
+    with ray_cluster(one_cpu, one_cpu, one_cpu) as (cluster, _nodes):
+        two_workers = {"rollout.num_workers": 2, "rollout.num_cpus_per_worker": 0.5}
+        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **two_workers))
+        out = finish(proc, log)
+        assert proc.returncode == 0, out[-4000:]
+        actors = actors_by_name(cluster)
+    learner_node = actors["learner-rank-0"]["NodeID"]
+    others = [
+        a["NodeID"] for name, a in actors.items() if name.split("-")[0] in ("rollout", "reference", "reward")
+    ]
+    assert len(others) == 4 and learner_node not in others
+
+
+def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(demo_assets, tmp_path):
+    """2.7 CPUs asked of 3 x 1 CPU, yet no layout holds them: each 0.8-CPU learner rank leaves
+    0.2 of its node, too little for anything else, and the rest (1.1 CPUs) exceeds the third node.
+    Ray would keep that group pending; the run fails before timeouts.actor_start_s, naming why.
+    With cluster.autoscaling it waits actor_start_s for nodes instead."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    one_cpu = {"num_cpus": 1}
+    with ray_cluster(one_cpu, one_cpu, one_cpu) as (cluster, _nodes):
+        plan = {
+            "learner.num_ranks": 2,
+            "learner.num_cpus_per_rank": 0.8,
+            "rollout.num_workers": 2,
+            "rollout.num_cpus_per_worker": 0.3,
+            "timeouts.actor_start_s": 3600,  # an answer before this is not a timeout
+        }
+        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **plan))
+        out = finish(proc, log)
+        actors = actors_by_name(cluster)
+        assert proc.returncode == 1, out[-4000:]
+        assert "cannot hold these bundles even when idle" in out
+        assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
+        assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
+        assert not actors  # no actor was started
+
+        # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
+        # then fails the same way and takes its pending group back.
+        waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 20}
+        log = tmp_path / "waiting.log"
+        proc = start_run(cluster, tmp_path / "run2", log, small_demo(demo_assets, tmp_path, 1, **waiting))
+        out = finish(proc, log)
+        assert proc.returncode == 1, out[-4000:]
+        assert "not placed within 20s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
+        groups = cluster.global_state.placement_group_table()
+        assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}
