@@ -312,3 +312,31 @@ def test_group_baseline_properties(data, n, G):
     torch.testing.assert_close(
         group_advantages(scores[perm], groups[perm], "grpo"), group_advantages(scores, groups, "grpo")[perm]
     )
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_refuses_combinations_that_cannot_work():
+    from cluster.config import ConfigError, build_config
+    from learner.config import LearnerConfig
+
+    tree = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
+    assert build_config(tree).learner.advantage == "gae"  # the default
+    with pytest.raises(ConfigError, match="learner.advantage"):
+        build_config({**tree, "learner": {"advantage": "ppo"}})
+    with pytest.raises(ConfigError, match="rollout.sampling.n >= 2"):
+        build_config({**tree, "learner": {"advantage": "grpo"}})
+    ok = build_config({**tree, "learner": {"advantage": "rloo"}, "rollout": {"sampling": {"n": 4}}})
+    assert ok.learner.advantage == "rloo"
+    # vtrace on stale samples: its own importance weights are the correction ('auto' resolves to none)
+    stale = {"pipeline": {"mode": "async", "max_staleness": 2}}
+    assert build_config({**tree, **stale, "learner": {"advantage": "vtrace"}}).learner.off_policy == "none"
+    with pytest.raises(ValueError, match="correct twice"):
+        LearnerConfig(advantage="vtrace", off_policy="tis")
+    with pytest.raises(ValueError, match="needs a critic"):
+        LearnerConfig(advantage="grpo", truncation="bootstrap")
+    with pytest.raises(ValueError, match="vtrace_c_clip"):
+        LearnerConfig(advantage="vtrace", vtrace_rho_clip=1.0, vtrace_c_clip=2.0)
+    with pytest.raises(ValueError, match="kl.mode='reward'"):
+        LearnerConfig(kl={"mode": "loss", "adaptive": True})
