@@ -47,7 +47,7 @@ def side_overrides(estimator: str, prompts_per_step: int, n: int) -> list[str]:
 def run_side(config: str, overrides: list[str]) -> list[dict]:
     cfg = load_config(config, overrides)
     preflight(cfg)
-    init_ray(cfg)
+    init_ray(cfg)  # started by the first side, reused by the others
     trainer = make_trainer(cfg, Path(tempfile.mkdtemp(prefix=f"bench-algos-{cfg.learner.advantage}-")))
     rows, samples = [], 0
     try:
@@ -58,7 +58,6 @@ def run_side(config: str, overrides: list[str]) -> list[dict]:
             rows.append({"samples": samples, **{k: v for k, v in m.items() if isinstance(v, float | int)}})
     finally:
         trainer.close()
-        ray.shutdown()
     return rows
 
 
@@ -90,7 +89,10 @@ def main() -> int:
         *args.overrides,
     ]
     P = load_config(args.config, base).data.prompts_per_step
-    curves = {e: run_side(args.config, [*base, *side_overrides(e, P, args.n)]) for e in ESTIMATORS}
+    try:
+        curves = {e: run_side(args.config, [*base, *side_overrides(e, P, args.n)]) for e in ESTIMATORS}
+    finally:
+        ray.shutdown()
     stats = {e: summary(rows) for e, rows in curves.items()}
 
     print(f"\nbench-algos: {args.config}, {args.steps} steps, {P} samples per step (grpo/rloo: n={args.n})")
