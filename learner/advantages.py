@@ -14,7 +14,8 @@ Estimators (`ESTIMATORS`):
                 over the global batch (Hu 2025).
   vtrace        V-trace targets for samples from a behaviour policy mu != pi (Espeholt et al. 2018).
 For grpo and rloo a per-token KL penalty in the reward (kl.mode='reward') adds its discounted
-return-to-go to the broadcast outcome advantage. This module imports nothing of the project.
+return-to-go to the broadcast outcome advantage. Imports only the pure `learner.algorithms`, so any
+role may use it.
 """
 
 from __future__ import annotations
