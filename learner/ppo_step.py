@@ -337,6 +337,6 @@ def train_step(
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))
     metrics.update(stats)
-    metrics["objective/kl_coef"] = kl_coef
+    metrics["objective/kl_coef"] = kl_coef if config.kl.mode == "reward" else config.kl.loss_coef
     metrics["time/train"] = float(all_reduce([time.perf_counter() - start], "max", device)[0])
     return metrics
