@@ -287,8 +287,11 @@ def ppo_update(
                 else:
                     _, values, logits = forward_scores(engine, zero_w, temperature)
                     scale = 0.0
-                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip).
-                engine.backward((logits.float().sum() + values.sum()) * scale, scale_wrt_gas=False)
+                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
+                # through the same modules as a real micro-batch: the (frozen) value head only with a
+                # critic, or ZeRO-3 would gather it in this backward alone and the ranks' collectives differ.
+                out = logits.float().sum() + (values.sum() if needs_critic(config.advantage) else 0.0)
+                engine.backward(out * scale, scale_wrt_gas=False)
             engine.step()
             if engine.was_step_applied():
                 if poisoned:

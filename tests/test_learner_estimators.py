@@ -27,16 +27,27 @@ def _grouped(n_groups: int, n: int, seed: int):
     return out
 
 
+# The two-rank world of the last case runs ZeRO-3 with every tensor sharded (frozen value head included).
+ZERO3 = {
+    "zero_stage": 3,
+    "deepspeed_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+}
+
+
 @pytest.mark.parametrize(
-    "overrides",
+    "overrides,two_ranks",
     [
-        {"advantage": "grpo", "kl": KLConfig(mode="loss", loss_coef=0.05)},
-        {"advantage": "rloo", "missing_eos_penalty": 1.0},
-        {"advantage": "vtrace", "off_policy": "none", "truncation": "bootstrap", "vtrace_rho_clip": 2.0},
+        ({"advantage": "grpo", "kl": KLConfig(mode="loss", loss_coef=0.05)}, {}),
+        ({"advantage": "rloo", "missing_eos_penalty": 1.0}, {}),
+        (
+            {"advantage": "vtrace", "off_policy": "none", "truncation": "bootstrap", "vtrace_rho_clip": 2.0},
+            {},
+        ),
+        ({"advantage": "grpo", "group_std_normalize": False}, ZERO3),
     ],
-    ids=["grpo-kl-loss", "rloo-eos-penalty", "vtrace-bootstrap"],
+    ids=["grpo-kl-loss", "rloo-eos-penalty", "vtrace-bootstrap", "grpo-zero3"],
 )
-def test_one_rank_and_two_ranks_agree(ray_local, tiny_policy_dir, overrides):
+def test_one_rank_and_two_ranks_agree(ray_local, tiny_policy_dir, overrides, two_ranks):
     ray = ray_local
     batch = _grouped(4, 3, seed=3)  # 4 prompts x 3 samples
     shards = shard_by_group(group_runs([t.group for t in batch]), 2)
@@ -44,7 +55,7 @@ def test_one_rank_and_two_ranks_agree(ray_local, tiny_policy_dir, overrides):
     uneven = [batch[:9], batch[9:]]  # 3 groups and 1 group: still whole
     with (
         learner_group(ray, 1, tiny_policy_dir, _config(micro_batch_size=4, **overrides)) as one,
-        learner_group(ray, 2, tiny_policy_dir, _config(micro_batch_size=2, **overrides)) as two,
+        learner_group(ray, 2, tiny_policy_dir, _config(micro_batch_size=2, **overrides, **two_ranks)) as two,
     ):
         initial = _weights(ray, one)
         m1 = _train(ray, one, [batch])
