@@ -8,7 +8,7 @@ CONFIG  ?= configs/sentiment_tiny.yaml
 ASSETS  ?= assets/sentiment_tiny
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl bench-async clean
+.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl bench-async bench-algos clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-trl: $(STAMP)
 # Sync vs async pipeline on the demo in one run, plus a projection to 64 workers (bench/bench_async.py).
 bench-async: $(STAMP)
 	$(BIN)/python bench/bench_async.py --out runs/bench-async $(ARGS)
+
+# Advantage estimators gae, grpo (n=4) and rloo (n=4) on the demo at equal samples (bench/bench_algos.py).
+bench-algos: $(STAMP)
+	$(BIN)/python bench/bench_algos.py --out runs/bench-algos $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

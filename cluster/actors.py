@@ -67,18 +67,18 @@ class StreamingScorer(RewardScorer):
 
 
 class StreamingLearnerRank(LearnerRank):
-    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float]]]]) -> dict[str, float]:
+    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, float]:
         """`train_step` on trajectories assembled here from object references: each part is
-        (samples ref, reference-logprobs ref, [(sample position, score), ...])."""
+        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...])."""
         trajectories = []
         for samples_ref, ref_lp_ref, picks in parts:
             samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
-            trajectories += [to_trajectory(samples[j], ref_lps[j], score) for j, score in picks]
+            trajectories += [to_trajectory(samples[j], ref_lps[j], score, g) for j, score, g in picks]
         return self.train_step(trajectories)
 
 
-def to_trajectory(sample: Any, ref_logprobs: Any, score: float) -> Trajectory:
-    """The learner's record of one scored rollout sample."""
+def to_trajectory(sample: Any, ref_logprobs: Any, score: float, group: int = -1) -> Trajectory:
+    """The learner's record of one scored rollout sample; `group` is shared by the samples of one prompt."""
     return Trajectory(
         prompt_ids=sample.prompt_ids,
         response_ids=sample.response_ids,
@@ -86,6 +86,8 @@ def to_trajectory(sample: Any, ref_logprobs: Any, score: float) -> Trajectory:
         ref_logprobs=ref_logprobs,
         score=float(score),
         policy_version=sample.policy_version,
+        group=int(group),
+        truncated=sample.finish_reason == "length",
     )
 
 

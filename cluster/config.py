@@ -185,13 +185,20 @@ class RunConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} makes minibatches smaller than one "
                 f"sample: each rank gets {per_rank} samples per step"
             )
+        if self.learner.advantage in ("grpo", "rloo") and self.rollout.sampling.n < 2:
+            raise ValueError(
+                f"learner.advantage={self.learner.advantage!r} takes its baseline from the other samples of "
+                "the same prompt: set rollout.sampling.n >= 2"
+            )
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
+        if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
+            self.learner.off_policy = "none"  # vtrace's truncated importance weights are the correction
         if self.learner.off_policy == "auto":
             # A correction is on whenever behaviour and proximal logprobs can differ: stale samples,
             # or a generator whose numerics differ from the learner's (e.g. a bf16 engine).
             mismatch = self.rollout.dtype != self.learner.dtype
             self.learner.off_policy = "tis" if stale or mismatch else "none"
-        if stale and self.learner.off_policy == "none":
+        if stale and self.learner.off_policy == "none" and self.learner.advantage != "vtrace":
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "
                 "from older policies: set learner.off_policy to 'tis', 'mask' or 'geo_mask' (the PPO ratio is "

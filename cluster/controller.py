@@ -23,6 +23,7 @@ from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
+from .groups import shard_by_group
 from .metrics import MetricsWriter, truncate_metrics
 from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
@@ -241,7 +242,8 @@ class Trainer:
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
         ranks = self.roles.ranks
-        shards = [list(s) for s in np.array_split(np.asarray(batch.trajectories, dtype=object), len(ranks))]
+        groups = shard_by_group([t.group for t in batch.trajectories], len(ranks))  # groups stay whole
+        shards = [[batch.trajectories[k] for k in idx] for idx in groups]
         refs = [r.train_step.remote(shard) for r, shard in zip(ranks, shards, strict=True)]
         names = {ref: f"learner-rank-{i}" for i, ref in enumerate(refs)}
         pending, results = list(refs), {}

@@ -22,6 +22,7 @@ from rollout_workers.types import Sample
 from .actors import to_trajectory
 from .calls import Call, CallTracker
 from .data import Prompt
+from .groups import group_runs
 from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member
 
 
@@ -251,6 +252,7 @@ class RolloutCollector:
     @staticmethod
     def _assemble(chunks: list[_Chunk], batch: RolloutBatch) -> None:
         scores: list[float] = []
+        keys: list[tuple[int, int]] = []
         for chunk in chunks:
             sb = chunk.scores
             for j, s in enumerate(chunk.samples):
@@ -260,5 +262,8 @@ class RolloutCollector:
                     continue
                 batch.samples.append(s)
                 scores.append(float(sb.scores[j]))
+                keys.append((chunk.index, s.prompt_index))
                 batch.trajectories.append(to_trajectory(s, chunk.ref_logprobs[j], sb.scores[j]))
+        for t, g in zip(batch.trajectories, group_runs(keys), strict=True):
+            t.group = g
         batch.scores = np.asarray(scores, dtype=np.float64)

@@ -24,6 +24,7 @@ import ray
 
 from .calls import Call, CallTracker
 from .controller import LearnerStepError, Trainer
+from .groups import group_runs, shard_by_group
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
 from .weight_sync import bundle_checksummer, expected_fingerprint
@@ -201,16 +202,17 @@ class AsyncTrainer(Trainer):
     def _start_train(self, taken: Taken) -> list[Call]:
         ranks = self.roles.ranks
         items = [(chunk, j) for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]]
-        shards = np.array_split(np.arange(len(items)), len(ranks))
+        group = group_runs([(chunk.index, chunk.facts[j][0]) for chunk, j in items])
+        shards = shard_by_group(group, len(ranks))  # the samples of one prompt stay on one rank
         calls = []
         for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
             parts = [  # consecutive samples of one chunk travel as one (samples, ref logprobs) pair
                 (
                     chunk.samples_ref,
                     chunk.ref_logprobs_ref,
-                    [(j, float(chunk.scores.scores[j])) for _, j in group],
+                    [(j, float(chunk.scores.scores[j]), group[k]) for k, (_, j) in run],
                 )
-                for chunk, group in itertools.groupby((items[k] for k in shard), key=lambda it: it[0])
+                for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
             ]
             ref = rank.train_parts.remote(parts)
             name = f"learner-rank-{i}"

@@ -214,9 +214,15 @@ def shape_rewards(
 
 
 def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(gamma, lambda) over each row's valid prefix; V after the last valid token is 0.
+    """GAE(gamma, lambda) over each row's valid prefix; V after the last valid token is `bootstrap`
+    (`[B]`, e.g. V at the cut of a truncated response), 0 (terminal) when None.
 
     delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lam * A_{t+1},  R_t = A_t + V_t.
     Vectorised over the batch; the only loop is backwards over time.
@@ -228,7 +234,15 @@ def compute_gae(
     advantages = torch.zeros_like(r)
     next_adv = torch.zeros_like(r[..., 0])
     next_value = torch.zeros_like(r[..., 0])
+    after_last = None
+    if bootstrap is not None:  # [B, T]: bootstrap[i] at row i's last valid token, 0 elsewhere
+        last = last_valid_index(mask)
+        after_last = torch.zeros_like(r)
+        has = last >= 0
+        after_last[torch.arange(r.shape[0], device=r.device)[has], last[has]] = bootstrap.to(r.dtype)[has]
     for t in range(T - 1, -1, -1):
+        if after_last is not None:
+            next_value = next_value + after_last[..., t]
         delta = r[..., t] + gamma * next_value - v[..., t]
         next_adv = (delta + gamma * lam * next_adv) * valid[..., t]
         advantages[..., t] = next_adv

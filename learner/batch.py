@@ -1,10 +1,15 @@
-"""The record the learner takes: one scored trajectory. `cluster` builds these from rollout samples."""
+"""The record the learner takes (one scored trajectory; `cluster` builds these from rollout samples)
+and a rank's shard of them packed into right-padded tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from learner.sequences import pack_sequences
 
 
 @dataclass
@@ -15,3 +20,101 @@ class Trajectory:
     ref_logprobs: np.ndarray  # float32 [r], from the frozen reference
     score: float  # sequence-level reward, placed on the last response token
     policy_version: int = 0
+    group: int = -1  # samples of one prompt share an id (>= 0); -1 = a group of its own
+    truncated: bool = False  # cut at max_new_tokens (no EOS)
+
+
+@dataclass
+class Batch:
+    """A rank's packed shard. Per-token fields are `[B, R]` over response tokens."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_lens: torch.Tensor
+    mask: torch.Tensor
+    scores: torch.Tensor
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Whole-shard facts read by `prepare` (not carried into micro-batches): group id per sequence
+    # (equal ids = samples of one prompt) and whether it was cut at max_new_tokens.
+    groups: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def take(self, idx: torch.Tensor) -> Batch:
+        """Rows `idx`, trimmed to their own longest sequence and response."""
+        attn = self.attention_mask[idx]
+        mask = self.mask[idx]
+        L = max(int(attn.sum(1).max()), 2)
+        R = max(int(mask.sum(1).max()), 1)
+        return Batch(
+            self.input_ids[idx, :L],
+            attn[:, :L],
+            self.prompt_lens[idx],
+            mask[:, :R],
+            self.scores[idx],
+            {k: v[idx, :R] for k, v in self.tokens.items()},
+        )
+
+    def to(self, device) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.prompt_lens.to(device),
+            self.mask.to(device),
+            self.scores.to(device),
+            {k: v.to(device) for k, v in self.tokens.items()},
+        )
+
+
+def _pad_rows(rows: Sequence[np.ndarray], R: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), R), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.from_numpy(np.array(r, dtype=np.float32))  # copy: Ray arrays are read-only
+    return out
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
+    """Right-padded tensors of a shard (an empty shard gives a 0-row batch)."""
+    if not trajectories:
+        z = torch.zeros((0, 2), dtype=torch.long)
+        tokens = {"behaviour_logprobs": torch.zeros((0, 1)), "ref_logprobs": torch.zeros((0, 1))}
+        return Batch(
+            z,
+            z.clone(),
+            torch.ones(0, dtype=torch.long),
+            torch.zeros((0, 1)),
+            torch.zeros(0),
+            tokens,
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.bool),
+        )
+    for i, t in enumerate(trajectories):
+        r = len(t.response_ids)
+        if len(t.behaviour_logprobs) != r or len(t.ref_logprobs) != r:
+            raise ValueError(
+                f"trajectory {i}: {r} response tokens but {len(t.behaviour_logprobs)} behaviour and "
+                f"{len(t.ref_logprobs)} reference logprobs"
+            )
+    ids, attn, p_lens, mask = pack_sequences(
+        [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], pad_id
+    )
+    R = mask.shape[1]
+    scores = torch.tensor([float(t.score) for t in trajectories], dtype=torch.float32)
+    tokens = {
+        "behaviour_logprobs": _pad_rows([t.behaviour_logprobs for t in trajectories], R),
+        "ref_logprobs": _pad_rows([t.ref_logprobs for t in trajectories], R),
+    }
+    # A trajectory without a group (-1) is a group of its own: a distinct negative id.
+    groups = torch.tensor([t.group if t.group >= 0 else -1 - i for i, t in enumerate(trajectories)])
+    truncated = torch.tensor([bool(t.truncated) for t in trajectories])
+    return Batch(ids, attn, p_lens, mask, scores, tokens, groups, truncated)
+
+
+def dummy_batch(pad_id: int) -> Batch:
+    """One all-padding row with no valid token: the input of a zero-weight micro-batch."""
+    ids = torch.full((1, 2), pad_id, dtype=torch.long)
+    return Batch(
+        ids, torch.ones_like(ids), torch.ones(1, dtype=torch.long), torch.zeros((1, 1)), torch.zeros(1)
+    )

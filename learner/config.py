@@ -19,6 +19,23 @@ class KLConfig(_Strict):
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
     target: float = Field(6.0, gt=0.0, description="Target KL per sequence for the adaptive controller.")
     horizon: int = Field(10000, ge=1, description="Adaptive controller horizon in samples.")
+    mode: Literal["reward", "loss"] = Field(
+        "reward",
+        description=(
+            "'reward': -coef * KL_t (by `estimator`) in every token's reward; 'loss': the reward carries no "
+            "KL and loss_coef * KL (by `loss_estimator`, gradient through log pi) is added to the loss."
+        ),
+    )
+    loss_coef: float = Field(0.001, ge=0.0, description="KL loss coefficient (mode='loss').")
+    loss_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimator of the loss term (mode='loss')."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> KLConfig:
+        if self.mode == "loss" and self.adaptive:
+            raise ValueError("kl.adaptive controls the in-reward coefficient: it needs kl.mode='reward'")
+        return self
 
 
 class LearnerConfig(_Strict):
@@ -98,7 +115,40 @@ class LearnerConfig(_Strict):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
     whiten_advantages: bool = Field(
-        True, description="Whiten advantages over the valid tokens of the whole batch (all ranks)."
+        True,
+        description=(
+            "Whiten gae/vtrace advantages over the valid tokens of the whole batch (all ranks); grpo and "
+            "rloo keep their group baseline, reinforce_pp always whitens its returns."
+        ),
+    )
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "vtrace"] = Field(
+        "gae",
+        description=(
+            "Advantage estimator: 'gae' (critic), 'grpo' (group mean/std of n samples per prompt), 'rloo' "
+            "(leave-one-out group baseline), 'reinforce_pp' (globally whitened returns), 'vtrace' (critic, "
+            "importance-weighted targets for stale samples). grpo/rloo/reinforce_pp train no critic."
+        ),
+    )
+    group_std_normalize: bool = Field(
+        True, description="grpo: divide the group-centred score by the group's standard deviation."
+    )
+    vtrace_rho_clip: float = Field(
+        1.0, gt=0.0, description="vtrace: rho-bar, truncation of the importance weight in the TD error."
+    )
+    vtrace_c_clip: float = Field(
+        1.0, gt=0.0, description="vtrace: c-bar (<= rho-bar), truncation of the trace-cutting weights."
+    )
+    missing_eos_penalty: float | None = Field(
+        None,
+        ge=0.0,
+        description="Subtracted from the score of a response cut at max_new_tokens (no EOS); None = off.",
+    )
+    truncation: Literal["terminal", "bootstrap"] = Field(
+        "terminal",
+        description=(
+            "A response cut at max_new_tokens: 'terminal' (value 0 after its last token) or 'bootstrap' "
+            "(the critic's value of the state after its last token; gae/vtrace only)."
+        ),
     )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="Loss aggregation."
@@ -143,6 +193,19 @@ class LearnerConfig(_Strict):
         lo, hi = self.off_policy_geo_bounds
         if not 0 < lo <= 1 <= hi:
             raise ValueError(f"off_policy_geo_bounds must satisfy 0 < lo <= 1 <= hi (got {(lo, hi)})")
+        if self.vtrace_c_clip > self.vtrace_rho_clip:
+            raise ValueError(
+                f"vtrace_c_clip={self.vtrace_c_clip} must be <= vtrace_rho_clip={self.vtrace_rho_clip}"
+            )
+        if self.truncation == "bootstrap" and self.advantage not in ("gae", "vtrace"):
+            raise ValueError(
+                f"truncation='bootstrap' needs a critic: advantage must be 'gae' or 'vtrace' (got {self.advantage!r})"
+            )
+        if self.advantage == "vtrace" and self.off_policy not in ("auto", "none"):
+            raise ValueError(
+                f"advantage='vtrace' corrects for the behaviour policy inside its targets; off_policy="
+                f"{self.off_policy!r} would correct twice: use 'auto' or 'none'"
+            )
         if self.backend == "nccl" and self.num_gpus_per_rank <= 0:
             raise ValueError("backend='nccl' needs learner.num_gpus_per_rank > 0")
         return self

@@ -20,16 +20,14 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from learner.advantages import estimate, kl_loss, missing_eos_penalty, needs_critic
 from learner.algorithms import (
     RunningMoments,
     aggregate_loss,
-    compute_gae,
     entropy_from_logits,
     logprobs_from_logits,
     off_policy_weights,
@@ -38,10 +36,10 @@ from learner.algorithms import (
     value_clip_radius,
     value_loss,
 )
-from learner.batch import Trajectory
+from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
 from learner.config import LearnerConfig
 from learner.critic import critic_stats, normalized_scores
-from learner.sequences import pack_sequences, response_tokens
+from learner.sequences import response_tokens
 
 
 def _world() -> int:
@@ -59,91 +57,14 @@ def all_reduce(values: Sequence[float] | torch.Tensor, op: str = "sum", device="
     return t.cpu()
 
 
-@dataclass
-class Batch:
-    """A rank's packed shard. Per-token fields are `[B, R]` over response tokens."""
+def forward_scores(
+    model, b: Batch, temperature: float, extra: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(logprobs [b, R] float32, values [b, R] float32, logits [b, R, V])` of the response tokens.
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    prompt_lens: torch.Tensor
-    mask: torch.Tensor
-    scores: torch.Tensor
-    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def take(self, idx: torch.Tensor) -> Batch:
-        """Rows `idx`, trimmed to their own longest sequence and response."""
-        attn = self.attention_mask[idx]
-        mask = self.mask[idx]
-        L = max(int(attn.sum(1).max()), 2)
-        R = max(int(mask.sum(1).max()), 1)
-        return Batch(
-            self.input_ids[idx, :L],
-            attn[:, :L],
-            self.prompt_lens[idx],
-            mask[:, :R],
-            self.scores[idx],
-            {k: v[idx, :R] for k, v in self.tokens.items()},
-        )
-
-    def to(self, device) -> Batch:
-        return Batch(
-            self.input_ids.to(device),
-            self.attention_mask.to(device),
-            self.prompt_lens.to(device),
-            self.mask.to(device),
-            self.scores.to(device),
-            {k: v.to(device) for k, v in self.tokens.items()},
-        )
-
-
-def _pad_rows(rows: Sequence[np.ndarray], R: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), R), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.from_numpy(np.array(r, dtype=np.float32))  # copy: Ray arrays are read-only
-    return out
-
-
-def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
-    """Right-padded tensors of a shard (an empty shard gives a 0-row batch)."""
-    if not trajectories:
-        z = torch.zeros((0, 2), dtype=torch.long)
-        tokens = {"behaviour_logprobs": torch.zeros((0, 1)), "ref_logprobs": torch.zeros((0, 1))}
-        return Batch(
-            z, z.clone(), torch.ones(0, dtype=torch.long), torch.zeros((0, 1)), torch.zeros(0), tokens
-        )
-    for i, t in enumerate(trajectories):
-        r = len(t.response_ids)
-        if len(t.behaviour_logprobs) != r or len(t.ref_logprobs) != r:
-            raise ValueError(
-                f"trajectory {i}: {r} response tokens but {len(t.behaviour_logprobs)} behaviour and "
-                f"{len(t.ref_logprobs)} reference logprobs"
-            )
-    ids, attn, p_lens, mask = pack_sequences(
-        [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], pad_id
-    )
-    R = mask.shape[1]
-    scores = torch.tensor([float(t.score) for t in trajectories], dtype=torch.float32)
-    tokens = {
-        "behaviour_logprobs": _pad_rows([t.behaviour_logprobs for t in trajectories], R),
-        "ref_logprobs": _pad_rows([t.ref_logprobs for t in trajectories], R),
-    }
-    return Batch(ids, attn, p_lens, mask, scores, tokens)
-
-
-def dummy_batch(pad_id: int) -> Batch:
-    """One all-padding row with no valid token: the input of a zero-weight micro-batch."""
-    ids = torch.full((1, 2), pad_id, dtype=torch.long)
-    return Batch(
-        ids, torch.ones_like(ids), torch.ones(1, dtype=torch.long), torch.zeros((1, 1)), torch.zeros(1)
-    )
-
-
-def forward_scores(model, b: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(logprobs [b, R] float32, values [b, R] float32, logits [b, R, V])` of the response tokens."""
-    R = b.mask.shape[1]
+    With `extra=1` every output has R+1 positions: position `len_i` of row i then holds what the
+    state after its last token gives (the value a truncated response bootstraps from)."""
+    R = b.mask.shape[1] + extra
     logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
     logprobs = logprobs_from_logits(logits, response_tokens(b.input_ids, b.prompt_lens, R))
     return logprobs, values.float(), logits
@@ -155,22 +76,31 @@ def _micro_batches(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device):
-    """No-grad `old_logprobs` and `values` `[B, R]` of the shard, in micro-batches (same count on all ranks)."""
+    """No-grad `old_logprobs` and `values` `[B, R]` of the shard, in micro-batches (same count on all ranks),
+    and `[B]` values of the state after each row's last token (the bootstrap of a truncated response).
+
+    Values are 0 when the estimator has no critic; the bootstrap values are only computed (one more
+    output position) with truncation='bootstrap'."""
     micro = _micro_batches(torch.arange(len(batch)), config.micro_batch_size)
     n = int(all_reduce([len(micro)], "max", device)[0])
+    critic = needs_critic(config.advantage)
+    extra = int(critic and config.truncation == "bootstrap")
     B, R = batch.mask.shape
     old_lp = torch.zeros((B, R), dtype=torch.float32)
-    values = torch.zeros((B, R), dtype=torch.float32)
+    values = torch.zeros((B, R + extra), dtype=torch.float32)
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
-            lp, v, _ = forward_scores(engine, mb.to(device), temperature)
+            lp, v, _ = forward_scores(engine, mb.to(device), temperature, extra)
             r = mb.mask.shape[1]
-            old_lp[micro[i], :r] = lp.cpu()
-            values[micro[i], :r] = v.cpu()
+            old_lp[micro[i], :r] = lp[:, :r].cpu()
+            if critic:
+                values[micro[i], : r + extra] = v.cpu()
         else:
             forward_scores(engine, dummy_batch(pad_id).to(device), temperature)
-    return old_lp, values
+    lengths = batch.mask.sum(-1).long()
+    boot = values.gather(1, lengths.clamp(max=R + extra - 1).unsqueeze(1)).squeeze(1) if extra else None
+    return old_lp, values[:, :R], boot
 
 
 def distributed_whiten(
@@ -200,15 +130,32 @@ def prepare(
     device,
     reward_moments: RunningMoments | None = None,
 ) -> dict[str, float]:
-    """Proximal pass, shaped rewards, GAE, global whitening. Fills `batch.tokens`; returns global stats."""
-    old_lp, values = proximal_pass(engine, batch, config, temperature, pad_id, device)
+    """Proximal pass, shaped rewards, advantages by `config.advantage`, global whitening. Fills
+    `batch.tokens`; returns global stats."""
+    old_lp, values, boot = proximal_pass(engine, batch, config, temperature, pad_id, device)
     mask = batch.mask
     reduce_sum = functools.partial(all_reduce, op="sum", device=device)
-    scores, norm_stats = normalized_scores(batch.scores, config, reward_moments, reduce_sum)
-    rewards, kl = shape_rewards(
-        scores, old_lp, batch.tokens["ref_logprobs"], mask, kl_coef, config.kl.estimator
+    truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)
+    penalized = missing_eos_penalty(batch.scores, truncated, config.missing_eos_penalty)
+    scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
+    beta = kl_coef if config.kl.mode == "reward" else 0.0
+    rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
+    adv, returns = estimate(
+        config.advantage,
+        scores=scores,
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        gamma=config.gamma,
+        lam=config.lam,
+        groups=batch.groups,
+        log_rho=old_lp - batch.tokens["behaviour_logprobs"],
+        bootstrap=None if boot is None else torch.where(truncated, boot, torch.zeros_like(boot)),
+        group_std=config.group_std_normalize,
+        rho_clip=config.vtrace_rho_clip,
+        c_clip=config.vtrace_c_clip,
+        whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
     )
-    adv, returns = compute_gae(rewards, values, mask, config.gamma, config.lam)
     valid = mask.to(torch.bool)
     gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
     local = [
@@ -239,7 +186,7 @@ def prepare(
         radius = value_clip_radius("relative", config.value_clip_eps, stats["returns/std"])
         batch.tokens["value_clip"] = torch.full_like(returns, radius)
         stats["values/clip_radius"] = radius
-    if config.whiten_advantages:
+    if config.whiten_advantages and needs_critic(config.advantage):
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
     batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
     if config.off_policy not in ("none", "auto"):  # 'auto' is resolved by the run config
@@ -293,11 +240,17 @@ def micro_batch_loss(
         global_tokens=g_tokens,
         global_seqs=g_seqs,
     )
-    vclip = None if config.value_clip == "off" else t.get("value_clip", config.value_clip_eps)
-    vf, vf_m = value_loss(values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs)
+    if needs_critic(config.advantage):
+        vclip = None if config.value_clip == "off" else t.get("value_clip", config.value_clip_eps)
+        vf, vf_m = value_loss(values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs)
+    else:  # no critic: no value loss (the value head is frozen, see LearnerRank.setup)
+        vf, vf_m = torch.zeros((), device=logprobs.device), {"clip_frac": 0.0}
     with torch.set_grad_enabled(config.entropy_coef > 0 and torch.is_grad_enabled()):
         ent = aggregate_loss(entropy_from_logits(logits), mb.mask, agg, g_tokens, g_seqs)
     loss = pg + config.vf_coef * vf - config.entropy_coef * ent
+    if config.kl.mode == "loss":
+        kl_term = kl_loss(logprobs, t["ref_logprobs"], config.kl.loss_estimator)
+        loss = loss + config.kl.loss_coef * aggregate_loss(kl_term, mb.mask, agg, g_tokens, g_seqs)
     n = float(mb.mask.sum())
     local = [
         float(pg.detach()),
@@ -352,8 +305,11 @@ def ppo_update(
                 else:
                     _, values, logits = forward_scores(engine, zero_w, temperature)
                     scale = 0.0
-                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip).
-                engine.backward((logits.float().sum() + values.sum()) * scale, scale_wrt_gas=False)
+                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
+                # through the same modules as a real micro-batch: the (frozen) value head only with a
+                # critic, or ZeRO-3 would gather it in this backward alone and the ranks' collectives differ.
+                out = logits.float().sum() + (values.sum() if needs_critic(config.advantage) else 0.0)
+                engine.backward(out * scale, scale_wrt_gas=False)
             engine.step()
             if engine.was_step_applied():
                 if poisoned:
@@ -406,6 +362,6 @@ def train_step(
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))
     metrics.update(stats)
-    metrics["objective/kl_coef"] = kl_coef
+    metrics["objective/kl_coef"] = kl_coef if config.kl.mode == "reward" else config.kl.loss_coef
     metrics["time/train"] = float(all_reduce([time.perf_counter() - start], "max", device)[0])
     return metrics

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from learner.advantages import needs_critic
 from learner.algorithms import AdaptiveKLController, FixedKLController, RunningMoments
 from learner.batch import Trajectory
 from learner.config import LearnerConfig
@@ -97,6 +98,9 @@ class LearnerRank:
             gradient_checkpointing=self.config.gradient_checkpointing,
             seed=self.seed,
         )
+        if not needs_critic(self.config.advantage):
+            # No critic: the value head is frozen, so it gets no gradient and no optimizer state.
+            model.value_head.requires_grad_(False)
         torch.manual_seed(self.seed + self.rank)
         self.engine = initialize_engine(model, self.config)
 

@@ -1,0 +1,226 @@
+"""Advantage estimators behind one registry, as pure tensor functions.
+
+Conventions as in `learner.algorithms`: tensors are `[B, T]` over response tokens, `mask` is 1 on a
+row's valid prefix, invalid entries never change an output and are written as 0. Per-sequence
+tensors are `[B]`. `groups[i]` is an integer id: rows with equal ids are samples of the same prompt
+(a group); the caller guarantees a group is never split between learner ranks, so every group
+statistic here is local.
+
+Estimators (`ESTIMATORS`):
+  gae           GAE(gamma, lambda) with a learned critic (Schulman et al. 2015).
+  grpo          group-relative outcome advantage: (s_i - mean_g) [/ std_g] on every token (Shao et al. 2024).
+  rloo          leave-one-out baseline: s_i - mean of the other samples of the group (Ahmadian et al. 2024).
+  reinforce_pp  REINFORCE++: return-to-go of the shaped reward (score + per-token KL penalty), whitened
+                over the global batch (Hu 2025).
+  vtrace        V-trace targets for samples from a behaviour policy mu != pi (Espeholt et al. 2018).
+For grpo and rloo a per-token KL penalty in the reward (kl.mode='reward') adds its discounted
+return-to-go to the broadcast outcome advantage. Imports only the pure `learner.algorithms`, so any
+role may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from learner.algorithms import LOG_RATIO_CLAMP, _zero_invalid, compute_gae, last_valid_index, masked_whiten
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "vtrace")
+# Estimators that learn a value function (a value-head forward, value loss and value optimizer state).
+CRITIC_ESTIMATORS = frozenset({"gae", "vtrace"})
+# Estimators whose baseline is a statistic over the samples of one prompt.
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})
+
+
+def needs_critic(estimator: str) -> bool:
+    """Whether `estimator` uses a learned value function."""
+    _check(estimator)
+    return estimator in CRITIC_ESTIMATORS
+
+
+def _check(estimator: str) -> None:
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence-level pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def missing_eos_penalty(scores: torch.Tensor, truncated: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """`scores - penalty` for responses cut at max_new_tokens (no EOS), unchanged otherwise (None = off)."""
+    if penalty is None:
+        return scores
+    return scores - penalty * truncated.to(scores.dtype)
+
+
+def _dense(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Group ids mapped to 0..G-1, and G."""
+    uniq, inverse = torch.unique(groups, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def group_advantages(
+    scores: torch.Tensor,
+    groups: torch.Tensor,
+    estimator: str,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-sequence outcome advantage `[B]` against a baseline from the sample's own group.
+
+    grpo: a_i = s_i - mean_g, divided by (std_g + eps) when `std_normalize` (std with Bessel's
+          correction; a group of one has std 0 and advantage 0).
+    rloo: a_i = s_i - (sum_g - s_i) / (n_g - 1) = n_g / (n_g - 1) * (s_i - mean_g); 0 for a group of one
+          (no other sample to form a baseline).
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"group_advantages: {estimator!r} is not one of {sorted(GROUP_ESTIMATORS)}")
+    s = scores.double()
+    idx, G = _dense(groups)
+    n = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, torch.ones_like(s))
+    total = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, s)
+    mean = total / n
+    centered = s - mean[idx]
+    if estimator == "rloo":
+        n_i = n[idx]
+        adv = torch.where(n_i > 1, centered * n_i / (n_i - 1).clamp(min=1.0), torch.zeros_like(s))
+        return adv.to(scores.dtype)
+    if std_normalize:
+        sq = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, centered**2)
+        std = torch.sqrt(sq / (n - 1).clamp(min=1.0))
+        centered = centered / (std[idx] + eps)
+    return centered.to(scores.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k-t) r_k over each row's valid prefix (GAE with V = 0 and lambda = 1)."""
+    advantages, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
+    return advantages
+
+
+def vtrace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rho: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float = 1.0,
+    rho_clip: float = 1.0,
+    c_clip: float = 1.0,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace (Espeholt et al. 2018, eq. 1 and sec. 4.1) over each row's valid prefix.
+
+    `log_rho` = log pi(a_t|x_t) - log mu(a_t|x_t): the policy at train time against the behaviour
+    policy that sampled the tokens. With rho_t = min(rho_clip, pi/mu) and c_t = lam * min(c_clip, pi/mu):
+      delta_t = rho_t * (r_t + gamma * V(x_{t+1}) - V(x_t))
+      v_t     = V(x_t) + delta_t + gamma * c_t * (v_{t+1} - V(x_{t+1}))        (the critic's targets)
+      A_t     = rho_t * (r_t + gamma * v_{t+1} - V(x_t))                        (policy-gradient advantage)
+    After a row's last valid token V = v = `bootstrap` (0 = terminal). With pi = mu and
+    rho_clip = c_clip = 1 the targets are GAE(lambda) returns, and at lambda = 1 both outputs are
+    GAE(lambda=1): the Monte-Carlo return and return - V. Returns `(A, v)`, 0 on invalid tokens.
+    """
+    if not (rho_clip > 0 and c_clip > 0):
+        raise ValueError(f"rho_clip and c_clip must be > 0 (got {rho_clip}, {c_clip})")
+    r = _zero_invalid(rewards, mask)
+    v = _zero_invalid(values, mask)
+    valid = mask.to(r.dtype)
+    ratio = torch.exp(_zero_invalid(log_rho, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    rho = ratio.clamp(max=rho_clip)
+    c = lam * ratio.clamp(max=c_clip)
+    B, T = r.shape
+    boot = torch.zeros(B, dtype=r.dtype, device=r.device) if bootstrap is None else bootstrap.to(r.dtype)
+    # V(x_{t+1}): the next value inside a row, the bootstrap value right after its last valid token.
+    delta = rho * (r + gamma * _next(v, mask, boot) - v)
+    targets = torch.zeros_like(r)
+    corr = torch.zeros_like(r[:, 0])  # v_{t+1} - V(x_{t+1}); 0 after the last valid token
+    for t in range(T - 1, -1, -1):
+        corr = (delta[:, t] + gamma * c[:, t] * corr) * valid[:, t]
+        targets[:, t] = v[:, t] + corr
+    adv = rho * (r + gamma * _next(targets, mask, boot) - v)
+    return _zero_invalid(adv, mask), _zero_invalid(targets, mask)
+
+
+def _next(x: torch.Tensor, mask: torch.Tensor, after_last: torch.Tensor) -> torch.Tensor:
+    """x_{t+1} inside each row's valid prefix, `after_last[i]` right after row i's last valid token."""
+    nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+    last = last_valid_index(mask)
+    has = last >= 0
+    rows = torch.arange(x.shape[0], device=x.device)[has]
+    nxt[rows, last[has]] = after_last[has]
+    return _zero_invalid(nxt, mask)
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL loss term with gradient through `logprobs` (kl.mode='loss'; aggregate it like the policy loss).
+
+    With d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. As functions of log pi their
+    gradients are 1, d and 1 - pi_ref/pi: k3 pushes log pi down where pi > pi_ref and up where pi < pi_ref,
+    and vanishes at pi = pi_ref. Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp.
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k3":
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.expm1(-d) + d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k1":
+        return d
+    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: k1, k2, k3")
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+
+def estimate(
+    estimator: str,
+    *,
+    scores: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    groups: torch.Tensor | None = None,
+    log_rho: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+    group_std: bool = True,
+    rho_clip: float = 1.0,
+    c_clip: float = 1.0,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(advantages, returns)` `[B, T]` of one estimator, before any optional whitening by the caller.
+
+    `rewards` are the shaped per-token rewards (KL penalty on every token, `scores` added on the last);
+    `values` the critic's V(x_t) (ignored by grpo/rloo/reinforce_pp, whose `returns` are 0);
+    `log_rho` = log pi - log mu (vtrace); `bootstrap` the value after each row's last token (0 = terminal).
+    `whiten(x, mask)` normalises over the global batch (reinforce_pp), across ranks in the learner.
+    """
+    _check(estimator)
+    if estimator == "gae":
+        return compute_gae(rewards, values, mask, gamma, lam, bootstrap=bootstrap)
+    if estimator == "vtrace":
+        if log_rho is None:
+            raise ValueError("vtrace needs log_rho = log pi - log mu")
+        return vtrace(rewards, values, log_rho, mask, gamma, lam, rho_clip, c_clip, bootstrap)
+    zeros = torch.zeros_like(rewards)
+    if estimator == "reinforce_pp":
+        return whiten(returns_to_go(rewards, mask, gamma), mask), zeros
+    if groups is None:
+        raise ValueError(f"{estimator} needs the group id of every sample")
+    seq = group_advantages(scores, groups, estimator, std_normalize=group_std)
+    # The KL part of the shaped reward: each row's score taken off its last valid token.
+    on_last = _next(torch.zeros_like(rewards), mask, scores.to(rewards.dtype))  # score on the last token
+    kl_part = _zero_invalid(rewards, mask) - on_last
+    adv = seq.to(rewards.dtype).unsqueeze(-1) + returns_to_go(kl_part, mask, gamma)
+    return _zero_invalid(adv, mask), zeros
