@@ -78,6 +78,7 @@ def init_ray(cfg: RunConfig) -> str | None:
         return ray.init(address=address, log_to_driver=True).dashboard_url
     cpus, custom = local_resources(cfg)
     return ray.init(
+        address="local",  # a new Ray even where `ray start` left one: no address would join it
         num_cpus=cfg.cluster.num_cpus or cpus,
         resources=custom or None,
         num_gpus=cfg.cluster.num_gpus,
