@@ -24,6 +24,7 @@ from learner.deepspeed_setup import (
     remove_shm_buffers,
     resolve_backend,
 )
+from learner.gather import cpu_state_dict
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import probe_sequences
@@ -125,36 +126,27 @@ class LearnerRank:
     def kl_coef(self) -> float:
         return float(self.kl_controller.value)
 
-    def _gathered(self):
-        """Full parameters for the duration of the block (a collective under ZeRO-3; nothing otherwise)."""
-        engine = self._require_engine()
-        if not self._zero3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.config.export_bucket_mb * 2**20)
 
     def export_weights(
         self, checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
 
-        All ranks must call it (ZeRO-3 gathers shards). Tied weights stay one shared tensor. Rank 0 also
-        records what a rollout worker must acknowledge for these weights (`export_fingerprint`): the
-        policy's logprobs on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
+        All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
+        time: see learner.gather). Tied weights stay one shared tensor. Rank 0 also records what a
+        rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
+        on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
         """
         engine = self._require_engine()
         probe = self._probe_logprobs()
-        with self._gathered():
-            if self.rank != 0:
-                return None
-            copies: dict[int, torch.Tensor] = {}
-            out = {}
-            for name, t in engine.module.policy_state_dict().items():
-                key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-                if key not in copies:
-                    copies[key] = t.detach().to("cpu", copy=True).contiguous()
-                out[name] = copies[key]
+        out = cpu_state_dict(
+            engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep=self.rank == 0
+        )
+        if out is None:
+            return None
         self._fingerprint = {
             "probe": probe,
             "checksum": checksum(out) if checksum is not None else None,
@@ -208,11 +200,16 @@ class LearnerRank:
         return out
 
     def save_pretrained(self, path: str) -> None:
-        """Rank 0 writes the HF policy, value head and tokenizer files to `path`; all ranks must call it."""
+        """Rank 0 writes the HF policy, value head and tokenizer files to `path`; all ranks must call it
+        (the full weights are gathered bucket by bucket, as for `export_weights`)."""
         engine = self._require_engine()
-        with self._gathered():
-            if self.rank == 0:
-                engine.module.save_pretrained(path, tokenizer_from=self.model_path)
+        keep = self.rank == 0
+        policy = cpu_state_dict(engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        head = cpu_state_dict(engine.module.value_head.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        if keep:
+            engine.module.save_pretrained(
+                path, tokenizer_from=self.model_path, policy_state=policy, head_state=head
+            )
         if dist.is_initialized():
             dist.barrier()
 
