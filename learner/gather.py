@@ -35,18 +35,18 @@ def group_tied(state: dict[str, torch.Tensor]) -> list[tuple[list[str], torch.Te
     return list(groups.values())
 
 
-def buckets(entries: list, bucket_bytes: int, tensor_of=lambda e: e[1]) -> list[list]:
-    """Consecutive runs of `entries` whose full tensors add up to at most `bucket_bytes` (a tensor
-    larger than that alone makes a bucket)."""
+def buckets(entries: list, bucket_bytes: int, element_bytes: int | None = None) -> list[list]:
+    """Consecutive runs of `entries` (`(name(s), tensor)` pairs) whose full tensors add up to at most
+    `bucket_bytes` (a tensor larger than that alone makes a bucket); `element_bytes` counts each element
+    at that size instead of the tensor's own."""
     out: list[list] = []
     size = 0
-    for entry in entries:
-        t = tensor_of(entry)
-        nbytes = full_numel(t) * t.element_size()
+    for key, t in entries:
+        nbytes = full_numel(t) * (element_bytes or t.element_size())
         if not out or (size and size + nbytes > bucket_bytes):
             out.append([])
             size = 0
-        out[-1].append(entry)
+        out[-1].append((key, t))
         size += nbytes
     return out
 

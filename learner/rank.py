@@ -214,10 +214,12 @@ class LearnerRank:
             dist.barrier()
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller and every rank's RNG.
+        """Weights, optimizer, LR schedule, KL controller and every rank's RNG into the folder `path`,
+        in `learner.checkpoint_format` (all ranks must call it).
 
-        Everything in it must load with weights_only=True: RNG states are uint8 tensors, `client_state`
-        is checked here so a bad one fails now rather than on resume.
+        'consolidated' (learner.consolidated_checkpoint) loads into any number of ranks; 'deepspeed' is
+        DeepSpeed's per-rank ZeRO files. Everything must load with weights_only=True: RNG states are
+        uint8 tensors, `client_state` is checked here so a bad one fails now rather than on resume.
         """
         from learner.safe_checkpoint import check_weights_only_loadable
 
@@ -226,42 +228,58 @@ class LearnerRank:
         rng = {"torch": torch.get_rng_state(), "shuffle": self.generator.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        # DeepSpeed keeps one client_state (rank 0's), so every rank's RNG travels in it.
+        # One client state is kept (rank 0's), so every rank's RNG travels in it.
         rngs: list = [None] * self.world_size
         if dist.is_initialized():
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
         mine = {"client": dict(client_state), "kl_controller": self.kl_controller.state_dict(), "rng": rngs}
-        engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
+        if self.config.checkpoint_format == "consolidated":
+            from learner import consolidated_checkpoint
+
+            consolidated_checkpoint.save(engine, path, self.rank, self._bucket_bytes, mine)
+        else:
+            engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what `save_checkpoint` wrote; returns the caller's `client_state`.
+        """Restore what `save_checkpoint` wrote (either format, told apart by its files); returns the
+        caller's `client_state`. All ranks must call it.
 
-        Every file is read with torch.load(weights_only=True): a file holding anything but tensors,
-        plain containers and DeepSpeed's allow-listed state classes raises UnsafeCheckpointError.
+        A consolidated checkpoint loads into any world size; rank r takes saved rank r's RNG (saved rank
+        r mod the old world size when the world grew: data order across a rank-count change is not
+        reproducible anyway, the shards differ). DeepSpeed's per-rank files need the same world size.
+        Every file is read weights-only (safetensors, or torch.load(weights_only=True)): a file holding
+        anything but tensors, plain containers and DeepSpeed's allow-listed state classes raises
+        UnsafeCheckpointError.
         """
+        from learner import consolidated_checkpoint
         from learner.safe_checkpoint import load_checkpoint_safely
 
         engine = self._require_engine()
-        load_path, state = load_checkpoint_safely(engine, path)
-        if load_path is None:
-            raise FileNotFoundError(
-                f"no DeepSpeed checkpoint under {path!r} (missing 'latest' or tag folder)"
-            )
-        mine = (state or {}).get(_STATE_KEY)
-        if mine is None:
-            raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
+        if consolidated_checkpoint.is_consolidated(path):
+            mine = consolidated_checkpoint.load(engine, path)
+        else:
+            load_path, state = load_checkpoint_safely(engine, path)
+            if load_path is None:
+                raise FileNotFoundError(
+                    f"no learner checkpoint under {path!r} (no {consolidated_checkpoint.INDEX}, "
+                    "and no DeepSpeed 'latest' or tag folder)"
+                )
+            mine = (state or {}).get(_STATE_KEY)
+            if mine is None:
+                raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
+            if len(mine["rng"]) != self.world_size:
+                raise ValueError(
+                    f"DeepSpeed checkpoint of {len(mine['rng'])} ranks; this world has {self.world_size} "
+                    "(write checkpoints with learner.checkpoint_format: consolidated to change num_ranks)"
+                )
         self.kl_controller.load_state_dict(mine["kl_controller"])
-        rngs = mine["rng"]
-        if len(rngs) != self.world_size:
-            raise ValueError(
-                f"checkpoint has RNG state of {len(rngs)} ranks; this world has {self.world_size}"
-            )
-        torch.set_rng_state(rngs[self.rank]["torch"])
-        self.generator.set_state(rngs[self.rank]["shuffle"])
-        if "cuda" in rngs[self.rank] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rngs[self.rank]["cuda"])
+        rng = mine["rng"][self.rank % len(mine["rng"])]
+        torch.set_rng_state(rng["torch"])
+        self.generator.set_state(rng["shuffle"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
         return mine["client"]
 
     def shutdown(self) -> None:
