@@ -123,6 +123,10 @@ class LearnerRank:
             self.generator,
         )
 
+    def optimizer_name(self) -> str:
+        """The class of the optimizer DeepSpeed steps ("AdamW", or "DeepSpeedCPUAdam" when offloaded)."""
+        return type(self._require_engine().optimizer.optimizer).__name__
+
     def kl_coef(self) -> float:
         return float(self.kl_controller.value)
 
