@@ -106,10 +106,6 @@ class LearnerRank:
             )
         return self.engine
 
-    @property
-    def _zero3(self) -> bool:
-        return self.config.zero_stage == 3
-
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One PPO iteration on this rank's shard; metrics are global and identical on every rank."""
         engine = self._require_engine()
