@@ -4,7 +4,7 @@ DeepSpeed's own checkpoints are per-rank ZeRO partitions: resuming with another 
 needs its offline `ds_to_universal` conversion, and the universal loader reads with
 `torch.load(weights_only=False)` (refused by learner.safe_checkpoint). This format is consolidated at
 save time instead, through DeepSpeed's public full-state accessors (`deepspeed.utils`
-`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`, and their `safe_set_*` twins), which
+`safe_get_full_fp32_param` / `safe_get_full_optimizer_state`, and `safe_set_*` to write back), which
 know every ZeRO stage's and offload's layout:
 
 - `shard-NNNNN.safetensors`: per trainable parameter (module names, tied weights once) the fp32
@@ -161,10 +161,39 @@ def _set_module_weight(p: torch.nn.Parameter, value: torch.Tensor) -> None:
             p.data.copy_(value.reshape(p.shape))
 
 
+def _set_fp32_state(p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """This rank's part of the fp32 master weight (`key` None) or optimizer state `key` of `p`.
+
+    ZeRO-3: rank r keeps elements [r*n, (r+1)*n) of the flattened parameter zero-padded to n x ranks
+    (n = its partition size); DeepSpeed's full-value setter slices without allowing for that padding
+    (a 1-element bias on 2 ranks fails), so the local setter gets the padded slice instead.
+    """
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+
+    if not hasattr(p, "ds_id"):
+        if key is None:
+            safe_set_full_fp32_param(p, value)
+        else:
+            safe_set_full_optimizer_state(p, value, key)
+        return
+    group = p.ds_process_group
+    rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+    n = p.ds_tensor.numel()
+    flat = value.reshape(-1)[rank * n : (rank + 1) * n]
+    part = torch.cat([flat, flat.new_zeros(n - flat.numel())]) if flat.numel() < n else flat
+    if key is None:
+        safe_set_local_fp32_param(p, part)
+    else:
+        safe_set_local_optimizer_state(p, part, key)
+
+
 def load(engine, path: str | Path) -> dict:
     """Load a consolidated checkpoint into `engine` (a collective: all ranks); returns the extra state."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     path = Path(path)
     index = json.loads((path / INDEX).read_text())
     if index.get("format") != FORMAT:
@@ -190,9 +219,9 @@ def load(engine, path: str | Path) -> dict:
             for name, p in by_shard[shard]:
                 fp32 = f.get_tensor(f"fp32/{name}")
                 _set_module_weight(p, fp32)
-                safe_set_full_fp32_param(p, fp32)
+                _set_fp32_state(p, fp32, None)
                 for key in keys:
-                    safe_set_full_optimizer_state(p, f.get_tensor(f"{key}/{name}"), key)
+                    _set_fp32_state(p, f.get_tensor(f"{key}/{name}"), key)
     for group, lr in zip(engine.optimizer.param_groups, index["lr"], strict=True):
         group["lr"] = lr
     if index["lr_scheduler"] is not None:
