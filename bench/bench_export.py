@@ -6,7 +6,8 @@ A GPT-2 built from a config (defaults: 12 layers, 768 wide, 32000 tokens: ~110M 
 is saved to a temporary folder; for each (ZeRO stage, export_bucket_mb) two real DeepSpeed learner
 ranks (gloo, one process each, `learner.rank.LearnerRank`) run `export_weights` `--reps` times.
 Per rank a sampler thread reads the process's RSS every 5 ms: the table shows RSS before the export,
-the peak during it, and the extra (peak - before), the largest over reps, and the median seconds per
+the extra of the gather alone, the peak during the export (probe forward + gather) and its extra
+(peak - before), the largest over reps, and the median seconds per
 export. `--bucket-mb` values: the default list holds 1e6 (one bucket = the whole model: how export
 worked before bucketing) and 64. Rank 0 keeps the exported bundle (the full model on CPU) by design;
 the ZeRO-3 extra on rank 1 is what the buckets bound. Timings need a quiet machine; nothing is asserted.
@@ -66,6 +67,7 @@ def _rank_main(rank: int, world: int, port: int, policy: str, stage: int, bucket
     import torch.distributed as dist
 
     from learner.config import LearnerConfig
+    from learner.gather import cpu_state_dict
     from learner.rank import LearnerRank
 
     config = LearnerConfig(zero_stage=stage, export_bucket_mb=bucket_mb, dist_timeout_s=1800)
@@ -73,17 +75,27 @@ def _rank_main(rank: int, world: int, port: int, policy: str, stage: int, bucket
     learner.setup("127.0.0.1", port)
     sampler = PeakRSS()
     rows = []
+
+    def measured(fn):
+        dist.barrier()
+        before = sampler.rss()
+        sampler.reset()
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+        return result, (before, max(sampler.peak, sampler.rss()), seconds)
+
     try:
         for _ in range(reps):
-            dist.barrier()
-            before = sampler.rss()
-            sampler.reset()
-            t0 = time.perf_counter()
-            bundle = learner.export_weights()
-            seconds = time.perf_counter() - t0
-            peak = max(sampler.peak, sampler.rss())
-            rows.append((before, peak, seconds))
+            # The gather alone (what the buckets bound), then the whole export (probe forward + gather).
+            state = learner.engine.module.policy.state_dict(keep_vars=True)
+            bundle, gather = measured(
+                lambda s=state: cpu_state_dict(s, learner._bucket_bytes, keep=rank == 0)
+            )
+            del bundle, state
+            bundle, export = measured(learner.export_weights)
             del bundle
+            rows.append((gather, export))
     finally:
         sampler.close()
         learner.shutdown()
@@ -109,10 +121,11 @@ def run_case(policy: str, stage: int, bucket_mb: float, reps: int, world: int = 
 
 
 def _summary(rows: list[tuple]) -> tuple:
-    before = max(b for b, _, _ in rows)
-    peak = max(p for _, p, _ in rows)
-    extra = max(p - b for b, p, _ in rows)
-    return before / MB, peak / MB, extra / MB, statistics.median(s for _, _, s in rows)
+    gather = max(p - b for (b, p, _), _ in rows)
+    before = max(b for _, (b, _, _) in rows)
+    peak = max(p for _, (_, p, _) in rows)
+    extra = max(p - b for _, (b, p, _) in rows)
+    return before / MB, gather / MB, peak / MB, extra / MB, statistics.median(s for _, (_, _, s) in rows)
 
 
 def build_policy(folder: Path, layers: int, hidden: int, vocab: int) -> int:
@@ -136,19 +149,22 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=[1e6, 64.0])
     args = ap.parse_args()
     torch.set_num_threads(1)
+    # A fixed mmap threshold turns off glibc's growing one, so freed tensors leave RSS (the ranks inherit it).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     with tempfile.TemporaryDirectory() as tmp:
         n = build_policy(Path(tmp), args.layers, args.hidden, args.vocab)
         print(f"GPT-2 from config: {n / 1e6:.1f}M parameters, {n * 4 / MB:.0f} MiB in fp32; 2 ranks, gloo")
         print(
-            f"{'zero':>4} {'bucket_mb':>9} {'rank':>4} {'rss_before_MiB':>14} {'peak_MiB':>9} "
-            f"{'extra_MiB':>9} {'s/export':>8}"
+            f"{'zero':>4} {'bucket_mb':>9} {'rank':>4} {'rss_before_MiB':>14} {'gather_extra_MiB':>16} "
+            f"{'export_peak_MiB':>15} {'export_extra_MiB':>16} {'s/export':>8}"
         )
         for stage in args.stages:
             for bucket in args.bucket_mb:
-                for rank, before, peak, extra, sec in run_case(tmp, stage, bucket, args.reps):
+                for rank, before, gather, peak, extra, sec in run_case(tmp, stage, bucket, args.reps):
                     label = "whole" if bucket >= 1e5 else f"{bucket:g}"
                     print(
-                        f"{stage:>4} {label:>9} {rank:>4} {before:>14.0f} {peak:>9.0f} {extra:>9.0f} {sec:>8.2f}"
+                        f"{stage:>4} {label:>9} {rank:>4} {before:>14.0f} {gather:>16.0f} {peak:>15.0f} {extra:>16.0f} "
+                        f"{sec:>8.2f}"
                     )
                 sys.stdout.flush()
     return 0
