@@ -41,7 +41,14 @@ class KLConfig(_Strict):
 class LearnerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel learner ranks (one torch.distributed world).")
     num_cpus_per_rank: float = Field(0.5, gt=0.0, description="Ray CPUs per learner rank.")
-    num_gpus_per_rank: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
+    num_gpus_per_rank: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Ray GPUs per learner rank: exactly 1 with the nccl backend (each rank drives one GPU, device 0 "
+            "of what Ray shows it), 0 with gloo (the rank trains on CPU); 'auto' picks the backend from it."
+        ),
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each learner rank needs besides CPUs/GPUs, to pin it to node types: {'learner_node': 1} runs it only on nodes started with `ray start --resources` naming learner_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
@@ -177,6 +184,37 @@ class LearnerConfig(_Strict):
         gt=0.0,
         description="torch.distributed timeout: rendezvous and any one collective (a rank waiting on a stuck peer fails after this).",
     )
+    offload_optimizer: bool = Field(
+        False,
+        description=(
+            "ZeRO-Offload: keep the fp32 master weights and Adam moments in CPU memory and run the Adam "
+            "step there with DeepSpeed's DeepSpeedCPUAdam (a C++ op JIT-built on first use: needs g++ "
+            "and ninja); frees GPU memory at the cost of host<->device traffic each step."
+        ),
+    )
+    offload_params: bool = Field(
+        False,
+        description=(
+            "ZeRO-Infinity parameter offload (zero_stage 3 only): keep parameter partitions in CPU memory "
+            "and fetch each layer to the GPU when it runs."
+        ),
+    )
+    export_bucket_mb: float = Field(
+        256.0,
+        gt=0.0,
+        description=(
+            "Most full-size parameter bytes gathered at once when exporting weights or writing a "
+            "checkpoint (ZeRO-3 gathers one bucket at a time, so this bounds the extra memory on every rank)."
+        ),
+    )
+    checkpoint_format: Literal["consolidated", "deepspeed"] = Field(
+        "consolidated",
+        description=(
+            "'consolidated': rank 0 writes full fp32 weights, Adam moments and step as safetensors shards "
+            "(loadable by any number of learner ranks and ZeRO stage); 'deepspeed': DeepSpeed's per-rank "
+            "ZeRO files (resume needs the same num_ranks). Loading detects the format from the files."
+        ),
+    )
     deepspeed_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Deep-merged into the generated DeepSpeed config (e.g. offload, bucket sizes, stage3_param_persistence_threshold).",
@@ -206,6 +244,23 @@ class LearnerConfig(_Strict):
                 f"advantage='vtrace' corrects for the behaviour policy inside its targets; off_policy="
                 f"{self.off_policy!r} would correct twice: use 'auto' or 'none'"
             )
-        if self.backend == "nccl" and self.num_gpus_per_rank <= 0:
-            raise ValueError("backend='nccl' needs learner.num_gpus_per_rank > 0")
+        if self.num_gpus_per_rank not in (0.0, 1.0):
+            raise ValueError(
+                f"learner.num_gpus_per_rank must be 0 (CPU, gloo) or 1 (one GPU per rank, nccl); got "
+                f"{self.num_gpus_per_rank:g}: a rank drives exactly one device (use more ranks for more GPUs)"
+            )
+        if self.backend == "nccl" and self.num_gpus_per_rank != 1:
+            raise ValueError(
+                "learner.backend='nccl' needs learner.num_gpus_per_rank: 1 (allowed: 1 with nccl)"
+            )
+        if self.backend == "gloo" and self.num_gpus_per_rank != 0:
+            raise ValueError(
+                "learner.backend='gloo' trains on CPU: learner.num_gpus_per_rank must be 0 "
+                "(or set backend: nccl / auto to train on the GPU)"
+            )
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(
+                f"learner.offload_params needs learner.zero_stage: 3 (got {self.zero_stage}); "
+                "ZeRO-2 offloads only the optimizer (learner.offload_optimizer)"
+            )
         return self

@@ -125,12 +125,23 @@ class PolicyWithValueHead(nn.Module):
         """The HF model's own parameter names (what a rollout worker's `load_state_dict` expects)."""
         return self.policy.state_dict()
 
-    def save_pretrained(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
-        """Write the HF policy (safetensors) and `value_head.safetensors`; copy the tokenizer files along."""
+    def save_pretrained(
+        self,
+        path: str | Path,
+        tokenizer_from: str | Path | None = None,
+        policy_state: dict[str, torch.Tensor] | None = None,
+        head_state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write the HF policy (safetensors) and `value_head.safetensors`; copy the tokenizer files along.
+
+        `policy_state` / `head_state`: full CPU state dicts to write instead of the modules' own (what a
+        ZeRO-3 learner gathered bucket by bucket; its modules hold only partitions).
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(path)
-        head = {k: v.detach().to("cpu").contiguous() for k, v in self.value_head.state_dict().items()}
+        self.policy.save_pretrained(path, state_dict=policy_state)
+        head = head_state if head_state is not None else self.value_head.state_dict()
+        head = {k: v.detach().to("cpu").contiguous() for k, v in head.items()}
         save_file(head, str(path / VALUE_HEAD_FILE))
         if tokenizer_from is not None:
             for name in _TOKENIZER_FILES:

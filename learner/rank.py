@@ -25,6 +25,7 @@ from learner.deepspeed_setup import (
     remove_shm_buffers,
     resolve_backend,
 )
+from learner.gather import cpu_state_dict
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import probe_sequences
@@ -111,10 +112,6 @@ class LearnerRank:
             )
         return self.engine
 
-    @property
-    def _zero3(self) -> bool:
-        return self.config.zero_stage == 3
-
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One PPO iteration on this rank's shard; metrics are global and identical on every rank."""
         engine = self._require_engine()
@@ -129,39 +126,34 @@ class LearnerRank:
             self.reward_moments,
         )
 
+    def optimizer_name(self) -> str:
+        """The class of the optimizer DeepSpeed steps ("AdamW", or "DeepSpeedCPUAdam" when offloaded)."""
+        return type(self._require_engine().optimizer.optimizer).__name__
+
     def kl_coef(self) -> float:
         return float(self.kl_controller.value)
 
-    def _gathered(self):
-        """Full parameters for the duration of the block (a collective under ZeRO-3; nothing otherwise)."""
-        engine = self._require_engine()
-        if not self._zero3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+    @property
+    def _bucket_bytes(self) -> int:
+        return int(self.config.export_bucket_mb * 2**20)
 
     def export_weights(
         self, checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
 
-        All ranks must call it (ZeRO-3 gathers shards). Tied weights stay one shared tensor. Rank 0 also
-        records what a rollout worker must acknowledge for these weights (`export_fingerprint`): the
-        policy's logprobs on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
+        All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
+        time: see learner.gather). Tied weights stay one shared tensor. Rank 0 also records what a
+        rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
+        on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
         """
         engine = self._require_engine()
         probe = self._probe_logprobs()
-        with self._gathered():
-            if self.rank != 0:
-                return None
-            copies: dict[int, torch.Tensor] = {}
-            out = {}
-            for name, t in engine.module.policy_state_dict().items():
-                key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-                if key not in copies:
-                    copies[key] = t.detach().to("cpu", copy=True).contiguous()
-                out[name] = copies[key]
+        out = cpu_state_dict(
+            engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep=self.rank == 0
+        )
+        if out is None:
+            return None
         self._fingerprint = {
             "probe": probe,
             "checksum": checksum(out) if checksum is not None else None,
@@ -216,20 +208,26 @@ class LearnerRank:
 
     def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
         """Rank 0 writes the HF policy, value head and tokenizer files (copied from `tokenizer_from`,
-        default the policy's folder) to `path`; all ranks must call it."""
+        default the policy's folder) to `path`; all ranks must call it (the full weights are gathered
+        bucket by bucket, as for `export_weights`)."""
         engine = self._require_engine()
-        with self._gathered():
-            if self.rank == 0:
-                engine.module.save_pretrained(path, tokenizer_from=tokenizer_from or self.model_path)
+        keep = self.rank == 0
+        policy = cpu_state_dict(engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        head = cpu_state_dict(engine.module.value_head.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        if keep:
+            engine.module.save_pretrained(
+                path, tokenizer_from=tokenizer_from or self.model_path, policy_state=policy, head_state=head
+            )
         if dist.is_initialized():
             dist.barrier()
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, LR schedule) plus KL controller, running reward
-        moments and every rank's RNG.
+        """Weights, optimizer, LR schedule, KL controller, running reward moments and every rank's RNG
+        into the folder `path`, in `learner.checkpoint_format` (all ranks must call it).
 
-        Everything in it must load with weights_only=True: RNG states are uint8 tensors, `client_state`
-        is checked here so a bad one fails now rather than on resume.
+        'consolidated' (learner.consolidated_checkpoint) loads into any number of ranks; 'deepspeed' is
+        DeepSpeed's per-rank ZeRO files. Everything must load with weights_only=True: RNG states are
+        uint8 tensors, `client_state` is checked here so a bad one fails now rather than on resume.
         """
         from learner.safe_checkpoint import check_weights_only_loadable
 
@@ -238,7 +236,7 @@ class LearnerRank:
         rng = {"torch": torch.get_rng_state(), "shuffle": self.generator.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        # DeepSpeed keeps one client_state (rank 0's), so every rank's RNG travels in it.
+        # One client state is kept (rank 0's), so every rank's RNG travels in it.
         rngs: list = [None] * self.world_size
         if dist.is_initialized():
             dist.all_gather_object(rngs, rng)
@@ -250,37 +248,53 @@ class LearnerRank:
             "reward_moments": self.reward_moments.state_dict(),
             "rng": rngs,
         }
-        engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
+        if self.config.checkpoint_format == "consolidated":
+            from learner import consolidated_checkpoint
+
+            consolidated_checkpoint.save(engine, path, self.rank, self._bucket_bytes, mine)
+        else:
+            engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore what `save_checkpoint` wrote; returns the caller's `client_state`.
+        """Restore what `save_checkpoint` wrote (either format, told apart by its files); returns the
+        caller's `client_state`. All ranks must call it.
 
-        Every file is read with torch.load(weights_only=True): a file holding anything but tensors,
-        plain containers and DeepSpeed's allow-listed state classes raises UnsafeCheckpointError.
+        A consolidated checkpoint loads into any world size; rank r takes saved rank r's RNG (saved rank
+        r mod the old world size when the world grew: data order across a rank-count change is not
+        reproducible anyway, the shards differ). DeepSpeed's per-rank files need the same world size.
+        Every file is read weights-only (safetensors, or torch.load(weights_only=True)): a file holding
+        anything but tensors, plain containers and DeepSpeed's allow-listed state classes raises
+        UnsafeCheckpointError.
         """
+        from learner import consolidated_checkpoint
         from learner.safe_checkpoint import load_checkpoint_safely
 
         engine = self._require_engine()
-        load_path, state = load_checkpoint_safely(engine, path)
-        if load_path is None:
-            raise FileNotFoundError(
-                f"no DeepSpeed checkpoint under {path!r} (missing 'latest' or tag folder)"
-            )
-        mine = (state or {}).get(_STATE_KEY)
-        if mine is None:
-            raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
+        if consolidated_checkpoint.is_consolidated(path):
+            mine = consolidated_checkpoint.load(engine, path)
+        else:
+            load_path, state = load_checkpoint_safely(engine, path)
+            if load_path is None:
+                raise FileNotFoundError(
+                    f"no learner checkpoint under {path!r} (no {consolidated_checkpoint.INDEX}, "
+                    "and no DeepSpeed 'latest' or tag folder)"
+                )
+            mine = (state or {}).get(_STATE_KEY)
+            if mine is None:
+                raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
+            if len(mine["rng"]) != self.world_size:
+                raise ValueError(
+                    f"DeepSpeed checkpoint of {len(mine['rng'])} ranks; this world has {self.world_size} "
+                    "(write checkpoints with learner.checkpoint_format: consolidated to change num_ranks)"
+                )
         self.kl_controller.load_state_dict(mine["kl_controller"])
         if "reward_moments" in mine:  # absent in checkpoints written before reward normalisation existed
             self.reward_moments.load_state_dict(mine["reward_moments"])
-        rngs = mine["rng"]
-        if len(rngs) != self.world_size:
-            raise ValueError(
-                f"checkpoint has RNG state of {len(rngs)} ranks; this world has {self.world_size}"
-            )
-        torch.set_rng_state(rngs[self.rank]["torch"])
-        self.generator.set_state(rngs[self.rank]["shuffle"])
-        if "cuda" in rngs[self.rank] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rngs[self.rank]["cuda"])
+        rng = mine["rng"][self.rank % len(mine["rng"])]
+        torch.set_rng_state(rng["torch"])
+        self.generator.set_state(rng["shuffle"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
         return mine["client"]
 
     def shutdown(self) -> None:

@@ -42,7 +42,7 @@ def test_planted_pickle_is_refused_and_real_checkpoints_round_trip(
 ):
     ray = ray_local
     marker = tmp_path / "payload_ran"
-    config = _config(zero_stage=stage, warmup_steps=10)
+    config = _config(zero_stage=stage, warmup_steps=10, checkpoint_format="deepspeed")
     batch1, batch2 = _trajectories(6, seed=5), _trajectories(5, seed=6)
     with learner_group(ray, 1, tiny_policy_dir, config) as ranks:
         _train(ray, ranks, [batch1])
@@ -78,3 +78,21 @@ def test_planted_pickle_is_refused_and_real_checkpoints_round_trip(
         w_again = _weights(ray, ranks)
         for k in w_first:
             torch.testing.assert_close(w_again[k], w_first[k], atol=1e-7, rtol=0)
+
+
+def test_consolidated_checkpoint_refuses_a_planted_pickle(ray_local, tiny_policy_dir, tmp_path):
+    """The consolidated format's only pickle-format file (client state, KL controller, RNG) loads
+    weights-only too; its tensors are safetensors, which hold no code."""
+    from learner.consolidated_checkpoint import EXTRA
+
+    ray = ray_local
+    marker = tmp_path / "payload_ran"
+    with learner_group(ray, 1, tiny_policy_dir, _config()) as ranks:
+        _train(ray, ranks, [_trajectories(4, seed=11)])
+        ckpt = tmp_path / "ckpt"
+        _call(ray, ranks, "save_checkpoint", (str(ckpt), {"data_position": 4}))
+        assert _call(ray, ranks, "load_checkpoint", (str(ckpt),)) == [{"data_position": 4}]
+        torch.save({"client": {}, "payload": _RunsCode(marker)}, ckpt / EXTRA)
+        with pytest.raises(UnsafeCheckpointError, match=f"refusing to load checkpoint file .*{EXTRA}"):
+            _call(ray, ranks, "load_checkpoint", (str(ckpt),))
+        assert not marker.exists()
