@@ -44,7 +44,9 @@ def main() -> int:
             from bench_engines import _big_policy
 
             policy = _big_policy(Path(tmp) / "gpt2-124m")
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
         rank = (
             ray.remote(LearnerRank).options(num_cpus=1).remote(0, 1, policy, LearnerConfig(torch_threads=1))
         )

@@ -36,7 +36,9 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
     yield ray
     ray.shutdown()
 
