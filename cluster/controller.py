@@ -23,6 +23,14 @@ from .checkpoint import read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
+from .evaluation import (
+    EVAL_SEED_STEP,
+    before_after_lines,
+    eval_metrics,
+    eval_sampling,
+    headline,
+    load_eval_prompts,
+)
 from .metrics import MetricsWriter, truncate_metrics
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
@@ -66,6 +74,8 @@ class Trainer:
         self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
         self._checksum: str | None = None
         self.sync_replacements = 0
+        self.eval_before: dict[str, float] | None = None  # held-out metrics of the initial weights
+        self.eval_after: dict[str, float] | None = None
         self.t_start = time.perf_counter()
 
     # ------------------------------------------------------------------ set-up
@@ -80,6 +90,7 @@ class Trainer:
         prompts, self.data_stats = tokenize_prompts(read_prompts(cfg.data), self.tokenizer, cfg.data)
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -184,7 +195,8 @@ class Trainer:
         self.sync_weights(int(state["version"]))
         # drop rows written after the checkpoint by the interrupted run
         rows = truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows]
+        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] >= 1]
+        self.eval_before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
 
     # ------------------------------------------------------------------ one iteration
 
@@ -248,8 +260,6 @@ class Trainer:
         prompts = self.stream.next_batch(cfg.data.prompts_per_step)
         batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
         self.check_reward_failures(step, batch.reward_errors, len(batch.samples) + batch.dropped)
-        if step == 1:
-            self.print_samples("before training (step 1 samples)", batch)
         t1 = time.perf_counter()
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
@@ -260,8 +270,15 @@ class Trainer:
         wall = time.perf_counter() - t0
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))
+        if self.eval_due(step):
+            metrics.update(self.evaluate()[0])
         self.finish_step(step, metrics)
         return metrics
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
+        every = self.cfg.eval.every_steps
+        return bool(self.eval_prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
@@ -337,6 +354,13 @@ class Trainer:
             bar = tqdm(
                 total=self.cfg.run.steps, initial=self.step, desc="ppo", unit="step", dynamic_ncols=True
             )
+        if self.step == 0 and self.eval_prompts:
+            self.eval_before, batch = self.evaluate()
+            self.writer.write(0, self.eval_before)
+            self.telemetry.record_eval(self.eval_before)
+            self.print_eval("held-out prompts before training", self.eval_before, batch)
+        elif self.step == 0 and self.cfg.run.sample_log_count:
+            self.print_eval("fixed training prompts before training", None, self.evaluate_fixed())
         try:
             while self.step < self.cfg.run.steps:
                 m = self.iteration()
@@ -356,7 +380,13 @@ class Trainer:
             timeout=self.cfg.timeouts.train_s,
         )
         self.tokenizer.save_pretrained(str(final_dir))
-        self.print_samples("after training", self.evaluate())
+        self.workers_to_current()
+        if self.eval_prompts:
+            self.eval_after, batch = self.evaluate()
+            self.telemetry.record_eval(self.eval_after)
+            self.print_eval("held-out prompts after training", self.eval_after, batch)
+        elif self.cfg.run.sample_log_count:
+            self.print_eval("fixed training prompts after training", None, self.evaluate_fixed())
         return self.summary(final_dir=final_dir)
 
     def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
@@ -374,21 +404,51 @@ class Trainer:
             metrics_path=str(self.run_dir / "metrics.jsonl"),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             interrupted=interrupted,
+            extra=before_after_lines(
+                self.eval_before, self.eval_after, f"held-out ({len(self.eval_prompts)} prompts)"
+            ),
         )
 
-    def evaluate(self) -> RolloutBatch:
-        """Sample the fixed first prompts with the current weights (for the 'after' printout)."""
+    def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
+        """Score the held-out prompts with the weights the workers hold now (the same chunk seeds every
+        time); the samples are not trained on. Returns the eval/* metrics and the batch."""
+        t0 = time.perf_counter()
+        collector = self.make_collector(RolloutCollector)
+        batch = collector.collect(
+            self.eval_prompts,
+            EVAL_SEED_STEP,
+            self.cfg.run.seed,
+            self.cfg.rollout.chunk_size,
+            sampling=eval_sampling(self.cfg),
+            reference=False,
+        )
+        lengths = np.array([len(s.response_ids) for s in batch.samples])
+        m = eval_metrics(self.cfg, batch.scores, lengths, [s.policy_version for s in batch.samples])
+        m["eval/reward_failures"] = float(batch.dropped)
+        m["time/eval"] = time.perf_counter() - t0
+        return m, batch
+
+    def evaluate_fixed(self) -> RolloutBatch:
+        """Without held-out prompts: sample the first training prompts with a fixed seed (printouts only)."""
         k = max(self.cfg.run.sample_log_count, 1)
         collector = self.make_collector(RolloutCollector)
-        return collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
+        return collector.collect(
+            self.prompts[:k], EVAL_SEED_STEP, self.cfg.run.seed, self.cfg.rollout.chunk_size, reference=False
+        )
 
-    def print_samples(self, title: str, batch: RolloutBatch) -> None:
+    def workers_to_current(self) -> None:
+        """Every rollout worker holds the newest weights (sync mode pushes them each step)."""
+
+    def print_eval(self, title: str, metrics: dict | None, batch: RolloutBatch) -> None:
+        """The evaluation's numbers and its first samples: the same prompts and seeds before and after."""
         k = self.cfg.run.sample_log_count
-        if k == 0:
-            return
-        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
         print(f"\n--- {title} ---", flush=True)
-        for i, s in enumerate(batch.samples[:k]):
+        if metrics is not None:
+            print(headline(metrics), flush=True)
+        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
+        firsts = [i for i, s in enumerate(batch.samples) if s.sample_index == 0][:k]  # one per prompt
+        for i in firsts:
+            s = batch.samples[i]
             prompt = self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
             response = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
             extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from cluster.demo_assets import FORMAT_VERSION, AssetPaths, ensure_assets, load_prompts, read_manifest
-from cluster.demo_corpus import NEGATIVE, POSITIVE, build_corpus, build_prompts, vocabulary
+from demos.sentiment import FORMAT_VERSION, AssetPaths, ensure_assets, load_prompts, read_manifest
+from demos.sentiment_corpus import NEGATIVE, POSITIVE, build_corpus, build_prompts, vocabulary
 
 LM_STEPS, CLF_STEPS = 30, 20
 
