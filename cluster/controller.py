@@ -23,14 +23,7 @@ from .checkpoint import read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
-from .evaluation import (
-    EVAL_SEED_STEP,
-    before_after_lines,
-    eval_metrics,
-    eval_sampling,
-    headline,
-    load_eval_prompts,
-)
+from .evaluation import before_after_lines, evaluate, load_eval_prompts, print_eval
 from .metrics import MetricsWriter, truncate_metrics
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
@@ -354,13 +347,10 @@ class Trainer:
             bar = tqdm(
                 total=self.cfg.run.steps, initial=self.step, desc="ppo", unit="step", dynamic_ncols=True
             )
-        if self.step == 0 and self.eval_prompts:
-            self.eval_before, batch = self.evaluate()
-            self.writer.write(0, self.eval_before)
-            self.telemetry.record_eval(self.eval_before)
-            self.print_eval("held-out prompts before training", self.eval_before, batch)
-        elif self.step == 0 and self.cfg.run.sample_log_count:
-            self.print_eval("fixed training prompts before training", None, self.evaluate_fixed())
+        if self.step == 0:
+            self.eval_before = self.report_eval("before")
+            if self.eval_before is not None:
+                self.writer.write(0, self.eval_before)
         try:
             while self.step < self.cfg.run.steps:
                 m = self.iteration()
@@ -381,12 +371,7 @@ class Trainer:
         )
         self.tokenizer.save_pretrained(str(final_dir))
         self.workers_to_current()
-        if self.eval_prompts:
-            self.eval_after, batch = self.evaluate()
-            self.telemetry.record_eval(self.eval_after)
-            self.print_eval("held-out prompts after training", self.eval_after, batch)
-        elif self.cfg.run.sample_log_count:
-            self.print_eval("fixed training prompts after training", None, self.evaluate_fixed())
+        self.eval_after = self.report_eval("after")
         return self.summary(final_dir=final_dir)
 
     def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
@@ -410,49 +395,27 @@ class Trainer:
         )
 
     def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
-        """Score the held-out prompts with the weights the workers hold now (the same chunk seeds every
-        time); the samples are not trained on. Returns the eval/* metrics and the batch."""
-        t0 = time.perf_counter()
-        collector = self.make_collector(RolloutCollector)
-        batch = collector.collect(
-            self.eval_prompts,
-            EVAL_SEED_STEP,
-            self.cfg.run.seed,
-            self.cfg.rollout.chunk_size,
-            sampling=eval_sampling(self.cfg),
-            reference=False,
-        )
-        lengths = np.array([len(s.response_ids) for s in batch.samples])
-        m = eval_metrics(self.cfg, batch.scores, lengths, [s.policy_version for s in batch.samples])
-        m["eval/reward_failures"] = float(batch.dropped)
-        m["time/eval"] = time.perf_counter() - t0
-        return m, batch
+        """Score the held-out prompts with the weights the workers hold now; never trained on."""
+        return evaluate(self.make_collector(RolloutCollector), self.eval_prompts, self.cfg)
 
-    def evaluate_fixed(self) -> RolloutBatch:
-        """Without held-out prompts: sample the first training prompts with a fixed seed (printouts only)."""
-        k = max(self.cfg.run.sample_log_count, 1)
-        collector = self.make_collector(RolloutCollector)
-        return collector.collect(
-            self.prompts[:k], EVAL_SEED_STEP, self.cfg.run.seed, self.cfg.rollout.chunk_size, reference=False
-        )
+    def report_eval(self, when: str) -> dict[str, float] | None:
+        """Before/after training: the held-out evaluation (returned), or without held-out prompts the
+        first training prompts sampled with a fixed seed (printed only)."""
+        if self.eval_prompts:
+            m, batch = self.evaluate()
+            self.telemetry.record_eval(m)
+            print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
+            return m
+        if self.cfg.run.sample_log_count:
+            fixed = self.prompts[: self.cfg.run.sample_log_count]
+            _, batch = evaluate(
+                self.make_collector(RolloutCollector), fixed, self.cfg, self.cfg.rollout.sampling
+            )
+            print_eval(f"fixed training prompts {when} training", None, batch, self.tokenizer, self.cfg)
+        return None
 
     def workers_to_current(self) -> None:
         """Every rollout worker holds the newest weights (sync mode pushes them each step)."""
-
-    def print_eval(self, title: str, metrics: dict | None, batch: RolloutBatch) -> None:
-        """The evaluation's numbers and its first samples: the same prompts and seeds before and after."""
-        k = self.cfg.run.sample_log_count
-        print(f"\n--- {title} ---", flush=True)
-        if metrics is not None:
-            print(headline(metrics), flush=True)
-        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
-        firsts = [i for i, s in enumerate(batch.samples) if s.sample_index == 0][:k]  # one per prompt
-        for i in firsts:
-            s = batch.samples[i]
-            prompt = self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
-            response = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""
-            print(f"[reward {batch.scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ import ray
 
 from .calls import Call, CallTracker
 from .controller import LearnerStepError, Trainer
-from .evaluation import EVAL_SEED_STEP, eval_metrics, eval_sampling
-from .rollout import RolloutBatch, RolloutCollector, chunk_seed
+from .evaluation import EvalRound
+from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
 from .weight_sync import bundle_checksummer, expected_fingerprint, load_into
 
@@ -89,7 +88,7 @@ class AsyncTrainer(Trainer):
         self.busy = {"generate": 0.0, "score": 0.0}
         self.t_last = time.perf_counter()
         self.eval_queue: collections.deque[StreamChunk] = collections.deque()  # dispatched first
-        self.eval_round: _EvalRound | None = None
+        self.eval_round: EvalRound | None = None
         self.eval_ready: dict[str, float] | None = None  # a finished round's metrics, for the next row
 
     # ------------------------------------------------------------------ hooks of the sync trainer
@@ -203,38 +202,15 @@ class AsyncTrainer(Trainer):
 
     def _queue_eval(self, step: int) -> None:
         """Hand the held-out prompts out as eval chunks, dispatched ahead of training chunks to workers
-        that load the newest weights first (as before any chunk); one round at a time."""
-        if self.eval_round is not None:
-            return  # the previous round is still out: this one is skipped, not queued behind it
-        size, sampling = self.cfg.rollout.chunk_size, eval_sampling(self.cfg)
-        chunks = [
-            StreamChunk(
-                -1 - ci,
-                self.eval_prompts[s : s + size],
-                chunk_seed(self.cfg.run.seed, EVAL_SEED_STEP, ci),
-                sampling=sampling,
-                eval=True,
-            )
-            for ci, s in enumerate(range(0, len(self.eval_prompts), size))
-        ]
-        self.eval_round = _EvalRound(step, chunks)
-        self.eval_queue.extend(chunks)
+        that load the newest weights first (as before any chunk). One round at a time: a round due while
+        the previous one is still out is skipped."""
+        if self.eval_round is None:
+            self.eval_round = EvalRound(step, self.eval_prompts, self.cfg)
+            self.eval_queue.extend(self.eval_round.chunks)
 
     def _eval_chunk_scored(self, chunk: StreamChunk) -> None:
-        r = self.eval_round
-        if r is None or all(c is not chunk for c in r.chunks):
-            return
-        r.scored += 1
-        if r.scored < len(r.chunks):
-            return
-        kept = [(c, j) for c in r.chunks for j in range(len(c.facts)) if c.scores.ok[j]]
-        scores = np.array([float(c.scores.scores[j]) for c, j in kept])
-        lengths = np.array([c.facts[j][2] for c, j in kept])
-        m = eval_metrics(self.cfg, scores, lengths, [c.facts[j][1] for c, j in kept])
-        m["eval/reward_failures"] = float(sum(len(c.facts) for c in r.chunks) - len(kept))
-        m["eval/requested_at_step"] = float(r.step)
-        m["time/eval"] = time.perf_counter() - r.t0
-        self.eval_ready, self.eval_round = m, None
+        if self.eval_round is not None and (m := self.eval_round.scored(chunk)) is not None:
+            self.eval_ready, self.eval_round = m, None
 
     def workers_to_current(self) -> None:
         """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
@@ -389,16 +365,6 @@ class AsyncTrainer(Trainer):
             "staleness/dropped_samples": float(step.stale_samples),
             "staleness/requeued_prompts": float(step.stale_prompts),
         }
-
-
-@dataclass(eq=False)
-class _EvalRound:
-    """One held-out evaluation in flight: its chunks, how many are scored, when it was asked for."""
-
-    step: int
-    chunks: list[StreamChunk]
-    scored: int = 0
-    t0: float = field(default_factory=time.perf_counter)
 
 
 class _LearnerStep:

@@ -25,7 +25,6 @@ from typing import Any
 
 from demos.common import (
     BOS_ID,
-    BUILD_THREADS,
     EOS_ID,
     PAD_ID,
     Laps,
@@ -47,6 +46,7 @@ MAX_OPERAND = 99
 N_EVAL = 256
 N_RL = 2048
 CORRECT_FRAC = 0.4
+BUILD_THREADS = 1  # the model is small: one thread is as fast, and steadier on a busy machine
 N_POSITIONS = 16
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 ALPHABET = list("0123456789+=")
@@ -89,7 +89,7 @@ def ensure_assets(
         return p.policy.is_dir() and p.prompts.is_file() and p.eval_prompts.is_file()
 
     def build(tmp: Path, log: Log) -> dict:
-        with quiet_deterministic_torch():
+        with quiet_deterministic_torch(BUILD_THREADS):
             return _build(AssetPaths.under(tmp), seed, lm_steps, correct_frac, log)
 
     ensure_built(root, want, complete, build, logger(quiet), force)
@@ -139,13 +139,11 @@ def corpus(seed: int, pairs: list[tuple[int, int]], correct_frac: float, n: int)
 
 def char_tokenizer() -> Any:
     """One token per character, <bos> prepended, decoded without spaces."""
-    from tokenizers import Tokenizer, decoders, models, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ALPHABET)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    from tokenizers import Regex, pre_tokenizers
-
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(

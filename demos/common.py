@@ -139,14 +139,14 @@ def load_prompts(path: str | Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def quiet_deterministic_torch() -> Iterator[None]:
+def quiet_deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
     """A fixed thread count (the same seed gives the same bytes), HF logging hushed, and the caller's
     global RNG and settings restored afterwards."""
     import torch
     from transformers.utils import logging as hf_logging
 
     prev = torch.get_num_threads(), hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    torch.set_num_threads(BUILD_THREADS)
+    torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()  # hides generate's harmless pad-after-EOS attention-mask warning
     hf_logging.disable_progress_bar()
     try:
