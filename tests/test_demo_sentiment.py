@@ -120,6 +120,18 @@ def test_changed_settings_rebuild_atomically_and_leave_caller_state(
     ).read_bytes()
 
 
+def test_held_out_prompts_are_new_and_added_to_an_older_build(assets: AssetPaths, tmp_path: Path) -> None:
+    held, train = load_prompts(assets.eval_prompts), load_prompts(assets.prompts)
+    assert len(held) == len(set(held)) == 64 and not set(held) & set(train)
+    root = tmp_path / "older"  # a folder built before eval_prompts.jsonl existed
+    shutil.copytree(assets.root, root)
+    (root / "eval_prompts.jsonl").unlink()
+    models = {p: p.stat().st_mtime_ns for p in root.rglob("*.safetensors")}
+    again = ensure_assets(root, seed=0, lm_steps=LM_STEPS, clf_steps=CLF_STEPS, quiet=True)
+    assert load_prompts(again.eval_prompts) == held
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*.safetensors")} == models  # nothing rebuilt
+
+
 def test_refuses_to_replace_a_foreign_folder(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a demo-assets folder"):
