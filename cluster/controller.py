@@ -340,6 +340,10 @@ class Trainer:
     # ------------------------------------------------------------------ whole run
 
     def train(self) -> RunSummary:
+        if self.step == 0:
+            self.eval_before = self.report_eval("before")
+            if self.eval_before is not None:
+                self.writer.write(0, self.eval_before)
         bar = None
         if self.cfg.run.progress_bar:
             from tqdm import tqdm
@@ -347,10 +351,6 @@ class Trainer:
             bar = tqdm(
                 total=self.cfg.run.steps, initial=self.step, desc="ppo", unit="step", dynamic_ncols=True
             )
-        if self.step == 0:
-            self.eval_before = self.report_eval("before")
-            if self.eval_before is not None:
-                self.writer.write(0, self.eval_before)
         try:
             while self.step < self.cfg.run.steps:
                 m = self.iteration()

@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n=== run summary ===")
     for line in summary.lines():
         print(line)
+    try:
+        from .plot import plot_run
+
+        print(f"curves       {plot_run(run_dir)}")
+    except ImportError:  # matplotlib is optional (the 'plot' extra)
+        pass
     return EXIT_INTERRUPTED if summary.interrupted else 0
 
 
