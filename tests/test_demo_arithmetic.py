@@ -152,3 +152,18 @@ def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tm
         assert r["eval/samples"] + r["eval/reward_failures"] == 48
         assert r["eval/policy_version"] >= r["eval/requested_at_step"]  # weights no older than asked for
     assert sum(r["rollout/samples"] for r in rows) == 4 * 16  # eval samples never trained on
+
+
+def test_config_names_the_demo_and_eval_fields():
+    from cluster.config import ConfigError, load_config
+    from cluster.evaluation import eval_sampling
+
+    cfg = load_config(CONFIG)
+    assert (cfg.model.demo_assets.demo, cfg.eval.enabled) == ("arithmetic", True)
+    with pytest.raises(ConfigError, match="model.demo_assets.demo: .*one of arithmetic, sentiment"):
+        load_config(CONFIG, ["model.demo_assets.demo=chess"])
+    with pytest.raises(ConfigError, match="eval.greedy"):
+        load_config(CONFIG, ["eval.greedy=true", "rollout.engine=vllm"])
+    assert not load_config(CONFIG, ["eval.prompts_path=null"]).eval.enabled
+    greedy = eval_sampling(load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3"]))
+    assert (greedy.top_k, greedy.n, greedy.max_new_tokens) == (1, 3, 4)
