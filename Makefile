@@ -5,10 +5,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
-ASSETS  ?= assets/sentiment_tiny
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl bench-async bench-algos clean
+.PHONY: setup test test-fast test-vllm lint train assets plot bench bench-trl bench-async bench-algos clean
 
 setup: $(STAMP)
 
@@ -49,11 +48,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The demo assets the config names (model.demo_assets), e.g. make assets CONFIG=configs/arithmetic_tiny.yaml
 assets: $(STAMP)
-	$(BIN)/python -m cluster.demo_assets --out $(ASSETS)
+	$(BIN)/python -m demos $(CONFIG)
 
 train: $(STAMP)
 	$(BIN)/python -m cluster.train $(CONFIG) $(ARGS)
+
+# A PNG of a run's curves (reward, KL, held-out accuracy, throughput): make plot RUN=runs/<run folder>
+plot: $(STAMP)
+	$(BIN)/python -m cluster.plot $(RUN)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_iteration.py

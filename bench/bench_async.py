@@ -151,6 +151,7 @@ def main() -> int:
         f"run.steps={args.steps + 1}",
         "run.progress_bar=false",
         "run.sample_log_count=0",
+        "eval.prompts_path=null",  # no held-out evaluation inside the timed steps
         "run.tensorboard=false",
         "cluster.dashboard=false",
         *args.overrides,

@@ -182,6 +182,7 @@ def quiet_overrides(steps: int) -> list[str]:
         f"run.steps={steps}",
         "run.progress_bar=false",
         "run.sample_log_count=0",
+        "eval.prompts_path=null",  # no held-out evaluation inside the timed steps
         "run.tensorboard=false",
     ] + ["cluster.dashboard=false"]
 

@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if cfg.model.demo_assets:
-        from cluster.demo_assets import ensure_assets
+        from demos import ensure_demo
 
-        ensure_assets(cfg.model.demo_assets, quiet=True)
+        ensure_demo(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder, quiet=True)
     res = run_standalone(cfg, args.steps)
     if args.out:
         Path(args.out).write_text(json.dumps(asdict(res), indent=1))

@@ -44,10 +44,12 @@ ACTOR_ENV = {
 
 class StreamingRolloutWorker(RolloutWorker):
     @ray.method(num_returns=2)
-    def generate_chunk(self, prompt_indices: list[int], prompts: list, seed: int) -> tuple[list[tuple], list]:
+    def generate_chunk(
+        self, prompt_indices: list[int], prompts: list, seed: int, sampling: Any = None
+    ) -> tuple[list[tuple], list]:
         """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
         the samples). The driver fetches only the facts."""
-        samples = self.generate(prompt_indices, prompts, seed)
+        samples = self.generate(prompt_indices, prompts, seed, sampling)
         facts = [(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason) for s in samples]
         return facts, samples
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from learner.config import LearnerConfig
 from reward_service.config import ReferenceConfig, RewardConfig
@@ -39,11 +39,27 @@ class RunSection(_Strict):
     progress_bar: bool = Field(True, description="Show a progress bar on the controller.")
 
 
+class DemoAssetsSection(_Strict):
+    demo: str = Field(
+        ..., description="Which demo's assets (a module of the `demos` package): 'sentiment' or 'arithmetic'."
+    )
+    folder: str = Field(..., description="Folder the assets are built into when missing or out of date.")
+
+    @field_validator("demo")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from demos import DEMOS
+
+        if name not in DEMOS:
+            raise ValueError(f"unknown demo {name!r}; one of {', '.join(sorted(DEMOS))}")
+        return name
+
+
 class ModelSection(_Strict):
     policy_path: str = Field(..., description="Initial policy folder (save_pretrained layout, local path).")
     tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to policy_path.")
-    demo_assets: str | None = Field(
-        None, description="If set, build the tiny demo assets into this folder when missing."
+    demo_assets: DemoAssetsSection | None = Field(
+        None, description="If set, build this demo's assets before the run when missing (see `demos`)."
     )
 
 
@@ -152,6 +168,38 @@ class CheckpointSection(_Strict):
     )
 
 
+class EvalSection(_Strict):
+    prompts_path: str | None = Field(
+        None,
+        description="JSONL of held-out prompts, read like data.prompts_path (same prompt_key and meta_keys) "
+        "and never trained on; None turns evaluation off.",
+    )
+    every_steps: int = Field(
+        10,
+        ge=0,
+        description="Evaluate with the current weights after every N steps, besides before the first and "
+        "after the last step (0 = only before and after).",
+    )
+    samples_per_prompt: int = Field(1, ge=1, description="Responses drawn per held-out prompt.")
+    greedy: bool = Field(
+        False,
+        description="Greedy decoding (top_k=1; engine='hf') instead of sampling like the rollouts "
+        "(rollout.sampling without its n).",
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate only the first N held-out prompts (None = all of them)."
+    )
+    correct_at: float = Field(
+        1.0,
+        description="A response counts as correct for eval/accuracy when its reward is at least this "
+        "(reward.kind='rule' only).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.prompts_path is not None
+
+
 class RunConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection, description="Run-level settings.")
     model: ModelSection = Field(..., description="Policy and tokenizer.")
@@ -169,6 +217,9 @@ class RunConfig(_Strict):
     )
     pipeline: PipelineSection = Field(
         default_factory=PipelineSection, description="Synchronous or streaming (async) data plane."
+    )
+    eval: EvalSection = Field(
+        default_factory=EvalSection, description="Held-out evaluation during training (off without prompts)."
     )
 
     @model_validator(mode="after")
@@ -209,6 +260,10 @@ class RunConfig(_Strict):
             raise ValueError(
                 "rollout.weight_sync='collective' broadcasts to every worker at once: it needs "
                 "pipeline.mode='sync' (async workers swap weights one by one between chunks)"
+            )
+        if self.eval.greedy and self.eval.enabled and self.rollout.engine != "hf":
+            raise ValueError(
+                "eval.greedy=true decodes with top_k=1, which rollout.engine='vllm' refuses: set eval.greedy=false"
             )
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path is required when reward.kind='model'")

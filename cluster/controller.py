@@ -23,6 +23,7 @@ from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
+from .evaluation import before_after_lines, evaluate, load_eval_prompts, print_eval
 from .groups import shard_by_group
 from .metrics import MetricsWriter, truncate_metrics
 from .placement import on_driver_node
@@ -70,6 +71,8 @@ class Trainer:
         self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
         self._checksum: str | None = None
         self.sync_replacements = 0
+        self.eval_before: dict[str, float] | None = None  # held-out metrics of the initial weights
+        self.eval_after: dict[str, float] | None = None
         self.t_start = time.perf_counter()
         ck = cfg.checkpoint
         self.stop = StopRequest(ck.stop_grace_s)  # `train.main` installs its signal handlers
@@ -87,6 +90,7 @@ class Trainer:
         prompts, self.data_stats = tokenize_prompts(read_prompts(cfg.data), self.tokenizer, cfg.data)
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
@@ -206,7 +210,8 @@ class Trainer:
         self.sync_weights(int(state["version"]))
         # drop rows written after the checkpoint by the interrupted run
         rows = truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows]
+        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] >= 1]
+        self.eval_before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
 
     # ------------------------------------------------------------------ one iteration
 
@@ -271,8 +276,6 @@ class Trainer:
         prompts = self.stream.next_batch(cfg.data.prompts_per_step)
         batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
         self.check_reward_failures(step, batch.reward_errors, len(batch.samples) + batch.dropped)
-        if step == 1:
-            self.print_samples("before training (step 1 samples)", batch)
         t1 = time.perf_counter()
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
@@ -283,8 +286,15 @@ class Trainer:
         wall = time.perf_counter() - t0
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))
+        if self.eval_due(step):
+            metrics.update(self.evaluate()[0])
         self.finish_step(step, metrics)
         return metrics
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
+        every = self.cfg.eval.every_steps
+        return bool(self.eval_prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
@@ -352,6 +362,10 @@ class Trainer:
     # ------------------------------------------------------------------ whole run
 
     def train(self) -> RunSummary:
+        if self.step == 0:
+            self.eval_before = self.report_eval("before")
+            if self.eval_before is not None:
+                self.writer.write(0, self.eval_before)
         bar = None
         if self.cfg.run.progress_bar:
             from tqdm import tqdm
@@ -383,7 +397,8 @@ class Trainer:
             [r.save_pretrained.remote(str(final_dir), self.cfg.tokenizer_path) for r in self.roles.ranks],
             timeout=self.cfg.timeouts.train_s,
         )
-        self.print_samples("after training", self.evaluate())
+        self.workers_to_current()
+        self.eval_after = self.report_eval("after")
         return self.summary(final_dir=final_dir)
 
     def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
@@ -401,25 +416,33 @@ class Trainer:
             metrics_path=str(self.run_dir / "metrics.jsonl"),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
             interrupted=interrupted,
+            extra=before_after_lines(
+                self.eval_before, self.eval_after, f"held-out ({len(self.eval_prompts)} prompts)"
+            ),
         )
 
-    def evaluate(self) -> RolloutBatch:
-        """Sample the fixed first prompts with the current weights (for the 'after' printout)."""
-        k = max(self.cfg.run.sample_log_count, 1)
-        collector = self.make_collector(RolloutCollector)
-        return collector.collect(self.prompts[:k], 10**9, self.cfg.run.seed, self.cfg.rollout.chunk_size)
+    def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
+        """Score the held-out prompts with the weights the workers hold now; never trained on."""
+        return evaluate(self.make_collector(RolloutCollector), self.eval_prompts, self.cfg)
 
-    def print_samples(self, title: str, batch: RolloutBatch) -> None:
-        k = self.cfg.run.sample_log_count
-        if k == 0:
-            return
-        probs = reward_to_prob(batch.scores, self.cfg.reward.kind, self.cfg.reward.score)
-        print(f"\n--- {title} ---", flush=True)
-        for i, s in enumerate(batch.samples[:k]):
-            prompt = self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
-            response = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""
-            print(f"[reward {batch.scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
+    def report_eval(self, when: str) -> dict[str, float] | None:
+        """Before/after training: the held-out evaluation (returned), or without held-out prompts the
+        first training prompts sampled with a fixed seed (printed only)."""
+        if self.eval_prompts:
+            m, batch = self.evaluate()
+            self.telemetry.record_eval(m)
+            print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
+            return m
+        if self.cfg.run.sample_log_count:
+            fixed = self.prompts[: self.cfg.run.sample_log_count]
+            _, batch = evaluate(
+                self.make_collector(RolloutCollector), fixed, self.cfg, self.cfg.rollout.sampling
+            )
+            print_eval(f"fixed training prompts {when} training", None, batch, self.tokenizer, self.cfg)
+        return None
+
+    def workers_to_current(self) -> None:
+        """Every rollout worker holds the newest weights (sync mode pushes them each step)."""
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:

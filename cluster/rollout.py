@@ -58,6 +58,7 @@ class _Chunk:
     ref_logprobs: list[np.ndarray] | None = None
     scores: Any = None
     attempts: int = 0
+    sampling: Any = None  # a SamplingConfig overriding the workers' own (evaluation)
 
 
 def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
@@ -102,8 +103,9 @@ class RolloutCollector:
         member = member or self._member(kind, None)
         h = member.handle
         if kind == "generate":
+            extra = () if chunk.sampling is None else (chunk.sampling,)
             ref = h.generate.remote(
-                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed
+                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
             )
         else:
             p_ids = [s.prompt_ids for s in chunk.samples]
@@ -207,13 +209,24 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------ one batch
 
-    def collect(self, prompts: list[Prompt], step: int, run_seed: int, chunk_size: int) -> RolloutBatch:
+    def collect(
+        self,
+        prompts: list[Prompt],
+        step: int,
+        run_seed: int,
+        chunk_size: int,
+        sampling: Any = None,
+        reference: bool = True,
+    ) -> RolloutBatch:
+        """Generate and score `prompts`. `sampling` overrides the workers' sampling; without `reference`
+        no reference logprobs are computed and the batch holds no trajectories (evaluation)."""
         t0 = time.perf_counter()
         batch = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
         chunks = [
-            _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci))
+            _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
             for ci, s in enumerate(range(0, len(prompts), chunk_size))
         ]
+        scoring = ("reference", "reward") if reference else ("reward",)
         tracker = CallTracker()
         for c in chunks:
             self.submit(tracker, "generate", c)
@@ -230,12 +243,13 @@ class RolloutCollector:
                 chunk = call.payload
                 if call.kind == "generate":
                     chunk.samples = value
-                    for kind in ("reference", "reward"):
+                    for kind in scoring:
                         self.submit(tracker, kind, chunk)
                     waiting = sum(
                         1
                         for c in chunks
-                        if c.samples is not None and (c.scores is None or c.ref_logprobs is None)
+                        if c.samples is not None
+                        and (c.scores is None or (reference and c.ref_logprobs is None))
                     )
                     batch.queue_depth = max(batch.queue_depth, waiting)
                     if all(c.samples is not None for c in chunks) and t_gen is None:
@@ -263,7 +277,9 @@ class RolloutCollector:
                 batch.samples.append(s)
                 scores.append(float(sb.scores[j]))
                 keys.append((chunk.index, s.prompt_index))
-                batch.trajectories.append(to_trajectory(s, chunk.ref_logprobs[j], sb.scores[j]))
-        for t, g in zip(batch.trajectories, group_runs(keys), strict=True):
-            t.group = g
+                if chunk.ref_logprobs is not None:
+                    batch.trajectories.append(to_trajectory(s, chunk.ref_logprobs[j], sb.scores[j]))
+        if batch.trajectories:  # none in an evaluation (it skips the reference pass)
+            for t, g in zip(batch.trajectories, group_runs(keys), strict=True):
+                t.group = g
         batch.scores = np.asarray(scores, dtype=np.float64)

@@ -37,6 +37,8 @@ class StreamChunk:
     samples_ref: Any = None
     ref_logprobs_ref: Any = None
     scores: Any = None  # ScoreBatch (small: fetched by the driver)
+    sampling: Any = None  # a SamplingConfig overriding the worker's own (evaluation chunks)
+    eval: bool = False  # a held-out evaluation chunk: scored by the reward only, never buffered or trained
 
     @property
     def version(self) -> int:

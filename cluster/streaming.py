@@ -14,6 +14,7 @@ One event loop on the driver moves small facts; samples travel between actors as
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from pathlib import Path
@@ -24,10 +25,11 @@ import ray
 
 from .calls import Call, CallTracker
 from .controller import LearnerStepError, Trainer
+from .evaluation import EvalRound
 from .groups import group_runs, shard_by_group
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
-from .weight_sync import bundle_checksummer, expected_fingerprint
+from .weight_sync import bundle_checksummer, expected_fingerprint, load_into
 
 LEARNER_KINDS = ("train", "export")
 
@@ -55,8 +57,9 @@ class StreamCollector(RolloutCollector):
         member = member or self.least_loaded(kind)
         h = member.handle
         if kind == "generate":
+            extra = () if chunk.sampling is None else (chunk.sampling,)
             facts_ref, samples_ref = h.generate_chunk.remote(
-                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed
+                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
             )
             return tracker.add(member.name, facts_ref, kind, self.timeouts[kind], chunk, samples=samples_ref)
         if kind == "reference":
@@ -85,6 +88,9 @@ class AsyncTrainer(Trainer):
         self.worker_versions = {n: self.version for n in self.roles.workers.names}
         self.busy = {"generate": 0.0, "score": 0.0}
         self.t_last = time.perf_counter()
+        self.eval_queue: collections.deque[StreamChunk] = collections.deque()  # dispatched first
+        self.eval_round: EvalRound | None = None
+        self.eval_ready: dict[str, float] | None = None  # a finished round's metrics, for the next row
 
     # ------------------------------------------------------------------ hooks of the sync trainer
 
@@ -153,7 +159,7 @@ class AsyncTrainer(Trainer):
             if not idle:
                 return
             member = min(idle, key=lambda m: c.tracker.pending(m.name))
-            chunk = self.buffer.next_chunk(self.version)
+            chunk = self.eval_queue.popleft() if self.eval_queue else self.buffer.next_chunk(self.version)
             if chunk is None:
                 return
             self._send_weights(member)
@@ -180,15 +186,40 @@ class AsyncTrainer(Trainer):
         chunk: StreamChunk = call.payload
         if call.kind == "generate":
             chunk.facts, chunk.samples_ref = value, call.extra["samples"]
-            for kind in ("reference", "reward"):
+            for kind in ("reward",) if chunk.eval else ("reference", "reward"):
                 c.submit(c.tracker, kind, chunk)
         elif call.kind == "reference":
             chunk.ref_logprobs_ref = call.ref
         else:
             chunk.scores = value
-        if chunk.scored:
+        if chunk.eval:
+            if chunk.scores is not None:
+                self._eval_chunk_scored(chunk)
+        elif chunk.scored:
             self.buffer.add_scored(chunk)
         return None
+
+    # ------------------------------------------------------------------ held-out evaluation
+
+    def _queue_eval(self, step: int) -> None:
+        """Hand the held-out prompts out as eval chunks, dispatched ahead of training chunks to workers
+        that load the newest weights first (as before any chunk). One round at a time: a round due while
+        the previous one is still out is skipped."""
+        if self.eval_round is None:
+            self.eval_round = EvalRound(step, self.eval_prompts, self.cfg)
+            self.eval_queue.extend(self.eval_round.chunks)
+
+    def _eval_chunk_scored(self, chunk: StreamChunk) -> None:
+        if self.eval_round is not None and (m := self.eval_round.scored(chunk)) is not None:
+            self.eval_ready, self.eval_round = m, None
+
+    def workers_to_current(self) -> None:
+        """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
+        limit = self.cfg.timeouts.weight_sync_s + self.cfg.timeouts.generate_s
+        for m in self.roles.workers.members:
+            if self._bundle is not None and self.worker_versions.get(m.name, 0) < self.version:
+                load_into(m.handle, m.name, self._bundle, self.version, self._checksum, limit)
+                self.worker_versions[m.name] = self.version
 
     def _learner_value(self, call: Call) -> Any:
         resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
@@ -282,7 +313,12 @@ class AsyncTrainer(Trainer):
             {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
         )
         metrics["scale/events"] = float(len(scaling))
+        if self.eval_ready is not None:  # a held-out round that finished during this step
+            metrics.update(self.eval_ready)
+            self.eval_ready = None
         self.finish_step(step, metrics, worker_lags=self._worker_lags)
+        if self.eval_due(step):
+            self._queue_eval(step)
         return metrics
 
     def _check_rewards(self, step: int, taken: Taken) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,7 @@ class RunSummary:
     metrics_path: str
     checkpoint: str | None = None
     interrupted: bool = False
+    extra: list[str] = field(default_factory=list)  # more result lines (held-out before -> after)
 
     def lines(self) -> list[str]:
         prob = f" (P(positive) {self.final_reward_prob:.3f})" if self.final_reward_prob is not None else ""
@@ -38,6 +39,7 @@ class RunSummary:
         out = [
             f"{head} {self.steps} steps, {self.samples} samples, wall {self.wall_s:.1f}s",
             f"final reward {self.final_reward:.3f}{prob}, KL to reference {self.final_kl:.3f}",
+            *self.extra,
             f"run folder   {self.run_dir}",
             f"metrics      {self.metrics_path}",
         ]

@@ -38,6 +38,13 @@ GAUGES: dict[str, tuple[str, str]] = {
         "Mean policy versions between sampling and training of the step's samples.",
     ),
     "time/weight_sync": ("rayppo_weight_sync_seconds", "Seconds to export and load the new weights."),
+    # held-out evaluation (the eval: section), on prompts never trained on
+    "eval/reward_mean": ("rayppo_eval_reward_mean", "Mean reward on the held-out prompts."),
+    "eval/accuracy": (
+        "rayppo_eval_accuracy",
+        "Share of held-out responses whose rule reward is at least eval.correct_at.",
+    ),
+    "eval/response_length": ("rayppo_eval_response_length", "Mean held-out response length in tokens."),
     # streaming (pipeline.mode=async)
     "staleness/max": (
         "rayppo_sample_staleness_max",
@@ -153,6 +160,18 @@ class Telemetry:
         except Exception as err:
             self.enabled = False
             logger.warning("telemetry off after a failed record (%s)", err)
+
+    def record_eval(self, metrics: dict[str, float]) -> None:
+        """Export an evaluation made outside a step (before the first, after the last): eval gauges only."""
+        if self.enabled:
+            try:
+                for key, gauge in self._gauges.items():
+                    value = _finite(metrics.get(key)) if key.startswith("eval/") else None
+                    if value is not None:
+                        gauge.set(value, tags=self._tags)
+            except Exception as err:
+                self.enabled = False
+                logger.warning("telemetry off after a failed record (%s)", err)
 
     def _record(self, metrics: dict[str, float], extra: dict[str, float]) -> None:
         tags = self._tags

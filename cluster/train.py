@@ -29,9 +29,9 @@ EXIT_INTERRUPTED = 130
 def preflight(cfg: RunConfig) -> None:
     """Build the demo assets if asked, then check every path the actors will open."""
     if cfg.model.demo_assets:
-        from .demo_assets import ensure_assets
+        from demos import ensure_demo
 
-        ensure_assets(cfg.model.demo_assets)
+        ensure_demo(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
     checks = [("model.policy_path", cfg.model.policy_path, "config.json")]
     if cfg.model.tokenizer_path:
         checks.append(("model.tokenizer_path", cfg.model.tokenizer_path, None))
@@ -47,6 +47,8 @@ def preflight(cfg: RunConfig) -> None:
             raise ConfigError(f"{field}: {path} has no {must_hold} (expected a save_pretrained folder)")
     if not Path(cfg.data.prompts_path).is_file():
         raise ConfigError(f"data.prompts_path: file not found: {cfg.data.prompts_path}")
+    if cfg.eval.prompts_path and not Path(cfg.eval.prompts_path).is_file():
+        raise ConfigError(f"eval.prompts_path: file not found: {cfg.eval.prompts_path}")
     if cfg.reward.kind == "rule":
         from reward_service.rules import get_reward
 
@@ -194,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n=== run summary{f' ({title})' if summary.interrupted else ''} ===")
     for line in summary.lines():
         print(line, flush=True)
+    try:
+        from .plot import plot_run
+
+        print(f"curves       {plot_run(run_dir)}", flush=True)
+    except ImportError:  # matplotlib is optional (the 'plot' extra)
+        pass
     if summary.interrupted:
         return trainer.stop.exit_code or EXIT_INTERRUPTED
     return 0

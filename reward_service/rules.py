@@ -149,6 +149,20 @@ def exact_match(prompt: str, response: str, meta: dict[str, Any]) -> float:
     return float(found is not None and normalize_answer(found) == _answer(meta))
 
 
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+
+
+@register_reward("exact_integer")
+def exact_integer(prompt: str, response: str, meta: dict[str, Any]) -> float:
+    """1.0 when the whole response (spaces around it aside) is an integer equal to meta['answer'], else 0.0.
+
+    Stricter than `exact_match`, for answers with no working: "47" scores 1 for 47, while "4 7",
+    "12+47", "47.0", "47=" or an empty response score 0 (a malformed answer is wrong, never an error).
+    """
+    text = response.strip()
+    return float(_INTEGER.fullmatch(text) is not None and int(text) == int(_answer(meta)))
+
+
 @register_reward("format_boxed")
 def format_boxed(prompt: str, response: str, meta: dict[str, Any]) -> float:
     """1.0 for a correct \\boxed{} answer, meta['format_score'] (default 0) for a wrong one, 0 with no box."""

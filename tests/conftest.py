@@ -58,7 +58,7 @@ def _deepspeed_shm_cleanup():
 @pytest.fixture(scope="session")
 def demo_assets():
     """The real demo assets, built once into the repo's assets/ folder (shared with `make train`)."""
-    from cluster.demo_assets import ensure_assets
+    from demos.sentiment import ensure_assets
 
     root = Path(__file__).resolve().parent.parent / "assets" / "sentiment_tiny"
     return ensure_assets(root, quiet=True)

@@ -11,6 +11,7 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
     sets = {
         "model.policy_path": assets.policy,
         "model.demo_assets": None,
+        "eval.prompts_path": None,  # held-out evaluation off unless a test turns it on
         "data.prompts_path": assets.prompts,
         "reward.model_path": assets.reward,
         "run.steps": steps,

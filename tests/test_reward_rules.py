@@ -128,3 +128,31 @@ def test_rule_module_from_file_and_decoded_text(tiny_policy_dir, tmp_path):
     assert get_reward("_test_user_echo", str(path)) is get_reward("_test_user_echo")
     with pytest.raises(ValueError, match="cannot import"):
         RewardScorer(cfg.model_copy(update={"rule_module": "no_such_pkg.rules"}), str(tiny_policy_dir))
+
+
+@pytest.mark.parametrize(
+    "response,answer,want",
+    [
+        ("47", "47", 1.0),
+        (" 47 ", 47, 1.0),  # surrounding spaces are not part of the answer
+        ("047", "47", 1.0),  # the parsed number counts
+        ("+47", "47", 1.0),
+        ("-3", "-3", 1.0),
+        ("46", "47", 0.0),
+        ("4 7", "47", 0.0),  # malformed answers are wrong, never errors
+        ("12+47", "47", 0.0),
+        ("47=", "47", 0.0),
+        ("47.0", "47", 0.0),
+        ("", "47", 0.0),
+        ("+=+", "47", 0.0),
+        ("٤٧", "47", 0.0),  # ASCII digits only
+        ("4" * 40, "47", 0.0),
+    ],
+)
+def test_exact_integer_parses_the_whole_response(response, answer, want):
+    assert get_reward("exact_integer")("12+35=", response, {"answer": answer}) == want
+
+
+def test_exact_integer_needs_the_answer_in_meta():
+    with pytest.raises(KeyError, match="answer"):
+        get_reward("exact_integer")("1+1=", "2", {})

@@ -1,4 +1,4 @@
-"""The text side of the offline "positive reviews" demo: review corpus, prompts, BPE tokenizer.
+"""The text side of the "positive reviews" demo (`demos.sentiment`): review corpus, prompts, BPE tokenizer.
 
 Every review is a sentiment-neutral opening ("last night i watched the new comedy") followed by
 clauses that all carry one sentiment, so the label is clean and a prompt cut from an opening
@@ -13,9 +13,12 @@ import random
 from pathlib import Path
 from typing import Any
 
+from demos.common import BOS_ID, EOS_ID, PAD_ID, load_prompts
+
+__all__ = ["build_corpus", "build_prompts", "build_eval_prompts", "load_prompts", "train_tokenizer"]
+
 POSITIVE, NEGATIVE = 1, 0
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # fmt: off
 _DETS = ["the", "this", "that"]
@@ -168,6 +171,23 @@ def build_prompts(seed: int, n_prompts: int = 512, min_words: int = 2, max_words
     )
 
 
+def build_eval_prompts(
+    seed: int, n_prompts: int, exclude: set[str], min_words: int = 2, max_words: int = 6
+) -> list[str]:
+    """Held-out openings: `build_prompts`'s kind, from their own seeded stream, none in `exclude`."""
+    rng = random.Random(f"eval-prompts-{seed}")
+    seen: dict[str, None] = {}
+    for _ in range(200 * n_prompts):
+        cut = _cut_opening(rng, min_words, max_words)
+        if cut is not None and cut not in exclude:
+            seen.setdefault(cut, None)
+        if len(seen) == n_prompts:
+            return list(seen)
+    raise RuntimeError(
+        f"only {len(seen)} distinct held-out prompts outside the training set; asked {n_prompts}"
+    )
+
+
 def neutral_openings(seed: int, n: int, min_words: int = 2) -> list[str]:
     """`n` label-free review beginnings of any length: the classifier learns P(positive) = 0.5 on them."""
     rng = random.Random(f"neutral-{seed}")
@@ -177,14 +197,6 @@ def neutral_openings(seed: int, n: int, min_words: int = 2) -> list[str]:
         if cut is not None:
             out.append(cut)
     return out
-
-
-def load_prompts(path: str | Path) -> list[str]:
-    """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
-    from cluster.config import DataSection
-    from cluster.data import read_prompts
-
-    return [text for _, text, _ in read_prompts(DataSection(prompts_path=str(path)))]
 
 
 def write_prompts(path: str | Path, prompts: list[str]) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from cluster.demo_assets import FORMAT_VERSION, AssetPaths, ensure_assets, load_prompts, read_manifest
-from cluster.demo_corpus import NEGATIVE, POSITIVE, build_corpus, build_prompts, vocabulary
+from demos.sentiment import FORMAT_VERSION, AssetPaths, ensure_assets, load_prompts, read_manifest
+from demos.sentiment_corpus import NEGATIVE, POSITIVE, build_corpus, build_prompts, vocabulary
 
 LM_STEPS, CLF_STEPS = 30, 20
 
@@ -118,6 +118,18 @@ def test_changed_settings_rebuild_atomically_and_leave_caller_state(
     assert (root / "policy" / "tokenizer.json").read_bytes() == (
         assets.policy / "tokenizer.json"
     ).read_bytes()
+
+
+def test_held_out_prompts_are_new_and_added_to_an_older_build(assets: AssetPaths, tmp_path: Path) -> None:
+    held, train = load_prompts(assets.eval_prompts), load_prompts(assets.prompts)
+    assert len(held) == len(set(held)) == 64 and not set(held) & set(train)
+    root = tmp_path / "older"  # a folder built before eval_prompts.jsonl existed
+    shutil.copytree(assets.root, root)
+    (root / "eval_prompts.jsonl").unlink()
+    models = {p: p.stat().st_mtime_ns for p in root.rglob("*.safetensors")}
+    again = ensure_assets(root, seed=0, lm_steps=LM_STEPS, clf_steps=CLF_STEPS, quiet=True)
+    assert load_prompts(again.eval_prompts) == held
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*.safetensors")} == models  # nothing rebuilt
 
 
 def test_refuses_to_replace_a_foreign_folder(tmp_path: Path) -> None:

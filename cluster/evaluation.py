@@ -1,0 +1,153 @@
+"""Held-out evaluation: the `eval:` section's prompts, scored with the current weights between steps.
+
+Evaluation goes through the rollout path of training (the same workers, `generate`, the same reward
+scorers) with its own sampling (n = eval.samples_per_prompt; greedy or the rollouts' temperature) and
+no reference pass; its samples never reach the learner. Every evaluation of a run uses the same
+chunk seeds, so the before/after comparison draws with the same random numbers (common random numbers).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rollout_workers.config import SamplingConfig
+
+from .config import RunConfig
+from .data import Prompt, read_prompts, tokenize_prompts
+from .rollout import RolloutBatch, RolloutCollector, chunk_seed
+from .stream_buffer import StreamChunk
+from .summary import reward_to_prob
+
+# The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.
+EVAL_SEED_STEP = 10**9
+
+
+def load_eval_prompts(cfg: RunConfig, tokenizer) -> list[Prompt]:
+    """The held-out prompts (`eval.prompts_path`, first `eval.max_prompts`), tokenized like the data's;
+    [] when evaluation is off."""
+    if not cfg.eval.enabled:
+        return []
+    section = cfg.data.model_copy(update={"prompts_path": cfg.eval.prompts_path})
+    prompts, _stats = tokenize_prompts(read_prompts(section), tokenizer, section)
+    return prompts[: cfg.eval.max_prompts]
+
+
+def eval_sampling(cfg: RunConfig) -> SamplingConfig:
+    """The rollouts' sampling with eval's n; greedy is top-k 1 (the argmax, whatever the temperature)."""
+    update: dict = {"n": cfg.eval.samples_per_prompt}
+    if cfg.eval.greedy:
+        update.update(top_k=1, top_p=1.0)
+    return cfg.rollout.sampling.model_copy(update=update)
+
+
+def eval_metrics(cfg: RunConfig, scores: np.ndarray, lengths: np.ndarray, versions: list[int]) -> dict:
+    """eval/reward_mean and eval/response_length; eval/accuracy for rule rewards (reward >= eval.correct_at);
+    eval/reward_prob_mean for classifier rewards; eval/policy_version: the oldest weights that answered."""
+    m = {
+        "eval/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
+        "eval/response_length": float(lengths.mean()) if len(lengths) else float("nan"),
+        "eval/samples": float(len(scores)),
+        "eval/policy_version": float(min(versions)) if versions else float("nan"),
+    }
+    if cfg.reward.kind == "rule":
+        m["eval/accuracy"] = float(np.mean(scores >= cfg.eval.correct_at)) if len(scores) else float("nan")
+    probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
+    if probs is not None:
+        m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")
+    return m
+
+
+def evaluate(
+    collector: RolloutCollector, prompts: list[Prompt], cfg: RunConfig, sampling: SamplingConfig | None = None
+) -> tuple[dict[str, float], RolloutBatch]:
+    """Generate and score `prompts` with the weights the workers hold now (no reference pass, the same
+    chunk seeds every time, `eval_sampling` unless `sampling` is given). Returns eval/* metrics and the batch."""
+    t0 = time.perf_counter()
+    batch = collector.collect(
+        prompts,
+        EVAL_SEED_STEP,
+        cfg.run.seed,
+        cfg.rollout.chunk_size,
+        sampling=sampling or eval_sampling(cfg),
+        reference=False,
+    )
+    lengths = np.array([len(s.response_ids) for s in batch.samples])
+    m = eval_metrics(cfg, batch.scores, lengths, [s.policy_version for s in batch.samples])
+    m["eval/reward_failures"] = float(batch.dropped)
+    m["time/eval"] = time.perf_counter() - t0
+    return m, batch
+
+
+class EvalRound:
+    """One held-out evaluation of the streaming mode: its chunks (tagged `eval`, so they are scored by
+    the reward only and never enter the trajectory buffer), and the metrics once all are scored."""
+
+    def __init__(self, step: int, prompts: list[Prompt], cfg: RunConfig) -> None:
+        self.step, self.cfg, self.t0, self.done = step, cfg, time.perf_counter(), 0
+        size, sampling = cfg.rollout.chunk_size, eval_sampling(cfg)
+        self.chunks = [
+            StreamChunk(
+                -1 - ci,
+                prompts[s : s + size],
+                chunk_seed(cfg.run.seed, EVAL_SEED_STEP, ci),
+                sampling=sampling,
+                eval=True,
+            )
+            for ci, s in enumerate(range(0, len(prompts), size))
+        ]
+
+    def scored(self, chunk: StreamChunk) -> dict[str, float] | None:
+        """Count a scored chunk of this round; the round's metrics when it was the last one."""
+        if all(c is not chunk for c in self.chunks):
+            return None  # a chunk of an abandoned round
+        self.done += 1
+        if self.done < len(self.chunks):
+            return None
+        kept = [(c, j) for c in self.chunks for j in range(len(c.facts)) if c.scores.ok[j]]
+        scores = np.array([float(c.scores.scores[j]) for c, j in kept])
+        lengths = np.array([c.facts[j][2] for c, j in kept])
+        m = eval_metrics(self.cfg, scores, lengths, [c.facts[j][1] for c, j in kept])
+        m["eval/reward_failures"] = float(sum(len(c.facts) for c in self.chunks) - len(kept))
+        m["eval/requested_at_step"] = float(self.step)
+        m["time/eval"] = time.perf_counter() - self.t0
+        return m
+
+
+def print_eval(title: str, metrics: dict | None, batch: RolloutBatch, tokenizer, cfg: RunConfig) -> None:
+    """An evaluation's numbers and one sample of each of its first run.sample_log_count prompts (the same
+    prompts and seeds before and after training)."""
+    print(f"\n--- {title} ---", flush=True)
+    if metrics is not None:
+        print(headline(metrics), flush=True)
+    probs = reward_to_prob(batch.scores, cfg.reward.kind, cfg.reward.score)
+    firsts = [i for i, s in enumerate(batch.samples) if s.sample_index == 0][: cfg.run.sample_log_count]
+    for i in firsts:
+        s = batch.samples[i]
+        prompt = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+        response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""
+        print(f"[reward {batch.scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
+
+
+def headline(m: dict) -> str:
+    """One line of an evaluation's numbers, in the reward's own units."""
+    parts = [f"reward mean {m['eval/reward_mean']:+.3f}"]
+    if "eval/accuracy" in m:
+        parts.append(f"accuracy {m['eval/accuracy']:.3f}")
+    if "eval/reward_prob_mean" in m:
+        parts.append(f"P(positive) {m['eval/reward_prob_mean']:.3f}")
+    parts.append(f"{int(m['eval/samples'])} samples")
+    return ", ".join(parts)
+
+
+def before_after_lines(before: dict | None, after: dict | None, what: str) -> list[str]:
+    """'before -> after' of each shared eval number (the run summary's held-out lines)."""
+    if not before or not after:
+        return []
+    keys = ["eval/reward_mean", "eval/accuracy", "eval/reward_prob_mean"]
+    cells = [
+        f"{k.split('/')[1]} {before[k]:.3f} -> {after[k]:.3f}" for k in keys if k in before and k in after
+    ]
+    return [f"{what}: " + ", ".join(cells)]

@@ -1,0 +1,95 @@
+"""`python -m cluster.plot RUN_DIR [--out FILE]`: a PNG of a run's curves from its metrics.jsonl.
+
+Four panels against the step: training reward (and P(positive) for classifier rewards) with the
+held-out reward, KL to the reference, held-out accuracy (or held-out reward when the reward is not
+a rule), and throughput (samples per second). A panel whose metrics the run did not record says so.
+Needs matplotlib (`pip install -e '.[plot]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from .metrics import read_metrics
+
+# (panel title, [(metric key, legend label)])
+PANELS: list[tuple[str, list[tuple[str, str]]]] = [
+    (
+        "reward",
+        [
+            ("rollout/reward_mean", "train reward"),
+            ("eval/reward_mean", "held-out reward"),
+        ],
+    ),
+    ("KL to reference", [("objective/kl", "KL")]),
+    (
+        "held-out",
+        [
+            ("eval/accuracy", "held-out accuracy"),
+            ("eval/reward_prob_mean", "held-out P(positive)"),
+            ("rollout/reward_prob_mean", "train P(positive)"),
+        ],
+    ),
+    ("throughput", [("throughput/samples_per_s", "samples/s")]),
+]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` over the rows that hold a finite value of it."""
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the run's curves as a PNG (default RUN_DIR/curves.png); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (is {run_dir} a run folder?)")
+    rows = read_metrics(path)
+    out = Path(out) if out else run_dir / "curves.png"
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+        drawn = False
+        for key, label in keys:
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+                drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(run_dir.name)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cluster.plot", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
+    ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    args = ap.parse_args(argv)
+    try:
+        out = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Offline assets of the "tiny model learns to add" demo: a verifiable (rule) reward, no reward model.
+
+The task is two-digit addition written as text: the prompt "12+35=", the answer "47". A character
+tokenizer (digits, '+', '=', and <pad>/<bos>/<eos>) and a ~0.4M-parameter GPT-2 are built from a seed.
+The policy is pretrained on a corpus where only `correct_frac` of the worked examples carry the right
+sum; the others carry a near miss (off by 1, 2, 10 or 11, or with two digits swapped). It so learns
+addition but answers correctly only some of the time when sampled: the room RL with the rule reward
+`exact_integer` has to improve it.
+
+The 10,000 problems (a, b in 0..99) are split once, by the seed: the held-out problems
+(`eval_prompts.jsonl`) are never in the pretraining corpus nor in the RL prompts (`prompts.jsonl`).
+
+    python -m demos.arithmetic --out assets/arithmetic_tiny [--seed 0] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from demos.common import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    Laps,
+    Log,
+    ensure_built,
+    gpt2_config,
+    logger,
+    n_params,
+    pad,
+    quiet_deterministic_torch,
+    read_manifest,
+    set_generation_ids,
+    train_loop,
+    write_jsonl,
+)
+
+FORMAT_VERSION = 1
+MAX_OPERAND = 99
+N_EVAL = 256
+N_RL = 2048
+CORRECT_FRAC = 0.4
+BUILD_THREADS = 1  # the model is small: one thread is as fast, and steadier on a busy machine
+N_POSITIONS = 16
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+ALPHABET = list("0123456789+=")
+
+
+@dataclass(frozen=True)
+class AssetPaths:
+    root: Path
+    policy: Path
+    prompts: Path
+    eval_prompts: Path
+
+    @classmethod
+    def under(cls, root: Path) -> AssetPaths:
+        return cls(root, root / "policy", root / "prompts.jsonl", root / "eval_prompts.jsonl")
+
+
+def ensure_assets(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    lm_steps: int = 1500,
+    correct_frac: float = CORRECT_FRAC,
+    quiet: bool = False,
+    force: bool = False,
+) -> AssetPaths:
+    """Build the arithmetic demo into `out_dir` unless a complete build with these settings is there."""
+    if lm_steps < 1 or not 0.0 < correct_frac <= 1.0:
+        raise ValueError(f"lm_steps must be >= 1 and correct_frac in (0, 1], got {lm_steps}, {correct_frac}")
+    root = Path(out_dir).resolve()
+    want = {
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "lm_steps": lm_steps,
+        "correct_frac": correct_frac,
+    }
+
+    def complete(folder: Path) -> bool:
+        p = AssetPaths.under(folder)
+        return p.policy.is_dir() and p.prompts.is_file() and p.eval_prompts.is_file()
+
+    def build(tmp: Path, log: Log) -> dict:
+        with quiet_deterministic_torch(BUILD_THREADS):
+            return _build(AssetPaths.under(tmp), seed, lm_steps, correct_frac, log)
+
+    ensure_built(root, want, complete, build, logger(quiet), force)
+    return AssetPaths.under(root)
+
+
+# --- the task ---
+
+
+def problem(a: int, b: int) -> dict[str, Any]:
+    """One prompt row: the text the policy continues and the answer the rule reward checks."""
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def split_problems(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """(held-out, RL, pretraining-only) problems: a seeded partition of all a+b with a, b <= MAX_OPERAND.
+    Pretraining sees RL and pretraining-only problems; nothing sees the held-out ones."""
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(f"arith-split-{seed}").shuffle(pairs)
+    return pairs[:N_EVAL], pairs[N_EVAL : N_EVAL + N_RL], pairs[N_EVAL + N_RL :]
+
+
+def near_miss(rng: random.Random, total: int) -> int:
+    """A plausible wrong sum: off by 1, 2, 10 or 11 either way, or two digits swapped; never `total`."""
+    while True:
+        if rng.random() < 0.2 and total >= 10:
+            digits = list(str(total))
+            i = rng.randrange(len(digits) - 1)
+            digits[i], digits[i + 1] = digits[i + 1], digits[i]
+            wrong = int("".join(digits))
+        else:
+            wrong = total + rng.choice([-11, -10, -2, -1, 1, 2, 10, 11])
+        if wrong != total and wrong >= 0:
+            return wrong
+
+
+def corpus(seed: int, pairs: list[tuple[int, int]], correct_frac: float, n: int) -> list[str]:
+    """`n` worked examples "a+b=c" over `pairs`; a `correct_frac` share of them with the right c."""
+    rng = random.Random(f"arith-corpus-{seed}")
+    out = []
+    for _ in range(n):
+        a, b = rng.choice(pairs)
+        c = a + b if rng.random() < correct_frac else near_miss(rng, a + b)
+        out.append(f"{a}+{b}={c}")
+    return out
+
+
+def char_tokenizer() -> Any:
+    """One token per character, <bos> prepended, decoded without spaces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        model_max_length=N_POSITIONS,
+    )
+
+
+# --- the build ---
+
+
+def _build(paths: AssetPaths, seed: int, lm_steps: int, correct_frac: float, log: Log) -> dict:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    lap = Laps(log)
+    held_out, rl, pre_only = split_problems(seed)
+    write_jsonl(paths.prompts, [problem(a, b) for a, b in rl])
+    write_jsonl(paths.eval_prompts, [problem(a, b) for a, b in held_out])
+    texts = corpus(seed, rl + pre_only, correct_frac, 64 * lm_steps)
+    tokenizer = char_tokenizer()
+    ids = [x + [EOS_ID] for x in tokenizer(texts).input_ids]
+    lap("corpus_tokenizer")
+
+    torch.manual_seed(seed)
+    lm = GPT2LMHeadModel(gpt2_config(len(tokenizer), n_layer=3, n_embd=96, n_head=4, n_positions=N_POSITIONS))
+    set_generation_ids(lm)
+    sizes = {
+        "problems_held_out": len(held_out),
+        "problems_rl": len(rl),
+        "problems_pretrain_only": len(pre_only),
+    }
+    sizes.update(vocab_size=len(tokenizer), policy_params=n_params(lm), corpus_examples=len(texts))
+    log(f"arithmetic policy: {sizes['policy_params']:,} parameters, {lm_steps} steps, sizes {sizes}")
+
+    def lm_loss(rows: list[int], _g: Any) -> Any:
+        input_ids, mask = pad([ids[i] for i in rows])
+        return lm(
+            input_ids=input_ids, attention_mask=mask, labels=input_ids.masked_fill(mask == 0, -100)
+        ).loss
+
+    train_loop(lm, lm_steps, 3e-3, range(len(ids)), lm_loss, torch.Generator().manual_seed(seed), log, "lm")
+    lap("lm_train")
+
+    torch.manual_seed(seed + 2)
+    metrics = {
+        "held_out_sampled_accuracy": accuracy(lm, tokenizer, held_out, greedy=False),
+        "held_out_greedy_accuracy": accuracy(lm, tokenizer, held_out, greedy=True),
+    }
+    log(f"metrics: {metrics}")
+    lap("evaluate")
+    lm.save_pretrained(paths.policy)
+    tokenizer.save_pretrained(paths.policy)
+    lap("save")
+    return {
+        "build_threads": BUILD_THREADS,
+        "special_token_ids": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID},
+        "sizes": sizes,
+        "metrics": {k: round(v, 4) for k, v in metrics.items()},
+        "timings_s": lap.timings,
+    }
+
+
+def accuracy(lm: Any, tokenizer: Any, pairs: list[tuple[int, int]], greedy: bool) -> float:
+    """Share of `pairs` answered exactly (temperature-1 samples, or greedy), prompts grouped by length."""
+    import torch
+
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for a, b in pairs:
+        by_len.setdefault(len(f"{a}+{b}="), []).append((a, b))
+    right = 0
+    with torch.no_grad():
+        for group in by_len.values():
+            ids = torch.tensor(tokenizer([problem(a, b)["prompt"] for a, b in group]).input_ids)
+            out = lm.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=not greedy,
+                temperature=1.0 if not greedy else None,
+                top_k=0 if not greedy else None,
+                top_p=1.0 if not greedy else None,
+                max_new_tokens=4,
+                pad_token_id=PAD_ID,
+                eos_token_id=EOS_ID,
+            )
+            answers = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+            right += sum(ans == str(a + b) for ans, (a, b) in zip(answers, group, strict=True))
+    return right / len(pairs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demos.arithmetic", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder to build into, e.g. assets/arithmetic_tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lm-steps", type=int, default=1500)
+    parser.add_argument("--correct-frac", type=float, default=CORRECT_FRAC)
+    parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build is there")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    kw = dict(lm_steps=args.lm_steps, correct_frac=args.correct_frac, quiet=args.quiet, force=args.force)
+    paths = ensure_assets(args.out, args.seed, **kw)
+    m = read_manifest(paths.root) or {}
+    print(f"assets: {paths.root} ({time.perf_counter() - t0:.1f} s)")
+    for section in ("timings_s", "sizes", "metrics"):
+        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in (m.get(section) or {}).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

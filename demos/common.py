@@ -1,0 +1,246 @@
+"""What every demo's asset build shares: an atomic, locked, up-to-date-checked build folder, and the
+tiny GPT-2 pieces (config, padding, a seeded training loop).
+
+A build writes into a temporary sibling folder and renames it into place at the end: a folder with a
+`manifest.json` is always complete, and a second call with the same settings is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+BUILD_THREADS = 2
+LOCK_TIMEOUT_S = 900.0
+
+Log = Callable[[str], None]
+
+
+def read_manifest(root: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(root) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def manifest_matches(root: Path, want: dict[str, Any]) -> bool:
+    m = read_manifest(root)
+    return m is not None and all(m.get(k) == v for k, v in want.items())
+
+
+def logger(quiet: bool) -> Log:
+    return (lambda _msg: None) if quiet else (lambda msg: print(msg, flush=True))
+
+
+def ensure_built(
+    root: Path,
+    want: dict[str, Any],
+    is_complete: Callable[[Path], bool],
+    build: Callable[[Path, Log], dict],
+    log: Log,
+    force: bool = False,
+) -> bool:
+    """Build into `root` with `build(tmp_folder, log) -> manifest` unless its manifest already holds
+    `want` and `is_complete(root)`. Returns True when it built."""
+
+    def current() -> bool:
+        return not force and manifest_matches(root, want) and is_complete(root)
+
+    if current():
+        return False
+    check_replaceable(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(root.parent / f".{root.name}.lock"):
+        if current():  # built by a concurrent caller
+            return False
+        for stale in [
+            *root.parent.glob(f".{root.name}.building-*"),
+            *root.parent.glob(f".{root.name}.old-*"),
+        ]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.building-", dir=root.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the published folder should read like any other
+        try:
+            manifest = {**build(tmp, log), **want, "versions": versions()}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+            _publish(tmp, root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"assets ready in {root}")
+    return True
+
+
+def check_replaceable(root: Path) -> None:
+    """Refuse to overwrite a folder that is not ours (a typo in --out must not delete user data)."""
+    if root.exists() and (not root.is_dir() or (any(root.iterdir()) and read_manifest(root) is None)):
+        raise FileExistsError(
+            f"{root} exists and is not a demo-assets folder (no manifest.json); remove it first"
+        )
+
+
+def _publish(tmp: Path, root: Path) -> None:
+    old = None
+    if root.exists():
+        old = root.with_name(f".{root.name}.old-{os.getpid()}")
+        os.replace(root, old)
+    os.replace(tmp, root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Serialise builders of the same folder (e.g. `make train` and a test running together)."""
+    with path.open("a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {path} for over {timeout_s:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Write rows as JSON lines through a temporary file renamed into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
+    from cluster.config import DataSection
+    from cluster.data import read_prompts
+
+    return [text for _, text, _ in read_prompts(DataSection(prompts_path=str(path)))]
+
+
+# --- torch side; imported lazily so the up-to-date check stays instant ---
+
+
+@contextlib.contextmanager
+def quiet_deterministic_torch(threads: int = BUILD_THREADS) -> Iterator[None]:
+    """A fixed thread count (the same seed gives the same bytes), HF logging hushed, and the caller's
+    global RNG and settings restored afterwards."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    prev = torch.get_num_threads(), hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    torch.set_num_threads(threads)
+    hf_logging.set_verbosity_error()  # hides generate's harmless pad-after-EOS attention-mask warning
+    hf_logging.disable_progress_bar()
+    try:
+        with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+            yield
+    finally:
+        torch.set_num_threads(prev[0])
+        hf_logging.set_verbosity(prev[1])
+        if prev[2]:
+            hf_logging.enable_progress_bar()
+
+
+class Laps:
+    """Wall time of each build phase, logged as it ends."""
+
+    def __init__(self, log: Log) -> None:
+        self.log, self.timings, self.t0 = log, {}, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        self.timings[name] = round(time.perf_counter() - self.t0, 2)
+        self.log(f"[{name}] done in {self.timings[name]:.1f} s")
+        self.t0 = time.perf_counter()
+
+
+def gpt2_config(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int = 64) -> Any:
+    from transformers import GPT2Config
+
+    # Dropout 0 everywhere: RL needs deterministic forwards, and GPT-2 dropout consumes the global RNG.
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    ids = dict(pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    size = dict(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    return GPT2Config(**size, **no_dropout, **ids)
+
+
+def set_generation_ids(lm: Any) -> None:
+    gen = lm.generation_config
+    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_ID, BOS_ID, EOS_ID
+
+
+def n_params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def pad(seqs: list[list[int]]) -> tuple[Any, Any]:
+    import torch
+
+    ids = torch.full((len(seqs), max(map(len, seqs))), PAD_ID, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def train_loop(
+    model: Any,
+    steps: int,
+    lr: float,
+    rows: range,
+    loss_of: Callable,
+    g: Any,
+    log: Log,
+    name: str,
+    batch_size: int = 64,
+) -> None:
+    """AdamW, short linear warm-up then cosine decay, batches drawn as seeded epoch permutations."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    order: list[int] = []
+    model.train()
+    for step in range(steps):
+        if len(order) < batch_size:
+            order += [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
+        batch, order = order[:batch_size], order[batch_size:]
+        loss = loss_of(batch, g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  {name} step {step + 1}/{steps} loss {loss.item():.3f}")
+    model.eval()
+
+
+def versions() -> dict[str, str]:
+    import tokenizers
+    import torch
+    import transformers
+
+    mods = {"torch": torch, "transformers": transformers, "tokenizers": tokenizers}
+    return {"python": platform.python_version(), **{k: m.__version__ for k, m in mods.items()}}

@@ -1,0 +1,169 @@
+"""The arithmetic demo: its task split and corpus, its offline build, and a few real PPO steps with
+held-out evaluation (sync and streaming) on prompts the run never trains on."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from demos.arithmetic import (
+    MAX_OPERAND,
+    N_EVAL,
+    N_RL,
+    AssetPaths,
+    char_tokenizer,
+    corpus,
+    ensure_assets,
+    near_miss,
+    split_problems,
+)
+from demos.common import read_manifest
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "arithmetic_tiny.yaml"
+
+
+def test_split_is_a_seeded_partition_of_all_problems():
+    held_out, rl, pre_only = split_problems(0)
+    assert (len(held_out), len(rl)) == (N_EVAL, N_RL)
+    every = set(held_out) | set(rl) | set(pre_only)
+    assert len(every) == len(held_out) + len(rl) + len(pre_only) == (MAX_OPERAND + 1) ** 2
+    assert split_problems(0) == (held_out, rl, pre_only) and split_problems(1)[0] != held_out
+
+
+def test_corpus_has_the_right_share_of_correct_sums_and_never_a_held_out_problem():
+    held_out, rl, pre_only = split_problems(0)
+    texts = corpus(0, rl + pre_only, 0.4, 20_000)
+    parsed = [tuple(int(x) for x in t.replace("=", "+").split("+")) for t in texts]
+    assert not {(a, b) for a, b, _ in parsed} & set(held_out)
+    right = sum(a + b == c for a, b, c in parsed) / len(parsed)
+    assert right == pytest.approx(0.4, abs=0.015)  # binomial sd ~0.0035
+    rng = random.Random(0)
+    for total in [0, 1, 9, 10, 55, 198]:
+        misses = {near_miss(rng, total) for _ in range(200)}
+        assert total not in misses and min(misses) >= 0
+
+
+def test_char_tokenizer_prepends_bos_and_round_trips():
+    tok = char_tokenizer()
+    ids = tok("12+35=").input_ids
+    assert ids[0] == tok.bos_token_id == 1 and len(ids) == 7
+    assert tok.decode(ids, skip_special_tokens=True) == "12+35="
+    assert tok.decode([*tok("47").input_ids[1:], tok.eos_token_id], skip_special_tokens=True) == "47"
+
+
+@pytest.fixture(scope="module")
+def arithmetic_assets(tmp_path_factory) -> AssetPaths:
+    """A quick build (few pretraining steps: the mechanics, not the accuracy, are under test)."""
+    return ensure_assets(tmp_path_factory.mktemp("demo") / "arithmetic_tiny", lm_steps=10, quiet=True)
+
+
+def test_build_writes_loadable_disjoint_prompt_files(arithmetic_assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    a = arithmetic_assets
+    train = [json.loads(x) for x in a.prompts.read_text().splitlines()]
+    held = [json.loads(x) for x in a.eval_prompts.read_text().splitlines()]
+    assert (len(train), len(held)) == (N_RL, N_EVAL)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert all(int(r["answer"]) == sum(int(x) for x in r["prompt"][:-1].split("+")) for r in held)
+    lm = AutoModelForCausalLM.from_pretrained(a.policy, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(a.policy, local_files_only=True)
+    assert lm.config.vocab_size == len(tok) == 15
+    m = read_manifest(a.root)
+    assert m["lm_steps"] == 10 and 0.0 <= m["metrics"]["held_out_sampled_accuracy"] <= 1.0
+
+
+def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
+    sets = {
+        "model.policy_path": assets.policy,
+        "model.demo_assets": None,
+        "data.prompts_path": assets.prompts,
+        "eval.prompts_path": assets.eval_prompts,
+        "eval.max_prompts": 24,
+        "eval.samples_per_prompt": 2,
+        "eval.every_steps": 1,
+        "data.prompts_per_step": 16,
+        "rollout.chunk_size": 8,
+        "learner.micro_batch_size": 8,
+        "run.steps": steps,
+        "run.progress_bar": False,
+        "run.sample_log_count": 3,
+        "run.tensorboard": False,
+        "cluster.dashboard": False,
+        "learner.torch_threads": 1,
+        **extra,
+    }
+    return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
+
+
+@pytest.mark.slow
+def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmetic_assets, tmp_path, capsys):
+    from cluster.config import load_config
+    from cluster.metrics import read_metrics
+    from cluster.streaming import make_trainer
+
+    cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
+    trainer = make_trainer(cfg, tmp_path / "run")
+    try:
+        trainer.setup()
+        summary = trainer.train()
+        metrics, batch = trainer.evaluate()
+    finally:
+        trainer.close()
+    held = [json.loads(x)["prompt"] for x in arithmetic_assets.eval_prompts.read_text().splitlines()][:24]
+    train = {json.loads(x)["prompt"] for x in arithmetic_assets.prompts.read_text().splitlines()}
+    seen = {trainer.tokenizer.decode(s.prompt_ids, skip_special_tokens=True) for s in batch.samples}
+    assert seen == set(held) and not seen & train
+    assert batch.trajectories == []  # evaluation samples never become training data
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "rollout/reward_mean" not in rows[0]  # the 'before' row holds the held-out numbers only
+    assert "eval/accuracy" in rows[1] and "eval/accuracy" not in rows[2]  # the last one is the 'after'
+    for m in (rows[0], rows[1], metrics):
+        assert m["eval/samples"] + m["eval/reward_failures"] == 48
+        assert 0.0 <= m["eval/accuracy"] <= 1.0 and 1.0 <= m["eval/response_length"] <= 4.0
+    assert rows[0]["eval/policy_version"] == 0 and rows[1]["eval/policy_version"] == 1
+    assert metrics["eval/policy_version"] == 2 and metrics == pytest.approx(
+        {**trainer.eval_after, "time/eval": metrics["time/eval"]}
+    )  # the same seeds and weights give the same answers
+    out = capsys.readouterr().out
+    assert "held-out prompts before training" in out and "held-out prompts after training" in out
+    assert any(line.startswith("held-out (24 prompts): reward_mean") for line in summary.lines())
+
+
+@pytest.mark.slow
+def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tmp_path):
+    from cluster.config import load_config
+    from cluster.streaming import make_trainer
+
+    cfg = load_config(CONFIG, _overrides(arithmetic_assets, 4, **{"pipeline.mode": "async"}))
+    trainer = make_trainer(cfg, tmp_path / "run")
+    try:
+        trainer.setup()
+        rows = [trainer.iteration() for _ in range(4)]
+    finally:
+        trainer.close()
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals, "no held-out round finished within 4 steps"
+    for r in evals:
+        assert r["eval/samples"] + r["eval/reward_failures"] == 48
+        assert r["eval/policy_version"] >= r["eval/requested_at_step"]  # weights no older than asked for
+    assert sum(r["rollout/samples"] for r in rows) == 4 * 16  # eval samples never trained on
+
+
+def test_config_names_the_demo_and_eval_fields():
+    from cluster.config import ConfigError, load_config
+    from cluster.evaluation import eval_sampling
+
+    cfg = load_config(CONFIG)
+    assert (cfg.model.demo_assets.demo, cfg.eval.enabled) == ("arithmetic", True)
+    with pytest.raises(ConfigError, match="model.demo_assets.demo: .*one of arithmetic, sentiment"):
+        load_config(CONFIG, ["model.demo_assets.demo=chess"])
+    with pytest.raises(ConfigError, match="eval.greedy"):
+        load_config(CONFIG, ["eval.greedy=true", "rollout.engine=vllm"])
+    assert not load_config(CONFIG, ["eval.prompts_path=null"]).eval.enabled
+    greedy = eval_sampling(load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3"]))
+    assert (greedy.top_k, greedy.n, greedy.max_new_tokens) == (1, 3, 4)
