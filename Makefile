@@ -8,7 +8,7 @@ CONFIG  ?= configs/sentiment_tiny.yaml
 ASSETS  ?= assets/sentiment_tiny
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train assets bench bench-trl bench-async clean
+.PHONY: setup test test-fast test-vllm lint train watch assets bench bench-trl bench-async clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ assets: $(STAMP)
 
 train: $(STAMP)
 	$(BIN)/python -m cluster.train $(CONFIG) $(ARGS)
+
+# Prometheus (apt-get install prometheus) scraping the local Ray on 127.0.0.1:9090, with the run's
+# Grafana dashboard copied next to Ray's (cluster/watch.py). Start it beside `make train`.
+watch: $(STAMP)
+	$(BIN)/python -m cluster.watch $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_iteration.py

@@ -1,4 +1,9 @@
-"""Placement of the role actors on Ray, with readable names for the dashboard's Actors view."""
+"""Placement of the role actors on Ray, with readable names for the dashboard's Actors view.
+
+Every actor's Ray name is `<run id>/<member name>` (`actor_name`), e.g.
+`sentiment_tiny-20260101-120000/rollout-worker-0.r1`: two runs on one cluster stay apart in the
+Actors view (sort or filter by name). The pools keep the short member names for logs and errors.
+"""
 
 from __future__ import annotations
 
@@ -90,6 +95,11 @@ def to_trajectory(sample: Any, ref_logprobs: Any, score: float) -> Trajectory:
     )
 
 
+def actor_name(run_id: str, member: str) -> str:
+    """The Ray actor name of a run's member: `<run id>/<member>`."""
+    return f"{run_id}/{member}"
+
+
 @dataclass
 class Roles:
     workers: ActorPool
@@ -102,7 +112,9 @@ class Roles:
         return [self.workers, self.references, self.scorers]
 
 
-def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | None = None) -> Roles:
+def make_pools(
+    cfg: RunConfig, run_id: str, on_worker_start: Callable[[Any, str], None] | None = None
+) -> Roles:
     """Pools for the scalable roles; actors start when the pools grow."""
     r, ref, rew = cfg.rollout, cfg.reference, cfg.reward
     temperature = r.sampling.temperature
@@ -113,21 +125,21 @@ def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | Non
     def worker(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingRolloutWorker)
-            .options(name=name, **placement.options(slot), **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), **placement.options(slot), **ACTOR_ENV)
             .remote(cfg.model.policy_path, placement.config, slot, 0)
         )
 
     def reference(name: str, _slot: int) -> Any:
         return (
             ray.remote(StreamingReference)
-            .options(name=name, num_cpus=ref.num_cpus, num_gpus=ref.num_gpus, **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), num_cpus=ref.num_cpus, num_gpus=ref.num_gpus, **ACTOR_ENV)
             .remote(cfg.reference_path, ref, temperature)
         )
 
     def scorer(name: str, _slot: int) -> Any:
         return (
             ray.remote(StreamingScorer)
-            .options(name=name, num_cpus=rew.num_cpus, num_gpus=rew.num_gpus, **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), num_cpus=rew.num_cpus, num_gpus=rew.num_gpus, **ACTOR_ENV)
             .remote(rew, cfg.tokenizer_path)
         )
 
@@ -138,7 +150,7 @@ def make_pools(cfg: RunConfig, on_worker_start: Callable[[Any, str], None] | Non
     )
 
 
-def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
+def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in one placement group, joined into one torch.distributed world."""
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s
@@ -159,7 +171,7 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
         roles.ranks.append(
             ray.remote(StreamingLearnerRank)
             .options(
-                name=name,
+                name=actor_name(run_id, name),
                 num_cpus=lc.num_cpus_per_rank,
                 num_gpus=lc.num_gpus_per_rank,
                 scheduling_strategy=strategy,
@@ -184,12 +196,12 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
     ray.get(setups)
 
 
-def start_roles(cfg: RunConfig, pad_token_id: int, on_worker_start=None) -> Roles:
-    roles = make_pools(cfg, on_worker_start)
+def start_roles(cfg: RunConfig, pad_token_id: int, run_id: str, on_worker_start=None) -> Roles:
+    roles = make_pools(cfg, run_id, on_worker_start)
     counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
     # Every actor starts at once (model loading overlaps); the learner's rendezvous runs meanwhile.
     launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
-    start_learner(cfg, roles, pad_token_id)
+    start_learner(cfg, roles, pad_token_id, run_id)
     for pool, started in zip(roles.pools(), launched, strict=True):
         pool.admit(started)
     return roles

@@ -83,7 +83,7 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
+        self.roles = start_roles(cfg, pad, self.run_id, on_worker_start=self._bring_up_to_date)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
             ray.remote(RunControl)
@@ -93,7 +93,7 @@ class Trainer:
         if self.resume_from is not None:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
-        self.telemetry = Telemetry(cfg.run.name)
+        self.telemetry = Telemetry(self.run_id)
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over this run's pools, timeouts and replacement hook."""
