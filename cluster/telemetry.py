@@ -87,9 +87,6 @@ TOTALS: dict[str, tuple[str, str]] = {
 }
 
 STEP_SECONDS_BOUNDARIES = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0]
-# Ray wants at least one positive bucket bound; the step-reward histogram is read through its exact
-# _sum and _count (one observation per step), its buckets only split rewards at 0 and 1.
-STEP_REWARD_BOUNDARIES = [1e-9, 1.0]
 
 
 class Telemetry:
@@ -98,9 +95,11 @@ class Telemetry:
     Every series carries the tag `run=<run id>` (the run folder's name, or the job's submission
     id), so runs sharing a cluster stay apart; the dashboard's `run` variable selects one.
     Gauges hold the latest step's value; Prometheus sees them when it scrapes (Ray exports about
-    every 10 s), so faster steps are sampled. What must count every step exactly once goes through
-    counters and histograms: `rayppo_steps_total`, `rayppo_samples_total`, the `rayppo_step_reward`
-    histogram (sum of the steps' mean rewards, one observation per step) and `rayppo_step_seconds`.
+    every 10 s), so faster steps are sampled. What must count every step exactly once is cumulative:
+    the counters `rayppo_steps_total` and `rayppo_samples_total`, the fault totals and
+    `rayppo_reward_sum` (the steps' mean rewards added up), so `delta(reward_sum) / increase(steps)`
+    over any window is the exact mean per step. (Not a histogram: Ray's histogram `_sum` adds
+    bucket midpoints, not the observed values; `rayppo_step_seconds` is read through its buckets.)
     """
 
     def __init__(self, run_id: str) -> None:
@@ -110,6 +109,7 @@ class Telemetry:
         self._gauges: dict[str, Any] = {}
         self._totals: dict[str, Any] = {}
         self._sums: dict[str, float] = dict.fromkeys(TOTALS, 0.0)
+        self._rewards = 0.0
         try:
             from ray.util.metrics import Counter, Gauge, Histogram
 
@@ -137,10 +137,9 @@ class Telemetry:
                 boundaries=STEP_SECONDS_BOUNDARIES,
                 tag_keys=("run",),
             )
-            self._step_reward = Histogram(
-                "rayppo_step_reward",
-                description="Mean reward of each step, observed once per step (read _sum / _count).",
-                boundaries=STEP_REWARD_BOUNDARIES,
+            self._reward_sum = Gauge(
+                "rayppo_reward_sum",
+                description="The steps' mean rewards added up since the driver started (one term per step).",
                 tag_keys=("run",),
             )
             self.enabled = True
@@ -183,7 +182,8 @@ class Telemetry:
             self._step_time.observe(step_s, tags=tags)
         reward = _finite(metrics.get("rollout/reward_mean"))
         if reward is not None:
-            self._step_reward.observe(reward, tags=tags)
+            self._rewards += reward
+            self._reward_sum.set(self._rewards, tags=tags)
         self._steps.inc(1.0, tags=tags)
 
 

@@ -94,8 +94,7 @@ def test_metrics_reach_prometheus_endpoint(ray_local):
         ("ray_rayppo_step_seconds_count", ()): 2.0,
         ("ray_rayppo_step_seconds_bucket", (("le", "0.5"),)): 1.0,
         ("ray_rayppo_step_seconds_bucket", (("le", "5.0"),)): 2.0,
-        ("ray_rayppo_step_reward_count", ()): 2.0,  # one observation per step
-        ("ray_rayppo_step_reward_sum", ()): 1.0,
+        ("ray_rayppo_reward_sum", ()): 1.0,  # 0.25 + 0.75: every step's reward once
         ("ray_rayppo_worker_version_lag", (("worker", "rollout-worker-0"),)): 1.0,
         ("ray_rayppo_worker_version_lag", (("worker", "rollout-worker-1.r1"),)): 0.0,
     }
