@@ -1,5 +1,5 @@
-"""Pictures of what a person sees while a demo run trains: the Ray dashboard's Actors and Jobs
-views and Prometheus' graph of the run's metrics, taken with headless Chromium.
+"""Pictures of what a person sees while a demo run trains: the Ray dashboard's Actors view and
+Prometheus' graph of the run's metrics, taken with headless Chromium.
 
     apt-get install chromium prometheus
     PYTHONPATH=. .venv/bin/python docs/screenshots.py [--out docs] [--steps 12]
@@ -72,7 +72,9 @@ def prometheus_graph_url(base: str, run: str, minutes: int = 10) -> str:
     for i, metric in enumerate(GRAPHS):
         params.update(
             {
-                f"g{i}.expr": f'{metric}{{run="{run}"}}',
+                # Ray exports a gauge once after each set, so between steps the series has no sample
+                # (Grafana's panels span those gaps); last_over_time draws the same values as lines
+                f"g{i}.expr": f'last_over_time({metric}{{run="{run}"}}[1m])',
                 f"g{i}.tab": "0",
                 f"g{i}.range_input": f"{minutes}m",
                 f"g{i}.stacked": "0",
@@ -141,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
             if failure:
                 raise failure[0]
             shoot(f"{dashboard}/#/actors", out / "ray-dashboard-actors.png")
-            shoot(f"{dashboard}/#/jobs", out / "ray-dashboard-jobs.png", size="1600,700")
             worker.join(timeout=1800)
             if failure:
                 raise failure[0]

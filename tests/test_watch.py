@@ -194,3 +194,12 @@ def _check_actor_names(dashboard: str, run: str) -> None:
     assert all(n.startswith(f"{run}/") or n == f"rayppo-control-{run}" for n in names), names
     for role in ("rollout-worker-0", "reference-0", "reward-scorer-0", "learner-rank-0"):
         assert f"{run}/{role}" in names, names
+
+
+def test_watch_names_what_is_missing(tmp_path, capsys):
+    from cluster.watch import WatchError, find_prometheus, main
+
+    assert main(["--ray-temp-dir", str(tmp_path)]) == 2
+    assert f"no Ray session under {tmp_path}" in capsys.readouterr().err
+    with pytest.raises(WatchError, match="apt-get install prometheus"):
+        find_prometheus("no-such-prometheus-binary")
