@@ -94,8 +94,10 @@ class Telemetry:
 
     Every series carries the tag `run=<run id>` (the run folder's name, or the job's submission
     id), so runs sharing a cluster stay apart; the dashboard's `run` variable selects one.
-    Gauges hold the latest step's value; Prometheus sees them when it scrapes (Ray exports about
-    every 10 s), so faster steps are sampled. What must count every step exactly once is cumulative:
+    Gauges hold the latest step's value. Ray keeps a gauge in its export for two export periods
+    (about 20 s) after each set, so a run whose steps take longer shows one short stretch of
+    samples per step with gaps between them (the dashboard's panels join the points; "the latest
+    value" is `last_over_time(...)`), and steps faster than the export period are sampled. What must count every step exactly once is cumulative:
     the counters `rayppo_steps_total` and `rayppo_samples_total`, the fault totals and
     `rayppo_reward_sum` (the steps' mean rewards added up), so `delta(reward_sum) / increase(steps)`
     over any window is the exact mean per step. (Not a histogram: Ray's histogram `_sum` adds

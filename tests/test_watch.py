@@ -103,8 +103,10 @@ sys.exit(code)
 """
 
 
-def _values(prom, expr: str) -> dict[str, float]:
-    return {r["metric"].get("__name__", expr): float(r["value"][1]) for r in prom.query(expr)}
+def _last(prom, metric: str, sel: str) -> list[float]:
+    """The latest sample of each series of `metric` in the last 30 minutes. Ray keeps a gauge in its
+    export for two export periods after each set, so between steps a plain query may find none."""
+    return [float(r["value"][1]) for r in prom.query(f"last_over_time({metric}{sel}[30m])")]
 
 
 @pytest.mark.slow
@@ -119,6 +121,7 @@ def test_prometheus_sees_every_dashboard_metric_of_a_live_demo_run(demo_assets, 
     run_dir = tmp_path / f"watch-{uuid.uuid4().hex[:6]}"
     run = run_dir.name  # the run id: the run folder's name
     sentinel = tmp_path / "done"
+    t0 = time.time()
     with ray_head(num_cpus=4, env_vars=fast) as head:
         assert install_dashboard(session_dir(head.temp_dir)) is not None  # next to Ray's dashboards
         with watching(head.temp_dir, tmp_path / "prom", free_port(), scrape_interval_s=1.0) as prom:
@@ -142,7 +145,7 @@ def test_prometheus_sees_every_dashboard_metric_of_a_live_demo_run(demo_assets, 
                     assert time.monotonic() < deadline, log_path.read_text()[-6000:]
                     time.sleep(0.5)
                 assert "TRAINED 0" in log_path.read_text(), log_path.read_text()[-6000:]
-                _check_prometheus(prom, run, run_dir)
+                _check_prometheus(prom, run, run_dir, t0)
                 _check_actor_names(head.dashboard, run)
             finally:
                 sentinel.touch()
@@ -152,14 +155,16 @@ def test_prometheus_sees_every_dashboard_metric_of_a_live_demo_run(demo_assets, 
                     driver.kill()
 
 
-def _check_prometheus(prom, run: str, run_dir: Path) -> None:
+def _check_prometheus(prom, run: str, run_dir: Path, t0: float) -> None:
     wanted = dashboard_metrics() - set(CONDITIONAL)
     sel = f'{{run="{run}"}}'
     deadline = time.monotonic() + 180.0  # Ray exports each second here, Prometheus scrapes each second
     while True:
-        have = {r["metric"]["__name__"] for r in prom.query(f'{{__name__=~"ray_rayppo_.+", run="{run}"}}')}
-        steps = _values(prom, f"ray_rayppo_steps_total{sel}")
-        if (wanted <= have and list(steps.values()) == [STEPS]) or time.monotonic() > deadline:
+        series = prom.api("series", {"match[]": f'{{__name__=~"ray_rayppo_.+", run="{run}"}}', "start": t0})
+        have = {s["__name__"] for s in series}  # every metric with a sample since the test began
+        if (
+            wanted <= have and _last(prom, "ray_rayppo_steps_total", sel) == [STEPS]
+        ) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     assert not wanted - have, f"dashboard metrics without data in Prometheus: {sorted(wanted - have)}"
@@ -173,15 +178,15 @@ def _check_prometheus(prom, run: str, run_dir: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     rewards = [r["rollout/reward_mean"] for r in rows]
     # every step reached Prometheus exactly once: the step count, and the running sum of rewards
-    assert _values(prom, f"ray_rayppo_steps_total{sel}") == {"ray_rayppo_steps_total": STEPS}
-    (total,) = _values(prom, f"ray_rayppo_reward_sum{sel}").values()
+    assert _last(prom, "ray_rayppo_steps_total", sel) == [STEPS]
+    (total,) = _last(prom, "ray_rayppo_reward_sum", sel)
     assert math.isclose(total, sum(rewards), rel_tol=1e-6, abs_tol=1e-9)
-    (last,) = _values(prom, f"ray_rayppo_reward_mean{sel}").values()
+    (last,) = _last(prom, "ray_rayppo_reward_mean", sel)
     assert math.isclose(last, rewards[-1], rel_tol=1e-6, abs_tol=1e-9)
-    (samples,) = _values(prom, f"ray_rayppo_samples_total{sel}").values()
+    (samples,) = _last(prom, "ray_rayppo_samples_total", sel)
     assert samples == sum(r["rollout/samples"] for r in rows)
-    assert set(_values(prom, f"ray_rayppo_reward_failures{sel}").values()) == {0.0}  # 0, not "no data"
-    lags = prom.query(f"ray_rayppo_worker_version_lag{sel}")
+    assert _last(prom, "ray_rayppo_reward_failures", sel) == [0.0]  # 0, not "no data"
+    lags = prom.query(f"last_over_time(ray_rayppo_worker_version_lag{sel}[30m])")
     assert {r["metric"]["worker"] for r in lags} == {"rollout-worker-0"}
 
 
