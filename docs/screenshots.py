@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             shoot(
                 prometheus_graph_url(prom.url, trainer.run_id),
                 out / "prometheus-run-metrics.png",
-                "1600,1900",
+                "1600,2500",
             )
     finally:
         trainer.close()
