@@ -31,11 +31,10 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")  # Ray's export 
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "sentiment_tiny.yaml"
-GRAPHS = [  # Prometheus graph page: the dashboard's reward, KL, lag and throughput expressions
+GRAPHS = [  # Prometheus graph page: the dashboard's reward, KL and worker-lag metrics
     "ray_rayppo_reward_mean",
     "ray_rayppo_kl",
     "ray_rayppo_worker_version_lag",
-    "ray_rayppo_samples_per_second",
 ]
 
 
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             shoot(
                 prometheus_graph_url(prom.url, trainer.run_id),
                 out / "prometheus-run-metrics.png",
-                "1600,2500",
+                "1600,2190",
             )
     finally:
         trainer.close()
