@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train assets plot bench bench-trl bench-async bench-algos clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ train: $(STAMP)
 # A PNG of a run's curves (reward, KL, held-out accuracy, throughput): make plot RUN=runs/<run folder>
 plot: $(STAMP)
 	$(BIN)/python -m cluster.plot $(RUN)
+
+# Prometheus (apt-get install prometheus) scraping the local Ray on 127.0.0.1:9090, with the run's
+# Grafana dashboard copied next to Ray's (cluster/watch.py). Start it beside `make train`.
+watch: $(STAMP)
+	$(BIN)/python -m cluster.watch $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_iteration.py

@@ -1,4 +1,9 @@
-"""The role actors on Ray (placed by `cluster.placement`), with readable names for the dashboard's Actors view."""
+"""The role actors on Ray (placed by `cluster.placement`), with readable names for the dashboard's Actors view.
+
+Every actor's Ray name is `<run id>/<member name>` (`actor_name`), e.g.
+`sentiment_tiny-20260101-120000/rollout-worker-0.r1`: two runs on one cluster stay apart in the
+Actors view (sort or filter by name). The pools keep the short member names for logs and errors.
+"""
 
 from __future__ import annotations
 
@@ -93,6 +98,11 @@ def to_trajectory(sample: Any, ref_logprobs: Any, score: float, group: int = -1)
     )
 
 
+def actor_name(run_id: str, member: str) -> str:
+    """The Ray actor name of a run's member: `<run id>/<member>`."""
+    return f"{run_id}/{member}"
+
+
 @dataclass
 class Roles:
     workers: ActorPool
@@ -106,7 +116,10 @@ class Roles:
 
 
 def make_pools(
-    cfg: RunConfig, plan: PlacementPlan, on_worker_start: Callable[[Any, str], None] | None = None
+    cfg: RunConfig,
+    plan: PlacementPlan,
+    run_id: str,
+    on_worker_start: Callable[[Any, str], None] | None = None,
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
     ref, rew = cfg.reference, cfg.reward
@@ -116,21 +129,21 @@ def make_pools(
     def worker(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingRolloutWorker)
-            .options(name=name, **plan.options("rollout", slot), **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), **plan.options("rollout", slot), **ACTOR_ENV)
             .remote(cfg.model.policy_path, plan.rollout.config, slot, 0)
         )
 
     def reference(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingReference)
-            .options(name=name, **plan.options("reference", slot), **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), **plan.options("reference", slot), **ACTOR_ENV)
             .remote(cfg.reference_path, ref, temperature)
         )
 
     def scorer(name: str, slot: int) -> Any:
         return (
             ray.remote(StreamingScorer)
-            .options(name=name, **plan.options("reward", slot), **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), **plan.options("reward", slot), **ACTOR_ENV)
             .remote(rew, cfg.tokenizer_path)
         )
 
@@ -146,7 +159,7 @@ def make_pools(
     )
 
 
-def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
+def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s
@@ -154,7 +167,7 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
     for rank, name in enumerate(names):
         roles.ranks.append(
             ray.remote(StreamingLearnerRank)
-            .options(name=name, **roles.plan.options("learner", rank), **ACTOR_ENV)
+            .options(name=actor_name(run_id, name), **roles.plan.options("learner", rank), **ACTOR_ENV)
             .remote(
                 rank,
                 lc.num_ranks,
@@ -174,16 +187,16 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int) -> None:
     ray.get(setups)
 
 
-def start_roles(cfg: RunConfig, pad_token_id: int, on_worker_start=None) -> Roles:
+def start_roles(cfg: RunConfig, pad_token_id: int, run_id: str, on_worker_start=None) -> Roles:
     """Reserve the whole placement plan first (it fails fast when the cluster cannot hold it), then
     start every actor at once (model loading overlaps); the learner's rendezvous runs meanwhile."""
     plan = PlacementPlan(cfg)
     plan.reserve()
-    roles = make_pools(cfg, plan, on_worker_start)
+    roles = make_pools(cfg, plan, run_id, on_worker_start)
     try:
         counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
         launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
-        start_learner(cfg, roles, pad_token_id)
+        start_learner(cfg, roles, pad_token_id, run_id)
         for pool, started in zip(roles.pools(), launched, strict=True):
             pool.admit(started)
     except BaseException:

@@ -94,7 +94,7 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        self.roles = start_roles(cfg, pad, on_worker_start=self._bring_up_to_date)
+        self.roles = start_roles(cfg, pad, self.run_id, on_worker_start=self._bring_up_to_date)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
@@ -111,7 +111,7 @@ class Trainer:
         if self.resume_from is not None:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
-        self.telemetry = Telemetry(cfg.run.name)
+        self.telemetry = Telemetry(self.run_id)
         self.cadence.written()  # the minutes count from the end of set-up
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:

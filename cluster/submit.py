@@ -10,6 +10,11 @@ following, not the job.
 The job API runs arbitrary code: reach it over an SSH tunnel (`ssh -L 8265:127.0.0.1:8265 head`),
 never an open port. Clusters with Ray token auth get the local token (RAY_AUTH_TOKEN,
 RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), sent only when the cluster asks for one.
+
+The job's submission id is the run id (`<run folder name>-<6 hex>`): it names the run's actors and
+tags its metrics. The job carries metadata for the Jobs view and `ray job list`: `rayppo_run_id`,
+`rayppo_run_name`, `rayppo_config` and `rayppo_run_dir` (the folder is chosen here and passed as
+`--run-dir`, so the metadata names the folder the run writes).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import argparse
 import asyncio
 import math
 import os
+import re
+import secrets
 import shlex
 import sys
 import time
@@ -27,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .config import ConfigError, RunConfig, load_config
-from .train import add_run_arguments
+from .train import add_run_arguments, run_dir_for
 
 if TYPE_CHECKING:
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -55,6 +62,9 @@ DEFAULT_EXCLUDES = [
     "*.egg-info",
     ".stamp-*",
 ]
+
+
+_ID_BAD = re.compile(r"[^A-Za-z0-9_.-]")  # a run id goes into actor names, URLs and metric labels
 
 
 class ClusterUnreachable(RuntimeError):
@@ -162,10 +172,12 @@ def submit(
     excludes: list[str] | None = None,
     env_vars: dict[str, str] | None = None,
     metadata: dict[str, str] | None = None,
+    submission_id: str | None = None,
     timeout_s: float = 10.0,
     client: JobSubmissionClient | None = None,
 ) -> str:
-    """Start `entrypoint` as a Ray job and return its id; `working_dir=None` uploads nothing."""
+    """Start `entrypoint` as a Ray job and return its id (`submission_id`, or one Ray makes up);
+    `working_dir=None` uploads nothing."""
     client = client or connect(address, timeout_s)
     runtime_env: dict[str, Any] = {}
     if working_dir is not None:
@@ -176,7 +188,9 @@ def submit(
         runtime_env["excludes"] = list(DEFAULT_EXCLUDES if excludes is None else excludes)
     if env_vars:
         runtime_env["env_vars"] = dict(env_vars)
-    return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env or None, metadata=metadata)
+    return client.submit_job(
+        entrypoint=entrypoint, runtime_env=runtime_env or None, metadata=metadata, submission_id=submission_id
+    )
 
 
 def config_path_on_cluster(config: str, working_dir: str | Path | None) -> str:
@@ -212,15 +226,30 @@ def submit_training(
     timeout_s: float = 10.0,
     client: JobSubmissionClient | None = None,
 ) -> str:
-    """Validate the config here (ConfigError before any contact), then submit `cluster.train`."""
+    """Validate the config here (ConfigError before any contact), then submit `cluster.train`
+    under a run id of its own, with the run's metadata."""
     cfg = load_config(config, overrides)
-    entrypoint = build_entrypoint(config_path_on_cluster(config, working_dir), overrides, run_dir, resume)
+    config_on_cluster = config_path_on_cluster(config, working_dir)
+    if resume:  # the resumed run's folder (found on the cluster for 'auto')
+        folder = None if resume == "auto" else resume
+    else:
+        run_dir = folder = str(run_dir_for(cfg, run_dir, resolve=False))  # the cluster resolves it
+    stem = Path(folder).name if folder else f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_id = f"{_ID_BAD.sub('_', stem)}-{secrets.token_hex(3)}"
+    metadata = {
+        "rayppo_run_id": run_id,
+        "rayppo_run_name": cfg.run.name,
+        "rayppo_config": config_on_cluster,
+        "rayppo_run_dir": folder or f"newest {cfg.run.output_dir}/{cfg.run.name}-* (--resume auto)",
+    }
+    entrypoint = build_entrypoint(config_on_cluster, overrides, run_dir, resume)
     return submit(
         address,
         entrypoint,
         working_dir=working_dir,
         env_vars={"RAY_JOB_STOP_WAIT_TIME_S": str(job_stop_wait_s(cfg))},
-        metadata={"rayppo_run": cfg.run.name},
+        metadata=metadata,
+        submission_id=run_id,
         timeout_s=timeout_s,
         client=client,
     )

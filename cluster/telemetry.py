@@ -3,69 +3,65 @@
 `metrics.jsonl` and TensorBoard are the run's record; this is the live view of a run on a shared
 cluster. Ray prefixes every custom metric with `ray_` and exports it from each node's metrics
 port (`ray.nodes()[i]["MetricsExportPort"]`, Prometheus text at `/metrics`) about every 10 s;
-counters get a `_total` suffix. Telemetry never stops a run: when Ray metrics are missing or a
-record fails, it warns once and turns itself off.
+counters get a `_total` suffix. `cluster/dashboards/rayppo.json` is the Grafana dashboard of these
+series and `python -m cluster.watch` a Prometheus that scrapes them. Telemetry never stops a run:
+when Ray metrics are missing or a record fails, it warns once and turns itself off.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "rayppo_"
-
-# controller metric key -> (gauge name, description)
+# controller metric key -> (gauge name, description); the gauge holds the latest step's value.
+# Every name here is queried by a panel of cluster/dashboards/rayppo.json (tests/test_watch.py checks).
 GAUGES: dict[str, tuple[str, str]] = {
     "rollout/reward_mean": (
         "rayppo_reward_mean",
         "Mean reward of the step's samples (before the KL penalty).",
     ),
+    "eval/reward_mean": (
+        "rayppo_eval_reward_mean",
+        "Mean reward on held-out prompts (when the run evaluates).",
+    ),
+    "eval/accuracy": (
+        "rayppo_eval_accuracy",
+        "Accuracy on held-out prompts (rule rewards, when the run evaluates).",
+    ),
     "objective/kl": ("rayppo_kl", "Mean per-sequence KL of the policy to the reference."),
     "objective/kl_coef": ("rayppo_kl_coef", "KL coefficient beta used for the step."),
-    "policy_version": ("rayppo_policy_version", "Policy version loaded by the rollout workers."),
+    "policy_version": ("rayppo_policy_version", "Policy version the learner has published."),
     "throughput/samples_per_s": ("rayppo_samples_per_second", "Samples per wall second of the step."),
     "throughput/tokens_per_s": ("rayppo_tokens_per_second", "Generated tokens per wall second of the step."),
     "rollout/queue_depth": (
         "rayppo_trajectory_queue_depth",
-        "Scored trajectories (or chunks) waiting for the learner.",
+        "Scored trajectories (or, async, buffered prompts) waiting for the learner when the step began.",
     ),
     "rollout/staleness_mean": (
         "rayppo_sample_staleness",
         "Mean policy versions between sampling and training of the step's samples.",
     ),
-    "time/weight_sync": ("rayppo_weight_sync_seconds", "Seconds to export and load the new weights."),
-    # held-out evaluation (the eval: section), on prompts never trained on
-    "eval/reward_mean": ("rayppo_eval_reward_mean", "Mean reward on the held-out prompts."),
-    "eval/accuracy": (
-        "rayppo_eval_accuracy",
-        "Share of held-out responses whose rule reward is at least eval.correct_at.",
+    "eval/response_length": (
+        "rayppo_eval_response_length",
+        "Mean response length in tokens on held-out prompts (when the run evaluates).",
     ),
-    "eval/response_length": ("rayppo_eval_response_length", "Mean held-out response length in tokens."),
-    # streaming (pipeline.mode=async)
     "staleness/max": (
         "rayppo_sample_staleness_max",
-        "Largest policy-version lag of a sample trained in the step.",
+        "Largest policy-version lag of a sample trained in the step (async).",
     ),
-    "pipeline/buffer_depth": (
-        "rayppo_buffer_depth",
-        "Scored prompts in the trajectory buffer when the step began.",
-    ),
+    "time/weight_sync": ("rayppo_weight_sync_seconds", "Seconds to export and load the new weights."),
     "pipeline/generator_idle_frac": (
         "rayppo_generator_idle_fraction",
-        "Fraction of the step's wall time the rollout workers had no generate call running.",
+        "Fraction of the step's wall time the rollout workers had no generate call running (async).",
     ),
     "pipeline/learner_idle_frac": (
         "rayppo_learner_idle_fraction",
-        "Fraction of the step's wall time the learner waited for a full batch.",
+        "Fraction of the step's wall time the learner waited for a full batch (async).",
     ),
-    "weights/version_lag_max": (
-        "rayppo_worker_version_lag_max",
-        "Versions the furthest-behind rollout worker trails the learner at the end of the step.",
-    ),
+    "scale/rollout_workers": ("rayppo_rollout_workers", "Live rollout workers at the end of the step."),
     "off_policy/weight_mean": ("rayppo_off_policy_weight_mean", "Mean behaviour/proximal correction weight."),
     "off_policy/clipped_frac": (
         "rayppo_off_policy_clipped_fraction",
@@ -77,11 +73,17 @@ GAUGES: dict[str, tuple[str, str]] = {
 # controller timing key -> role tag of the busy-time gauge
 ROLE_BUSY: dict[str, str] = {"time/generate": "rollout", "time/score": "reward", "time/train": "learner"}
 
-# controller per-step count -> (counter name, description); exported as <name>_total
-COUNTERS: dict[str, tuple[str, str]] = {
+# controller per-step count -> (gauge name, description). The gauge holds the total since the driver
+# started, set every step: a healthy run shows 0 from its first step (a Ray Counter cannot be
+# incremented by 0, so it would export nothing until the first fault), and no scrape loses a count.
+TOTALS: dict[str, tuple[str, str]] = {
     "rollout/reward_failures": ("rayppo_reward_failures", "Samples dropped because their reward failed."),
     "train/skipped_steps": ("rayppo_skipped_steps", "Optimizer steps skipped (non-finite gradients)."),
-    "rollout/samples": ("rayppo_samples", "Samples trained on."),
+    "faults/actor_replacements": ("rayppo_actor_replacements", "Dead or stuck role actors replaced."),
+    "faults/redispatched_chunks": (
+        "rayppo_redispatched_chunks",
+        "Chunks of work sent again after their actor died or timed out.",
+    ),
     "staleness/dropped_samples": (
         "rayppo_stale_samples_dropped",
         "Samples dropped for exceeding pipeline.max_staleness (their prompts are re-queued).",
@@ -90,33 +92,39 @@ COUNTERS: dict[str, tuple[str, str]] = {
 
 STEP_SECONDS_BOUNDARIES = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0]
 
-_NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def metric_name(key: str) -> str:
-    """A Prometheus-safe name for a free-form key: 'eval/acc@1' -> 'rayppo_eval_acc_1'."""
-    return PREFIX + _NAME_BAD.sub("_", key).strip("_")
-
 
 class Telemetry:
-    """Exports one run's step metrics as Ray gauges, counters and a step-time histogram.
+    """Exports one run's step metrics as Ray gauges, counters and histograms.
 
-    Every series carries the tag `run=<run_name>`, so runs sharing a cluster stay apart.
+    Every series carries the tag `run=<run id>` (the run folder's name, or the job's submission
+    id), so runs sharing a cluster stay apart; the dashboard's `run` variable selects one.
+    Gauges hold the latest step's value. Ray keeps a gauge in its export for two export periods
+    (about 20 s) after each set, so a run whose steps take longer shows one short stretch of
+    samples per step with gaps between them (the dashboard's panels join the points; "the latest
+    value" is `last_over_time(...)`), and steps faster than the export period are sampled. What must count every step exactly once is cumulative:
+    the counters `rayppo_steps_total` and `rayppo_samples_total`, the fault totals and
+    `rayppo_reward_sum` (the steps' mean rewards added up), so `delta(reward_sum) / increase(steps)`
+    over any window is the exact mean per step. (Not a histogram: Ray's histogram `_sum` adds
+    bucket midpoints, not the observed values; `rayppo_step_seconds` is read through its buckets.)
     """
 
-    def __init__(self, run_name: str) -> None:
-        self.run_name = run_name
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
         self.enabled = False
-        self._tags = {"run": run_name}
+        self._tags = {"run": run_id}
         self._gauges: dict[str, Any] = {}
-        self._counters: dict[str, Any] = {}
-        self._extra: dict[str, Any] = {}
+        self._totals: dict[str, Any] = {}
+        self._sums: dict[str, float] = dict.fromkeys(TOTALS, 0.0)
+        self._rewards = 0.0
         try:
             from ray.util.metrics import Counter, Gauge, Histogram
 
-            self._Gauge = Gauge
             for key, (name, desc) in GAUGES.items():
                 self._gauges[key] = Gauge(name, description=desc, tag_keys=("run",))
+            for key, (name, desc) in TOTALS.items():
+                self._totals[key] = Gauge(
+                    name, description=desc + " Total since the driver started.", tag_keys=("run",)
+                )
             self._lag = Gauge(
                 "rayppo_worker_version_lag",
                 description="Policy versions a rollout worker trails the learner (async mode), per worker.",
@@ -127,8 +135,7 @@ class Telemetry:
                 description="Seconds a role was busy during the step (rollout, reward, learner).",
                 tag_keys=("run", "role"),
             )
-            for key, (name, desc) in COUNTERS.items():
-                self._counters[key] = Counter(name, description=desc, tag_keys=("run",))
+            self._samples = Counter("rayppo_samples", description="Samples trained on.", tag_keys=("run",))
             self._steps = Counter("rayppo_steps", description="PPO iterations completed.", tag_keys=("run",))
             self._step_time = Histogram(
                 "rayppo_step_seconds",
@@ -136,25 +143,22 @@ class Telemetry:
                 boundaries=STEP_SECONDS_BOUNDARIES,
                 tag_keys=("run",),
             )
+            self._reward_sum = Gauge(
+                "rayppo_reward_sum",
+                description="The steps' mean rewards added up since the driver started (one term per step).",
+                tag_keys=("run",),
+            )
             self.enabled = True
         except Exception as err:  # metrics must never stop a run
             logger.warning("telemetry off: Ray metrics unavailable (%s)", err)
 
-    def record_step(
-        self,
-        metrics: dict[str, float],
-        extra: dict[str, float] | None = None,
-        worker_lags: dict[str, int] | None = None,
-    ) -> None:
+    def record_step(self, metrics: dict[str, float], worker_lags: dict[str, int] | None = None) -> None:
         """Export one iteration's metrics (the controller's keys; missing ones are skipped).
-
-        `extra` holds values outside the controller's metric set; each becomes a gauge named
-        `rayppo_<key>` (non-alphanumerics as `_`) on first use.
-        """
+        `worker_lags` (async): versions each rollout worker trails, one series per worker."""
         if not self.enabled:
             return
         try:
-            self._record(metrics, extra or {})
+            self._record(metrics)
             for worker, lag in (worker_lags or {}).items():
                 self._lag.set(float(lag), tags={**self._tags, "worker": worker})
         except Exception as err:
@@ -173,7 +177,7 @@ class Telemetry:
                 self.enabled = False
                 logger.warning("telemetry off after a failed record (%s)", err)
 
-    def _record(self, metrics: dict[str, float], extra: dict[str, float]) -> None:
+    def _record(self, metrics: dict[str, float]) -> None:
         tags = self._tags
         for key, gauge in self._gauges.items():
             value = _finite(metrics.get(key))
@@ -183,23 +187,22 @@ class Telemetry:
             value = _finite(metrics.get(key))
             if value is not None:
                 self._busy.set(value, tags={**tags, "role": role})
-        for key, counter in self._counters.items():
+        for key, gauge in self._totals.items():
             value = _finite(metrics.get(key))
             if value is not None and value > 0:
-                counter.inc(value, tags=tags)
+                self._sums[key] += value
+            gauge.set(self._sums[key], tags=tags)
+        samples = _finite(metrics.get("rollout/samples"))
+        if samples is not None and samples > 0:
+            self._samples.inc(samples, tags=tags)
         step_s = _finite(metrics.get("time/step"))
         if step_s is not None and step_s >= 0:
             self._step_time.observe(step_s, tags=tags)
+        reward = _finite(metrics.get("rollout/reward_mean"))
+        if reward is not None:
+            self._rewards += reward
+            self._reward_sum.set(self._rewards, tags=tags)
         self._steps.inc(1.0, tags=tags)
-        for key, raw in extra.items():
-            value = _finite(raw)
-            if value is None:
-                continue
-            gauge = self._extra.get(key)
-            if gauge is None:
-                gauge = self._Gauge(metric_name(key), description=f"Run value '{key}'.", tag_keys=("run",))
-                self._extra[key] = gauge
-            gauge.set(value, tags=tags)
 
 
 def _finite(value: Any) -> float | None:

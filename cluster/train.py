@@ -91,11 +91,16 @@ def init_ray(cfg: RunConfig) -> str | None:
     ).dashboard_url
 
 
-def run_dir_for(cfg: RunConfig, explicit: str | None) -> Path:
-    """The run folder, absolute: every actor and node must mean the same folder by it."""
-    if explicit:
-        return Path(explicit).resolve()
-    return Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def run_dir_for(cfg: RunConfig, explicit: str | None, resolve: bool = True) -> Path:
+    """The run folder, absolute: every actor and node must mean the same folder by it. `resolve=False`
+    (a submitter naming the folder for the cluster) keeps a relative one relative: the job's driver
+    resolves it against its own working dir."""
+    folder = (
+        Path(explicit)
+        if explicit
+        else Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    return folder.resolve() if resolve else folder
 
 
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,27 +1,20 @@
-"""Job submission against a real Ray head (its own processes, ports and temp dir), and the examples.
-
-The head is a second Ray cluster on this machine, next to the session's `ray_local`: it is reached
-over HTTP only (no `ray.init` here) and torn down by killing exactly its own process session,
-never with `ray stop`, which would kill every Ray process on the machine.
-"""
+"""Job submission against a real Ray head (its own processes, ports and temp dir, `ray_head.py`;
+reached over HTTP only, no `ray.init` here), and the examples."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
-import os
+import re
 import shlex
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
+from ray_head import free_port
+from ray_head import ray_head as start_ray_head
 
 from cluster.config import load_config
 from cluster.submit import (
@@ -41,84 +34,11 @@ from cluster.submit import (
 EXAMPLES = REPO_ROOT / "cluster" / "examples"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_session(sid: int) -> None:
-    """End every process of one session (Ray's workers get their own process group, not session)."""
-    procs: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) == sid:
-                procs[p.pid] = p
-                procs.update({c.pid: c for c in p.children(recursive=True)})  # job drivers: own session
-    for p in procs.values():
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=5)
-
-
-def _start_head(bin_dir: Path, env: dict[str, str]) -> tuple[str, str, int]:
-    """One `ray start --head` with its own ports and temp dir: (dashboard URL, temp dir, session id)."""
-    temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
-    dashboard = _free_port()
-    cmd = [
-        str(bin_dir / "ray"),
-        "start",
-        "--head",
-        "--port=0",
-        "--num-cpus=2",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={_free_port()}",  # default 52365 would clash with ray_local
-        f"--ray-client-server-port={_free_port()}",
-        "--disable-usage-stats",
-        f"--temp-dir={temp_dir}",
-    ]
-    starter = subprocess.Popen(
-        cmd, env=env, cwd=temp_dir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    try:
-        out, _ = starter.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        starter.kill()
-        out, _ = starter.communicate()
-    if starter.returncode != 0:
-        _kill_session(starter.pid)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise RuntimeError(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
-    return f"http://127.0.0.1:{dashboard}", temp_dir, starter.pid
-
-
 @pytest.fixture(scope="module")
 def ray_head():
-    """Dashboard address of a fresh `ray start --head` with its own ports and temp dir. Ray gives a
-    raylet a fixed 30 s to register, which a loaded machine can miss: up to three tries."""
-    bin_dir = Path(sys.executable).parent
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the jobs' `python` is this venv's
-    errors = []
-    for _ in range(3):
-        try:
-            address, temp_dir, sid = _start_head(bin_dir, env)
-            break
-        except RuntimeError as err:
-            errors.append(str(err))
-    else:
-        pytest.fail("\n".join(errors))
-    try:
-        yield address
-    finally:
-        _kill_session(sid)  # `ray start` led the session that every head process inherited
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    """Dashboard address of a fresh `ray start --head` with its own ports and temp dir."""
+    with start_ray_head(num_cpus=2) as head:
+        yield head.dashboard
 
 
 @pytest.mark.slow
@@ -157,10 +77,21 @@ def test_cli_ships_the_repo_quotes_overrides_and_exits_1_when_the_job_fails(ray_
     )
     out, err = capsys.readouterr()
     assert code == EXIT_JOB_FAILED, out + err
-    assert "submitted job raysubmit_" in out
+    job_id = re.search(r"submitted job (\S+) to ", out).group(1)
+    assert re.fullmatch(r"sentiment_tiny-\d{8}-\d{6}-[0-9a-f]{6}", job_id)  # the run id
     assert f"model.policy_path: folder not found: {odd}" in out
     assert "FAILED" in out
     assert "run.output_dir='runs' is relative" in err
+    # the Jobs view (and `ray job list`) shows the run's metadata; the job ran with that folder
+    info = connect(ray_head).get_job_info(job_id)
+    run_dir = f"runs/{job_id.rsplit('-', 1)[0]}"
+    assert info.metadata == {
+        "rayppo_run_id": job_id,
+        "rayppo_run_name": "sentiment_tiny",
+        "rayppo_config": "configs/sentiment_tiny.yaml",
+        "rayppo_run_dir": run_dir,
+    }
+    assert shlex.split(info.entrypoint)[-2:] == ["--run-dir", run_dir]
 
 
 @pytest.mark.slow
@@ -259,7 +190,7 @@ def test_bad_config_exits_2_before_contacting_the_cluster(tmp_path, capsys):
 
 def test_unreachable_address_is_named_in_a_clear_error(capsys):
     config = str(REPO_ROOT / "configs" / "sentiment_tiny.yaml")
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     assert main(["--address", closed, config, "--no-wait"]) == EXIT_UNREACHABLE
     err = capsys.readouterr().err
     assert f"cannot reach the Ray job API at {closed}" in err

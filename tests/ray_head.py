@@ -1,0 +1,110 @@
+"""A second Ray cluster on this machine for tests that must not share the session's `ray_local`:
+its own processes, ports and temp dir; reached by address only and torn down by killing exactly
+its own process session, never with `ray stop` (which would kill every Ray process on the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_session(sid: int) -> None:
+    """End every process of one session (Ray's workers get their own process group, not session)."""
+    procs: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                procs[p.pid] = p
+                procs.update({c.pid: c for c in p.children(recursive=True)})  # job drivers: own session
+    for p in procs.values():
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+@dataclass
+class RayHead:
+    address: str  # GCS address, for RAY_ADDRESS / ray.init
+    dashboard: str  # http://127.0.0.1:PORT (job and state APIs)
+    temp_dir: Path
+    env: dict[str, str]  # the environment the head was started with (drivers reuse it)
+
+
+def ray_env() -> dict[str, str]:
+    """This environment minus any Ray address, with this venv's bin first (jobs run its `python`)."""
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> Iterator[RayHead]:
+    """`ray start --head` with the dashboard, free ports and a temp dir of its own."""
+    temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
+    gcs, dashboard = free_port(), free_port()
+    env = {**ray_env(), **(env_vars or {})}
+    cmd = [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        f"--port={gcs}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={free_port()}",  # default 52365 would clash with ray_local
+        f"--metrics-export-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
+    # Ray gives a raylet a fixed 30 s to register, which a loaded machine can miss: up to three tries.
+    errors: list[str] = []
+    for _ in range(3):
+        starter = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=temp_dir,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            out, _ = starter.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            starter.kill()
+            out, _ = starter.communicate()
+        if starter.returncode == 0:
+            break
+        kill_session(starter.pid)
+        errors.append(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
+    else:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        pytest.fail("\n".join(errors))
+    try:
+        yield RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", Path(temp_dir), env)
+    finally:
+        kill_session(starter.pid)  # `ray start` led the session that every head process inherited
+        shutil.rmtree(temp_dir, ignore_errors=True)
