@@ -95,6 +95,8 @@ def save(engine, path: str | Path, rank: int, bucket_bytes: int, extra: dict) ->
 
     path = Path(path)
     keys, scalars = _optimizer_layout(engine)
+    if keys:
+        _link_optimizer_state(engine)
     params = _trainable(engine)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -143,9 +145,26 @@ def _ensure_optimizer_state(engine, keys: list[str], scalars: dict[str, float]) 
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
         for key, value in scalars.items():
             state[key] = _scalar(opt, value)
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if keys and link is not None:
-        link()
+    if keys:
+        _link_optimizer_state(engine)
+
+
+def _link_optimizer_state(engine) -> None:
+    """(Re)link ZeRO-1/2's per-parameter views of the optimizer state to the state of every group.
+
+    DeepSpeed links them once, right after the FIRST param group's first step, when the later groups
+    (e.g. the value head's own group with `learner.value_lr`) have no state yet; their views then stay
+    empty ("exp_avg not found in optimizer state fragment"). Linking again is idempotent."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    zero = engine.optimizer
+    lows, flats = getattr(zero, "bit16_groups", None), getattr(zero, "single_partition_of_fp32_groups", None)
+    if lows is None or flats is None:  # ZeRO-3 keeps no such views
+        return
+    state = _base_optimizer(engine).state
+    for low, flat in zip(lows, flats, strict=True):
+        if state.get(flat):
+            lazy_init_hp_params_optimizer_state(low, flat, state)
 
 
 def _set_module_weight(p: torch.nn.Parameter, value: torch.Tensor) -> None:
