@@ -18,12 +18,13 @@ import ray
 
 from .config import RunConfig
 
-PATH_FIELDS = (
+PATH_FIELDS = (  # attribute paths from the run config
     ("run", "output_dir"),
     ("model", "policy_path"),
     ("model", "tokenizer_path"),
-    ("model", "demo_assets"),
+    ("model", "demo_assets", "folder"),
     ("data", "prompts_path"),
+    ("eval", "prompts_path"),
     ("reference", "model_path"),
     ("reward", "model_path"),
 )
@@ -36,9 +37,11 @@ class SharedStorageError(RuntimeError):
 def resolve_paths(cfg: RunConfig) -> RunConfig:
     """Every path field made absolute against the driver's working directory (in place; returned),
     so actors whose working directory differs (other nodes, job copies) mean the same file."""
-    for section, field in PATH_FIELDS:
-        part = getattr(cfg, section)
-        value = getattr(part, field)
+    for *parents, field in PATH_FIELDS:
+        part = cfg
+        for name in parents:
+            part = getattr(part, name, None) if part is not None else None
+        value = getattr(part, field) if part is not None else None
         if value:
             setattr(part, field, str(Path(value).expanduser().resolve()))
     return cfg

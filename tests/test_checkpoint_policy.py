@@ -118,6 +118,8 @@ def test_paths_are_made_absolute(tmp_path, monkeypatch):
     assert cfg.reference.model_path == str(tmp_path / "ref")
     assert cfg.model.tokenizer_path == str(Path.home() / "tok")
     assert cfg.reward.model_path == str(tmp_path / "assets/sentiment_tiny/reward")
+    assert cfg.model.demo_assets.folder == str(tmp_path / "assets/sentiment_tiny")
+    assert cfg.eval.prompts_path == str(tmp_path / "assets/sentiment_tiny/eval_prompts.jsonl")
 
 
 def test_stop_request_second_signal_forces():
