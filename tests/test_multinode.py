@@ -65,10 +65,11 @@ def finish(proc: subprocess.Popen, log: Path) -> str:
 
 
 def actors_by_name(cluster: Cluster) -> dict[str, dict]:
-    """Every actor the cluster has seen (dead ones too): name -> {'State', 'NodeID'}."""
+    """Every actor the cluster has seen (dead ones too): member name (the run id prefix of
+    `<run id>/<member>` dropped) -> {'State', 'NodeID'}."""
     table = cluster.global_state.actor_table(None)
     return {
-        a["Name"]: {"State": a["State"], "NodeID": a["Address"]["NodeID"]}
+        a["Name"].split("/", 1)[-1]: {"State": a["State"], "NodeID": a["Address"]["NodeID"]}
         for a in table.values()
         if a["Name"]
     }
