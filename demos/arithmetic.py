@@ -29,6 +29,7 @@ from demos.common import (
     PAD_ID,
     Laps,
     Log,
+    bos_tokenizer,
     ensure_built,
     gpt2_config,
     logger,
@@ -139,23 +140,13 @@ def corpus(seed: int, pairs: list[tuple[int, int]], correct_frac: float, n: int)
 
 def char_tokenizer() -> Any:
     """One token per character, <bos> prepended, decoded without spaces."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ALPHABET)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        model_max_length=N_POSITIONS,
-    )
+    return bos_tokenizer(tok, N_POSITIONS)
 
 
 # --- the build ---

@@ -8,7 +8,6 @@ A build writes into a temporary sibling folder and renames it into place at the 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -102,20 +101,35 @@ def _publish(tmp: Path, root: Path) -> None:
 @contextlib.contextmanager
 def file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Serialise builders of the same folder (e.g. `make train` and a test running together)."""
-    with path.open("a") as f:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process held {path} for over {timeout_s:.0f} s") from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=timeout_s)
+    except Timeout:
+        raise TimeoutError(f"another process held {path} for over {timeout_s:.0f} s") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def bos_tokenizer(tok: Any, max_length: int) -> Any:
+    """A `tokenizers.Tokenizer` whose ids 0/1/2 are <pad>/<bos>/<eos> as a transformers tokenizer that
+    prepends <bos> to every text."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        model_max_length=max_length,
+    )
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:

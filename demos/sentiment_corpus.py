@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from demos.common import BOS_ID, EOS_ID, PAD_ID, load_prompts
+from demos.common import BOS_ID, EOS_ID, PAD_ID, bos_tokenizer, load_prompts
 
 __all__ = ["build_corpus", "build_prompts", "build_eval_prompts", "load_prompts", "train_tokenizer"]
 
@@ -210,8 +210,7 @@ def vocabulary(corpus: list[tuple[str, int]]) -> set[str]:
 
 def train_tokenizer(texts: list[str], max_length: int = 64) -> Any:
     """Byte-level BPE that prepends <bos> itself, so `tokenizer(prompt)` matches how the LM was trained."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -227,13 +226,4 @@ def train_tokenizer(texts: list[str], max_length: int = 64) -> Any:
         raise RuntimeError(
             f"special tokens got ids {[tok.token_to_id(s) for s in SPECIAL_TOKENS]}, want 0/1/2"
         )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        model_max_length=max_length,
-    )
+    return bos_tokenizer(tok, max_length)
