@@ -26,19 +26,23 @@ import torch.distributed as dist
 
 from learner.advantages import estimate, kl_loss, missing_eos_penalty, needs_critic
 from learner.algorithms import (
-    RunningMoments,
     aggregate_loss,
     entropy_from_logits,
     logprobs_from_logits,
     off_policy_weights,
     policy_loss,
     shape_rewards,
-    value_clip_radius,
     value_loss,
 )
 from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
 from learner.config import LearnerConfig
-from learner.critic import critic_stats, normalized_scores
+from learner.critic import (
+    RunningMoments,
+    critic_stats,
+    moments_over_ranks,
+    normalized_scores,
+    value_clip_radius,
+)
 from learner.sequences import response_tokens
 
 
@@ -107,17 +111,13 @@ def distributed_whiten(
     x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, device="cpu"
 ) -> torch.Tensor:
     """`algorithms.masked_whiten` over the valid tokens of ALL ranks' shards (two-pass, float64)."""
-    valid = mask.to(torch.bool)
-    xv = torch.where(valid, x.double(), torch.zeros((), dtype=torch.float64))
-    total, count = all_reduce([xv.sum(), valid.sum()], "sum", device).tolist()
-    mean = total / max(count, 1.0)
-    dev = torch.where(valid, x.double() - mean, torch.zeros((), dtype=torch.float64))
-    sq = float(all_reduce([(dev**2).sum()], "sum", device)[0]) / max(count, 1.0)
+    count, mean, m2 = moments_over_ranks(x, mask, functools.partial(all_reduce, op="sum", device=device))
+    sq = m2 / max(count, 1.0)
     var = sq * count / (count - 1) if count >= 2 else sq
     out = (x.double() - mean) / math.sqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
-    return torch.where(valid, out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
+    return torch.where(mask.to(torch.bool), out, torch.zeros((), dtype=torch.float64)).to(x.dtype)
 
 
 def prepare(

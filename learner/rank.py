@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from learner.advantages import needs_critic
-from learner.algorithms import AdaptiveKLController, FixedKLController, RunningMoments
+from learner.algorithms import AdaptiveKLController, FixedKLController
 from learner.batch import Trajectory
 from learner.config import LearnerConfig
+from learner.critic import RunningMoments
 from learner.deepspeed_setup import (
     free_port,
     init_distributed,

@@ -5,21 +5,27 @@ Hand-worked numbers and numpy on the concatenated data as the independent refere
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.algorithms import (
+from learner.algorithms import value_loss
+from learner.config import LearnerConfig
+from learner.critic import (
     RunningMoments,
-    batch_moments,
     merge_moments,
+    moments_over_ranks,
     normalize_scores,
     value_clip_radius,
-    value_loss,
 )
-from learner.config import LearnerConfig
+from learner.ppo_step import all_reduce
+
+# One process: moments_over_ranks over a world of one rank.
+batch_moments = functools.partial(moments_over_ranks, reduce_sum=functools.partial(all_reduce, op="sum"))
 
 
 def T(x):
