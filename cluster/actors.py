@@ -16,15 +16,11 @@ from typing import Any
 
 import ray
 
-from learner.batch import Trajectory
-from learner.rank import LearnerRank
-from reward_service.reference import ReferencePolicy
-from reward_service.scorer import RewardScorer
-from rollout_workers.worker import RolloutWorker
+from learner.trajectory import Trajectory
 
 from .config import RunConfig
 from .placement import PlacementPlan
-from .pools import ActorPool, ActorStartError, wait_ready, wait_until
+from .pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -36,52 +32,6 @@ ACTOR_ENV = {
         }
     }
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Streaming adapters. In async mode samples travel between actors as object references, never
-# through the driver: a worker returns (small per-sample facts, samples) as two objects, and the
-# reference, the scorer and the learner read the samples object themselves. The roles keep their
-# own interfaces; converting one role's records into the next one's input is cluster/'s job, so it
-# lives in these thin subclasses (the Ray actor classes of every mode).
-# ---------------------------------------------------------------------------------------------
-
-
-class StreamingRolloutWorker(RolloutWorker):
-    @ray.method(num_returns=2)
-    def generate_chunk(
-        self, prompt_indices: list[int], prompts: list, seed: int, sampling: Any = None
-    ) -> tuple[list[tuple], list]:
-        """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
-        the samples). The driver fetches only the facts."""
-        samples = self.generate(prompt_indices, prompts, seed, sampling)
-        facts = [(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason) for s in samples]
-        return facts, samples
-
-
-class StreamingReference(ReferencePolicy):
-    def sample_logprobs(self, samples: list) -> list:
-        return self.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-
-
-class StreamingScorer(RewardScorer):
-    def score_samples(self, samples: list, meta_by_prompt: dict[int, dict]) -> Any:
-        return self.score(
-            [s.prompt_ids for s in samples],
-            [s.response_ids for s in samples],
-            [meta_by_prompt[s.prompt_index] for s in samples],
-        )
-
-
-class StreamingLearnerRank(LearnerRank):
-    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, float]:
-        """`train_step` on trajectories assembled here from object references: each part is
-        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...])."""
-        trajectories = []
-        for samples_ref, ref_lp_ref, picks in parts:
-            samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
-            trajectories += [to_trajectory(samples[j], ref_lps[j], score, g) for j, score, g in picks]
-        return self.train_step(trajectories)
 
 
 def to_trajectory(sample: Any, ref_logprobs: Any, score: float, group: int = -1) -> Trajectory:
@@ -110,6 +60,7 @@ class Roles:
     scorers: ActorPool
     plan: PlacementPlan
     ranks: list[Any] = field(default_factory=list)
+    hosts: list[Any] = field(default_factory=list)  # cluster.placement='colocated': one per learner rank
 
     def pools(self) -> list[ActorPool]:
         return [self.workers, self.references, self.scorers]
@@ -122,6 +73,8 @@ def make_pools(
     on_worker_start: Callable[[Any, str], None] | None = None,
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
+    from .role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
+
     ref, rew = cfg.reference, cfg.reward
     temperature = cfg.rollout.sampling.temperature
     wait = cfg.timeouts.actor_start_s
@@ -161,6 +114,8 @@ def make_pools(
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
+    from .role_actors import StreamingLearnerRank
+
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s
     names = [f"{roles.plan.shapes['learner'].prefix}-{rank}" for rank in range(lc.num_ranks)]
@@ -178,18 +133,72 @@ def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) 
                 cfg.rollout.sampling.temperature,
             )
         )
-    wait_ready(roles.ranks, names, wait)
-    addr, port = ray.get(roles.ranks[0].node_address.remote(), timeout=wait)
-    setups = [r.setup.remote(addr, port) for r in roles.ranks]
+    form_learner(roles.ranks, names, wait)
+
+
+def form_learner(ranks: list[Any], names: list[str], wait: float) -> None:
+    """Wait for the started ranks, then join them into one torch.distributed world (DeepSpeed init)."""
+    wait_ready(ranks, names, wait)
+    addr, port = ray.get(ranks[0].node_address.remote(), timeout=wait)
+    setups = [r.setup.remote(addr, port) for r in ranks]
     _, pending = wait_until(setups, len(setups), time.monotonic() + wait)
     if pending:
         raise ActorStartError(f"learner ranks did not form a process group within {wait:.0f}s")
     ray.get(setups)
 
 
+def start_colocated(cfg: RunConfig, pad_token_id: int, run_id: str) -> Roles:
+    """cluster.placement='colocated': one `ColocatedHost` per learner rank (named like the rank) holds
+    the rank and replica i of every other role; the pools hold `RoleView`s of them. Their members
+    cannot be replaced or scaled on their own: the start function says so."""
+    from .colocated import ColocatedHost, RoleView
+
+    plan = PlacementPlan(cfg)
+    plan.reserve()
+    prefixes = {role: shape.prefix for role, shape in plan.shapes.items()}
+
+    def cannot_start(role: str) -> Callable[[str, int], Any]:
+        def start(name: str, slot: int) -> Any:
+            raise ActorStartError(
+                f"{name}: with cluster.placement='colocated' a {role} lives in a learner rank's process and "
+                "is neither replaced nor added on its own; the run stops (continue it with --resume, or use "
+                "cluster.placement='separate' for roles that scale and fail independently)"
+            )
+
+        return start
+
+    wait = cfg.timeouts.actor_start_s
+    pools = {
+        role: ActorPool(prefixes[role], cannot_start(role), wait)
+        for role in ("rollout", "reference", "reward")
+    }
+    roles = Roles(pools["rollout"], pools["reference"], pools["reward"], plan)
+    try:
+        names = [f"{prefixes['learner']}-{rank}" for rank in range(cfg.learner.num_ranks)]
+        for rank, name in enumerate(names):
+            roles.hosts.append(
+                ray.remote(ColocatedHost)
+                .options(name=actor_name(run_id, name), **plan.options("learner", rank))
+                .remote(rank, cfg, plan.rollout.config, pad_token_id)
+            )
+        roles.ranks = [RoleView(h, "learner") for h in roles.hosts]
+        form_learner(roles.ranks, names, wait)
+        counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
+        for (role, pool), count in zip(pools.items(), counts, strict=True):
+            pool.members = [
+                Member(f"{prefixes[role]}-{i}", RoleView(roles.hosts[i], role), i) for i in range(count)
+            ]
+    except BaseException:
+        stop_roles(roles)
+        raise
+    return roles
+
+
 def start_roles(cfg: RunConfig, pad_token_id: int, run_id: str, on_worker_start=None) -> Roles:
     """Reserve the whole placement plan first (it fails fast when the cluster cannot hold it), then
     start every actor at once (model loading overlaps); the learner's rendezvous runs meanwhile."""
+    if cfg.cluster.placement == "colocated":
+        return start_colocated(cfg, pad_token_id, run_id)
     plan = PlacementPlan(cfg)
     plan.reserve()
     roles = make_pools(cfg, plan, run_id, on_worker_start)
@@ -210,9 +219,9 @@ def stop_roles(roles: Roles) -> None:
         # best effort: the actor is killed next anyway
         with contextlib.suppress(Exception):
             ray.get(rank.shutdown.remote(), timeout=30)
-    for rank in roles.ranks:
+    for actor in roles.hosts or roles.ranks:
         with contextlib.suppress(Exception):
-            ray.kill(rank, no_restart=True)
+            ray.kill(actor, no_restart=True)
     for pool in roles.pools():
         pool.kill_all()
     roles.plan.remove()

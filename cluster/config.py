@@ -96,6 +96,13 @@ class ClusterSection(_Strict):
         description="Dashboard bind address; the job API runs arbitrary code, keep it on loopback.",
     )
     dashboard_port: int = Field(8265, ge=1, le=65535, description="Dashboard port.")
+    placement: Literal["separate", "colocated"] = Field(
+        "separate",
+        description="'separate': one Ray actor per role replica (each scales and fails on its own; needed by "
+        "pipeline.mode='async'). 'colocated': one actor per learner rank also holding rollout worker, reference "
+        "and reward replica i (a hybrid engine: one process and its devices shared by all roles, which take "
+        "turns; sync pipeline only, fixed role counts; see cluster/colocated.py).",
+    )
     autoscaling: bool = Field(
         False,
         description="The cluster adds nodes for pending work (Ray autoscaler, KubeRay): a placement plan the "
@@ -271,6 +278,51 @@ class RunConfig(_Strict):
             raise ValueError("reward.rule is required when reward.kind='rule'")
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated(self) -> RunConfig:
+        """What cluster.placement='colocated' cannot do, named with the field to change."""
+        if self.cluster.placement != "colocated":
+            return self
+        ranks = self.learner.num_ranks
+        problems = [
+            (self.pipeline.mode != "sync", "pipeline.mode='async' (the roles take turns in one process)"),
+            (
+                self.rollout.weight_sync != "object_store",
+                "rollout.weight_sync='collective' (weights move in memory)",
+            ),
+            (
+                self.rollout.engine == "vllm"
+                and self.rollout.vllm.tensor_parallel_size > 1
+                and self.rollout.num_gpus_per_worker > 0,
+                "rollout.vllm.tensor_parallel_size > 1 on GPUs (an engine of its own placement group)",
+            ),
+            *(
+                (
+                    count > ranks,
+                    f"{name}={count} > learner.num_ranks={ranks} (replica i lives on learner rank i)",
+                )
+                for name, count in (
+                    ("rollout.num_workers", self.rollout.num_workers),
+                    ("reference.num_replicas", self.reference.num_replicas),
+                    ("reward.num_replicas", self.reward.num_replicas),
+                )
+            ),
+            *(
+                (bool(amounts), f"{name} (roles run where the learner ranks run: use learner.resources)")
+                for name, amounts in (
+                    ("rollout.resources", self.rollout.resources),
+                    ("reference.resources", self.reference.resources),
+                    ("reward.resources", self.reward.resources),
+                )
+            ),
+        ]
+        bad = [text for hit, text in problems if hit]
+        if bad:
+            raise ValueError(
+                "cluster.placement='colocated' does not allow " + "; ".join(bad) + " (or use 'separate')"
+            )
         return self
 
     @model_validator(mode="after")

@@ -34,10 +34,13 @@ def current_run_id(run_dir: Path) -> str:
 class RunControl:
     """Desired actor counts per role; the controller applies them between iterations."""
 
-    def __init__(self, initial: dict[str, int]) -> None:
+    def __init__(self, initial: dict[str, int], fixed: str | None = None) -> None:
         self._targets = dict(initial)
+        self._fixed = fixed  # why this run's counts cannot change (cluster.placement='colocated')
 
     def set_target(self, role: str, count: int) -> dict[str, int]:
+        if self._fixed:
+            raise ValueError(self._fixed)
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
         if int(count) < 1:

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import ray
 import yaml
-from transformers import AutoTokenizer
 
 from .actors import Roles, start_roles, stop_roles
 from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
@@ -37,8 +36,15 @@ from .weight_sync import (
     CollectiveWeightSync,
     export_bundle,
     load_into,
+    push_colocated,
     push_weights,
     verify_ack,
+)
+
+FIXED_COUNTS = (
+    "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "
+    "a learner rank's process, so their counts are fixed (start the run with cluster.placement='separate' "
+    "to scale roles while it trains)"
 )
 
 
@@ -86,6 +92,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
         )
+        from transformers import AutoTokenizer  # here, not at import: it imports torch
+
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         prompts, self.data_stats = tokenize_prompts(read_prompts(cfg.data), self.tokenizer, cfg.data)
         self.prompts: list[Prompt] = prompts
@@ -106,7 +114,7 @@ class Trainer:
                 get_if_exists=True,
                 **on_driver_node(),
             )
-            .remote(self._counts())
+            .remote(self._counts(), FIXED_COUNTS if self.roles.hosts else None)
         )
         if self.resume_from is not None:
             self.restore(self.resume_from)
@@ -234,7 +242,9 @@ class Trainer:
             rc.dtype,
             self.cfg.timeouts.weight_sync_s,
         )
-        if rc.weight_sync == "collective":
+        if r.hosts:
+            result, bundle = push_colocated(r.hosts, *args[1:])
+        elif rc.weight_sync == "collective":
             self._collective = self._collective or CollectiveWeightSync(rc.weight_bucket_mb)
             result, bundle = self._collective.push(*args)
         else:
@@ -247,6 +257,9 @@ class Trainer:
 
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
         ranks = self.roles.ranks
+        # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
+        # so it runs first); a no-op unless rollout.sleep_level > 0
+        sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
         groups = shard_by_group([t.group for t in batch.trajectories], len(ranks))  # groups stay whole
         shards = [[batch.trajectories[k] for k in idx] for idx in groups]
         refs = [r.train_step.remote(shard) for r, shard in zip(ranks, shards, strict=True)]
@@ -266,6 +279,7 @@ class Trainer:
                 raise LearnerStepError(f"{names[ready[0]]} died during step {self.step + 1}{resume}") from err
             except ray.exceptions.RayTaskError as err:
                 raise LearnerStepError(f"{names[ready[0]]} failed: {err.cause!r}{resume}") from err
+        ray.get(sleeps)  # done before the steps (same actors): raises if an engine failed to sleep
         return results[refs[0]]
 
     def iteration(self) -> dict[str, float]:

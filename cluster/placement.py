@@ -64,6 +64,16 @@ class RoleShape:
 
 def role_shapes(cfg: RunConfig) -> dict[str, RoleShape]:
     lc, r, ref, rew = cfg.learner, cfg.rollout, cfg.reference, cfg.reward
+    if cfg.cluster.placement == "colocated":
+        # One bundle per learner rank holds its host: the rank's devices, which the roles share, and
+        # the CPUs of the rank plus those of the roles the busiest host (rank 0) holds.
+        cpus = lc.num_cpus_per_rank + r.num_cpus_per_worker + ref.num_cpus + rew.num_cpus
+        return {
+            "learner": RoleShape("learner-rank", lc.num_ranks, cpus, lc.num_gpus_per_rank, lc.resources),
+            "rollout": RoleShape("rollout-worker", 0, 0.0, 0.0, {}),
+            "reference": RoleShape("reference", 0, 0.0, 0.0, {}),
+            "reward": RoleShape("reward-scorer", 0, 0.0, 0.0, {}),
+        }
     return {
         "learner": RoleShape(
             "learner-rank", lc.num_ranks, lc.num_cpus_per_rank, lc.num_gpus_per_rank, lc.resources

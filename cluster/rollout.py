@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from learner.batch import Trajectory
+from learner.trajectory import Trajectory
 from rollout_workers.types import Sample
 
 from .actors import to_trajectory

@@ -21,9 +21,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
-
-from rollout_workers.weights import state_checksum, torch_dtype
 
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 
@@ -50,8 +47,11 @@ class Fingerprint:
     rtol: float
 
 
-def bounded_checksum(state: dict[str, torch.Tensor], dtype: str, max_bytes: int) -> str | None:
-    """`state_checksum(state, dtype)`, or None for a bundle over `max_bytes` (runs on learner rank 0)."""
+def bounded_checksum(state: dict[str, Any], dtype: str, max_bytes: int) -> str | None:
+    """`state_checksum(state, dtype)`, or None for a bundle over `max_bytes` (runs on learner rank 0,
+    which imports torch; the driver never does)."""
+    from rollout_workers.weights import state_checksum, torch_dtype
+
     unique = {t.data_ptr(): t for t in state.values()}
     if sum(t.numel() * t.element_size() for t in unique.values()) > max_bytes:
         return None
@@ -93,6 +93,41 @@ def push_weights(
     expected = _await_export(refs, meta_ref, version, dtype, timeout)
     lost = _collect_acks(names, acks, version, expected, timeout)
     return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
+
+
+def push_colocated(
+    hosts: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+) -> tuple[SyncResult, Any]:
+    """The colocated placement's push (`cluster.colocated`): every host exports from its learner rank
+    and rank 0's host loads the bundle into its own rollout worker in memory (waking its engine
+    first); workers on other hosts load an object-store copy, which is also the returned bundle ref
+    (None with one host: nothing leaves the process). Acknowledged and verified as `push_weights`."""
+    t0 = time.perf_counter()
+    share = len(workers) > 1
+    refs = [
+        h.push_local.remote(version, bundle_checksummer(dtype), share and i == 0) for i, h in enumerate(hosts)
+    ]
+    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
+    if pending:
+        raise WeightSyncError(
+            f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
+        )
+    try:
+        ack, meta, bundle = ray.get(refs)[0]
+    except ray.exceptions.RayTaskError as err:
+        raise WeightSyncError(
+            f"{names[0] if names else 'learner'} did not load v{version}: {err.cause!r}"
+        ) from err
+    expected = expected_fingerprint(meta, version, dtype)
+    if workers:
+        verify_ack(names[0], ack, version, expected)
+    acks = [w.load_weights.remote(bundle, version) for w in workers[1:]]
+    lost = [i + 1 for i in _collect_acks(names[1:], acks, version, expected, timeout)]
+    if lost:  # a worker on another host is gone: its host (a learner rank) is gone too
+        raise WeightSyncError(
+            f"{[names[i] for i in lost]} lost while loading v{version} (its learner rank's process)"
+        )
+    return SyncResult(version, expected, time.perf_counter() - t0), bundle
 
 
 class CollectiveWeightSync:

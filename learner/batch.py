@@ -10,18 +10,9 @@ import numpy as np
 import torch
 
 from learner.sequences import pack_sequences
+from learner.trajectory import Trajectory
 
-
-@dataclass
-class Trajectory:
-    prompt_ids: np.ndarray  # int64 [p]
-    response_ids: np.ndarray  # int64 [r]
-    behaviour_logprobs: np.ndarray  # float32 [r], from the generator
-    ref_logprobs: np.ndarray  # float32 [r], from the frozen reference
-    score: float  # sequence-level reward, placed on the last response token
-    policy_version: int = 0
-    group: int = -1  # samples of one prompt share an id (>= 0); -1 = a group of its own
-    truncated: bool = False  # cut at max_new_tokens (no EOS)
+__all__ = ["Batch", "Trajectory", "dummy_batch", "pack_trajectories"]
 
 
 @dataclass

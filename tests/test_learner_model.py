@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import Trajectory
+from learner.trajectory import Trajectory
 from learner.config import LearnerConfig
 from learner.deepspeed_setup import LinearWarmup, ds_config, remove_shm_buffers, shm_buffer_path
 from learner.model import VALUE_HEAD_FILE, PolicyWithValueHead, zero_dropout

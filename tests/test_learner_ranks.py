@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import Trajectory
+from learner.trajectory import Trajectory
 from learner.config import KLConfig, LearnerConfig
 from learner.model import VALUE_HEAD_FILE
 from learner.rank import LearnerRank

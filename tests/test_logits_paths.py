@@ -19,7 +19,7 @@ from tiny_models import FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
 import learner.sequences as sequences
-from learner.batch import Trajectory
+from learner.trajectory import Trajectory
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import forward_scores, pack_trajectories
 from reward_service.config import ReferenceConfig

@@ -1,0 +1,178 @@
+"""Colocated placement (a hybrid engine): the roles of a learner rank live in that rank's process.
+
+With `cluster.placement: colocated` the run starts one Ray actor per learner rank, a
+`ColocatedHost`, and nothing else. Host i holds learner rank i and, for every role whose count
+reaches i, rollout worker i, reference replica i and reward scorer i: the demo's four roles run in
+one process instead of four (one torch/transformers/DeepSpeed import, one interpreter's memory).
+They share the rank's devices and take turns, as the synchronous pipeline does anyway: generate,
+score, (rollout engine sleeps), train, (engine wakes), new weights. verl's hybrid engine and
+OpenRLHF's `--colocate_all_models` make the same trade.
+
+The roles stay the plain classes of their packages, built here as they are in their own actors.
+The host only runs each call with that role's torch thread count (one process has one thread
+setting), and moves a new version from the learner to its own worker in memory (`push_local`):
+no bundle passes through the object store unless a worker on another host needs it. The driver
+reaches every role through a `RoleView`, which the pools, the rollout collector and the weight
+push use exactly as an actor handle (`view.generate.remote(...)`).
+
+This module imports no role: the host imports them in its own process, so the driver never
+imports torch, transformers or DeepSpeed for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from .config import RunConfig
+
+ROLE_ENV = {  # what the separate placement's actors get through their runtime_env
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
+    """The roles host `rank` holds besides its learner rank: a role's replica i lives on host i."""
+    counts = {
+        "rollout": cfg.rollout.num_workers,
+        "reference": cfg.reference.num_replicas,
+        "reward": cfg.reward.num_replicas,
+    }
+    return tuple(role for role, n in counts.items() if rank < n)
+
+
+class ColocatedHost:
+    """Learner rank `rank` and the roles `held_roles(cfg, rank)` in one process (a plain class;
+    `cluster.actors` runs it as a Ray actor)."""
+
+    def __init__(self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int) -> None:
+        os.environ.update(ROLE_ENV)
+        t0 = time.perf_counter()
+        import torch
+
+        from learner.rank import LearnerRank
+        from reward_service.reference import ReferencePolicy
+        from reward_service.scorer import RewardScorer
+        from rollout_workers.worker import RolloutWorker
+
+        self.timings = {"import_s": time.perf_counter() - t0}
+        self._torch = torch
+        lc, temperature = cfg.learner, cfg.rollout.sampling.temperature
+        held = held_roles(cfg, rank)
+        self.threads = {
+            "learner": lc.torch_threads,
+            "rollout": cfg.rollout.torch_threads,
+            "reference": 1,  # what the separate placement's reference and scorer actors use
+            "reward": 1,
+        }
+        builders = {
+            "learner": lambda: LearnerRank(
+                rank, lc.num_ranks, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id, temperature
+            ),
+            "rollout": lambda: RolloutWorker(cfg.model.policy_path, worker_config, rank, 0),
+            "reference": lambda: ReferencePolicy(cfg.reference_path, cfg.reference, temperature),
+            "reward": lambda: RewardScorer(cfg.reward, cfg.tokenizer_path),
+        }
+        self.roles: dict[str, Any] = {}
+        for role in ("learner", *held):
+            t = time.perf_counter()
+            self.roles[role] = builders[role]()
+            self.timings[f"{role}_s"] = time.perf_counter() - t
+        self.sleep_level = int(getattr(worker_config, "sleep_level", 0))
+
+    def ping(self) -> bool:
+        return True
+
+    def startup_timings(self) -> dict[str, float]:
+        """Seconds spent importing the frameworks and building each role (the learner's DeepSpeed
+        engine is built later, in `setup`)."""
+        return dict(self.timings)
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`role.method(*args, **kwargs)` with `role`'s torch thread count."""
+        if role not in self.roles:
+            raise ValueError(f"this host holds {sorted(self.roles)}, not {role!r}")
+        self._torch.set_num_threads(self.threads[role])
+        t = time.perf_counter()
+        out = getattr(self.roles[role], method)(*args, **kwargs)
+        if role == "learner" and method == "setup":
+            self.timings["learner_setup_s"] = time.perf_counter() - t
+        return out
+
+    def push_local(self, version: int, checksum: Any, share: bool) -> tuple[Any, dict | None, Any]:
+        """Export v`version` from this host's learner rank (every rank takes part, as ZeRO-3 gathers)
+        and load it into this host's rollout worker in memory (every host wakes its engine first, so
+        the driver's loads on other hosts find it awake). Returns (the worker's
+        acknowledgement or None, rank 0's fingerprint or None, an object-store copy of the bundle
+        when `share`, for workers on other hosts)."""
+        self.wake_rollout()
+        learner = self.roles["learner"]
+        self._torch.set_num_threads(self.threads["learner"])
+        bundle = learner.export_weights(checksum)
+        meta = learner.export_fingerprint() if bundle is not None else None
+        ack = None
+        if bundle is not None and "rollout" in self.roles:
+            ack = self.call("rollout", "load_weights", bundle, version)
+        shared = ray.put(bundle) if share and bundle is not None else None
+        return ack, meta, shared
+
+    def sleep_rollout(self) -> dict | None:
+        """The rollout engine frees its memory for the learner step (`rollout.sleep_level` > 0)."""
+        if "rollout" not in self.roles or self.sleep_level == 0:
+            return None
+        return self.call("rollout", "sleep")
+
+    def wake_rollout(self) -> dict | None:
+        """The rollout engine takes its memory back (before new weights are loaded into it)."""
+        if "rollout" not in self.roles or self.sleep_level == 0:
+            return None
+        return self.call("rollout", "wake_up")
+
+
+@dataclass(frozen=True)
+class _Method:
+    host: Any
+    role: str
+    name: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.host.call.remote(self.role, self.name, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class RoleView:
+    """One role inside a `ColocatedHost`, used like that role's own actor handle."""
+
+    host: Any  # the host's actor handle
+    role: str
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self.host, self.role, name)
+
+    @property
+    def ping(self) -> Any:  # the host answers for all of its roles
+        return self.host.ping
+
+    @property
+    def __ray_call__(self) -> Any:  # a function run in the host's process (e.g. the run-folder probe)
+        return self.host.__ray_call__
+
+
+def actor_of(handle: Any) -> Any:
+    """The Ray actor behind a handle or a `RoleView` (what `ray.kill` takes)."""
+    return handle.host if isinstance(handle, RoleView) else handle
+
+
+def kill(handle: Any) -> None:
+    """Kill the actor behind `handle` (a view kills its whole host); gone already is fine."""
+    with contextlib.suppress(Exception):
+        ray.kill(actor_of(handle), no_restart=True)

@@ -1,0 +1,61 @@
+"""The Ray actor classes of the separate placement: each role's plain class with the streaming
+adapters of cluster/ added.
+
+In async mode samples travel between actors as object references, never through the driver: a
+worker returns (small per-sample facts, samples) as two objects, and the reference, the scorer and
+the learner read the samples object themselves. The roles keep their own interfaces; converting one
+role's records into the next one's input is cluster/'s job, so it lives in these thin subclasses
+(the Ray actor classes of every mode). This module imports torch, transformers and DeepSpeed (the
+roles' own modules): `cluster.actors` imports it only when it starts actors, so a driver that
+starts none of them (the colocated placement) never pays for those imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from learner.rank import LearnerRank
+from reward_service.reference import ReferencePolicy
+from reward_service.scorer import RewardScorer
+from rollout_workers.worker import RolloutWorker
+
+from .actors import to_trajectory
+
+
+class StreamingRolloutWorker(RolloutWorker):
+    @ray.method(num_returns=2)
+    def generate_chunk(
+        self, prompt_indices: list[int], prompts: list, seed: int, sampling: Any = None
+    ) -> tuple[list[tuple], list]:
+        """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
+        the samples). The driver fetches only the facts."""
+        samples = self.generate(prompt_indices, prompts, seed, sampling)
+        facts = [(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason) for s in samples]
+        return facts, samples
+
+
+class StreamingReference(ReferencePolicy):
+    def sample_logprobs(self, samples: list) -> list:
+        return self.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+
+
+class StreamingScorer(RewardScorer):
+    def score_samples(self, samples: list, meta_by_prompt: dict[int, dict]) -> Any:
+        return self.score(
+            [s.prompt_ids for s in samples],
+            [s.response_ids for s in samples],
+            [meta_by_prompt[s.prompt_index] for s in samples],
+        )
+
+
+class StreamingLearnerRank(LearnerRank):
+    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, float]:
+        """`train_step` on trajectories assembled here from object references: each part is
+        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...])."""
+        trajectories = []
+        for samples_ref, ref_lp_ref, picks in parts:
+            samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
+            trajectories += [to_trajectory(samples[j], ref_lps[j], score, g) for j, score, g in picks]
+        return self.train_step(trajectories)

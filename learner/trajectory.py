@@ -1,0 +1,22 @@
+"""The record the learner takes: one scored trajectory (`cluster` builds these from rollout samples).
+
+numpy only, so the driver can build them without importing torch; `learner.batch` packs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: np.ndarray  # int64 [p]
+    response_ids: np.ndarray  # int64 [r]
+    behaviour_logprobs: np.ndarray  # float32 [r], from the generator
+    ref_logprobs: np.ndarray  # float32 [r], from the frozen reference
+    score: float  # sequence-level reward, placed on the last response token
+    policy_version: int = 0
+    group: int = -1  # samples of one prompt share an id (>= 0); -1 = a group of its own
+    truncated: bool = False  # cut at max_new_tokens (no EOS)

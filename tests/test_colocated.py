@@ -1,0 +1,124 @@
+"""cluster.placement='colocated': every role of a learner rank in that rank's process, same results.
+
+Real Ray, real DeepSpeed, the real demo models: the colocated run must give the separate run's
+numbers (same seeds, chunks and thread counts per role: the same arithmetic in fewer processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from demo_run import CONFIG, demo_overrides
+
+from cluster.colocated import RoleView
+from cluster.config import ConfigError, load_config
+from cluster.streaming import make_trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"data.prompts_per_step": 16, "rollout.chunk_size": 8, "learner.micro_batch_size": 8}
+# Metrics that measure time or the process layout, not the arithmetic.
+NOT_ARITHMETIC = ("time/", "throughput/", "scale/", "pipeline/", "rollout/queue_depth")
+
+
+def _run(cfg, folder: Path, steps: int):
+    trainer = make_trainer(cfg, folder)
+    try:
+        trainer.setup()
+        rows = [trainer.iteration() for _ in range(steps)]
+        layout = {
+            "hosts": len(trainer.roles.hosts),
+            "views": all(isinstance(h, RoleView) for p in trainer.roles.pools() for h in p.handles),
+        }
+        try:
+            ray.get(trainer.control.set_target.remote("rollout", 2))
+            layout["scaling"] = "accepted"
+        except ray.exceptions.RayTaskError as err:
+            layout["scaling"] = str(err.cause)
+    finally:
+        trainer.close()
+    return rows, layout
+
+
+@pytest.mark.slow
+def test_colocated_gives_the_separate_runs_numbers(ray_local, demo_assets, tmp_path):
+    steps = 4
+    results = {}
+    for placement in ("separate", "colocated"):
+        cfg = load_config(
+            CONFIG, demo_overrides(demo_assets, steps, **SMALL, **{"cluster.placement": placement})
+        )
+        results[placement] = _run(cfg, tmp_path / placement, steps)
+    (sep, sep_layout), (col, col_layout) = results["separate"], results["colocated"]
+    assert sep_layout["hosts"] == 0 and col_layout["hosts"] == 1  # one process holds all four roles
+    assert col_layout["views"]
+    assert "colocated" in col_layout["scaling"] and sep_layout["scaling"] == "accepted"
+    compared = 0
+    for step, (a, b) in enumerate(zip(sep, col, strict=True), start=1):
+        assert b["policy_version"] == step
+        for key, want in a.items():
+            if key.startswith(NOT_ARITHMETIC) or key == "faults/actor_replacements":
+                continue
+            got = b[key]
+            # Tolerance: the same float operations in the same order give the same bits here; 1e-6
+            # relative leaves room for a BLAS that picks kernels by the process's thread pool.
+            assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9) or (
+                math.isnan(got) and math.isnan(want)
+            ), f"step {step} {key}: separate {want} colocated {got}"
+            compared += 1
+    assert compared > 4 * 20
+
+
+@pytest.mark.slow
+def test_colocated_two_ranks_share_the_bundle_with_the_second_host(ray_local, demo_assets, tmp_path):
+    """Worker 1 lives on learner rank 1's host: it loads rank 0's object-store copy, acknowledged by
+    its own engine's probe logprobs (as every push is)."""
+    extra = {**SMALL, "cluster.placement": "colocated", "learner.num_ranks": 2, "rollout.num_workers": 2}
+    extra |= {"learner.num_cpus_per_rank": 0.5, "rollout.num_cpus_per_worker": 0.25}
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **extra))
+    trainer = make_trainer(cfg, tmp_path / "run")
+    try:
+        trainer.setup()
+        rows = [trainer.iteration() for _ in range(2)]
+        versions = ray.get([h.version.remote() for h in trainer.roles.workers.handles], timeout=60)
+        assert len(trainer.roles.hosts) == 2
+        assert trainer._bundle is not None  # the shared copy the second host loaded
+    finally:
+        trainer.close()
+    assert versions == [2, 2]
+    assert [r["policy_version"] for r in rows] == [1.0, 2.0]
+    assert all(math.isfinite(r["loss/policy"]) for r in rows)
+
+
+def test_colocated_config_errors_name_the_fields(demo_assets):
+    cases = {
+        ("pipeline.mode=async", "learner.off_policy=tis"): "pipeline.mode='async'",
+        ("rollout.weight_sync=collective",): "rollout.weight_sync='collective'",
+        ("rollout.num_workers=2",): "rollout.num_workers=2 > learner.num_ranks=1",
+        ("reference.resources={ref_node: 1}",): "reference.resources",
+    }
+    for sets, needle in cases.items():
+        overrides = demo_overrides(demo_assets, 1, **{"cluster.placement": "colocated"}) + list(sets)
+        with pytest.raises(ConfigError) as err:
+            load_config(CONFIG, overrides)
+        assert "cluster.placement='colocated'" in str(err.value) and needle in str(err.value)
+    with pytest.raises(ConfigError, match="separate.*colocated"):
+        load_config(CONFIG, [*demo_overrides(demo_assets, 1), "cluster.placement=shared"])
+
+
+def test_the_driver_imports_no_framework():
+    """The driver starts actors and moves records: torch, transformers and DeepSpeed load in the
+    processes that compute (its tokenizer loads transformers later, while the actors start)."""
+    code = (
+        "import json, sys\n"
+        "import cluster.train, cluster.controller, cluster.streaming, cluster.actors, cluster.colocated\n"
+        "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
