@@ -147,10 +147,10 @@ def form_learner(ranks: list[Any], names: list[str], wait: float) -> None:
     ray.get(setups)
 
 
-def start_colocated(cfg: RunConfig, pad_token_id: int, run_id: str) -> Roles:
-    """cluster.placement='colocated': one `ColocatedHost` per learner rank (named like the rank) holds
-    the rank and replica i of every other role; the pools hold `RoleView`s of them. Their members
-    cannot be replaced or scaled on their own: the start function says so."""
+def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
+    """cluster.placement='colocated': reserve the plan and create one `ColocatedHost` per learner rank
+    (named like the rank), without waiting: they import and load while the driver tokenizes. Each
+    host holds its rank and replica i of every other role, and finds the pad id itself."""
     from .colocated import ColocatedHost, RoleView
 
     plan = PlacementPlan(cfg)
@@ -168,37 +168,52 @@ def start_colocated(cfg: RunConfig, pad_token_id: int, run_id: str) -> Roles:
         return start
 
     wait = cfg.timeouts.actor_start_s
-    pools = {
-        role: ActorPool(prefixes[role], cannot_start(role), wait)
-        for role in ("rollout", "reference", "reward")
-    }
-    roles = Roles(pools["rollout"], pools["reference"], pools["reward"], plan)
+    pools = [
+        ActorPool(prefixes[role], cannot_start(role), wait) for role in ("rollout", "reference", "reward")
+    ]
+    roles = Roles(*pools, plan)
     try:
-        names = [f"{prefixes['learner']}-{rank}" for rank in range(cfg.learner.num_ranks)]
-        for rank, name in enumerate(names):
+        for rank in range(cfg.learner.num_ranks):
             roles.hosts.append(
                 ray.remote(ColocatedHost)
-                .options(name=actor_name(run_id, name), **plan.options("learner", rank))
-                .remote(rank, cfg, plan.rollout.config, pad_token_id)
+                .options(
+                    name=actor_name(run_id, f"{prefixes['learner']}-{rank}"), **plan.options("learner", rank)
+                )
+                .remote(rank, cfg, plan.rollout.config)
             )
         roles.ranks = [RoleView(h, "learner") for h in roles.hosts]
-        form_learner(roles.ranks, names, wait)
-        counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
-        for (role, pool), count in zip(pools.items(), counts, strict=True):
-            pool.members = [
-                Member(f"{prefixes[role]}-{i}", RoleView(roles.hosts[i], role), i) for i in range(count)
-            ]
     except BaseException:
         stop_roles(roles)
         raise
     return roles
 
 
-def start_roles(cfg: RunConfig, pad_token_id: int, run_id: str, on_worker_start=None) -> Roles:
+def finish_colocated(cfg: RunConfig, roles: Roles) -> None:
+    """Form the launched hosts' learner world and fill the pools with views of their roles."""
+    from .colocated import RoleView
+
+    plan = roles.plan
+    names = [f"{plan.shapes['learner'].prefix}-{rank}" for rank in range(len(roles.hosts))]
+    form_learner(roles.ranks, names, cfg.timeouts.actor_start_s)
+    counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
+    for pool, role, count in zip(roles.pools(), ("rollout", "reference", "reward"), counts, strict=True):
+        pool.members = [Member(f"{pool.prefix}-{i}", RoleView(roles.hosts[i], role), i) for i in range(count)]
+
+
+def start_roles(
+    cfg: RunConfig, pad_token_id: int, run_id: str, on_worker_start=None, launched: Roles | None = None
+) -> Roles:
     """Reserve the whole placement plan first (it fails fast when the cluster cannot hold it), then
-    start every actor at once (model loading overlaps); the learner's rendezvous runs meanwhile."""
+    start every actor at once (model loading overlaps); the learner's rendezvous runs meanwhile.
+    Colocated: the hosts `launch_colocated` started (`launched`, or started now) are finished."""
     if cfg.cluster.placement == "colocated":
-        return start_colocated(cfg, pad_token_id, run_id)
+        roles = launched or launch_colocated(cfg, run_id)
+        try:
+            finish_colocated(cfg, roles)
+        except BaseException:
+            stop_roles(roles)
+            raise
+        return roles
     plan = PlacementPlan(cfg)
     plan.reserve()
     roles = make_pools(cfg, plan, run_id, on_worker_start)

@@ -52,7 +52,9 @@ class ColocatedHost:
     """Learner rank `rank` and the roles `held_roles(cfg, rank)` in one process (a plain class;
     `cluster.actors` runs it as a Ray actor)."""
 
-    def __init__(self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int) -> None:
+    def __init__(
+        self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int | None = None
+    ) -> None:
         os.environ.update(ROLE_ENV)
         t0 = time.perf_counter()
         import torch
@@ -64,6 +66,12 @@ class ColocatedHost:
 
         self.timings = {"import_s": time.perf_counter() - t0}
         self._torch = torch
+        if pad_token_id is None:  # the driver's rule, on the same tokenizer (it loads it meanwhile)
+            from transformers import AutoTokenizer
+
+            from .data import pad_token_id as pad_of
+
+            pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
         lc, temperature = cfg.learner, cfg.rollout.sampling.temperature
         held = held_roles(cfg, rank)
         self.threads = {

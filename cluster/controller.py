@@ -17,11 +17,11 @@ import numpy as np
 import ray
 import yaml
 
-from .actors import Roles, start_roles, stop_roles
+from .actors import Roles, launch_colocated, start_roles, stop_roles
 from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
-from .data import Prompt, PromptStream, read_prompts, tokenize_prompts
+from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from .evaluation import before_after_lines, evaluate, load_eval_prompts, print_eval
 from .groups import shard_by_group
 from .metrics import MetricsWriter, truncate_metrics
@@ -29,6 +29,7 @@ from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .run_folder import check_ranks_see_run_folder
+from .startup import StartupClock
 from .stopping import StopRequest
 from .summary import RunSummary, reward_to_prob
 from .telemetry import Telemetry
@@ -80,6 +81,7 @@ class Trainer:
         self.eval_before: dict[str, float] | None = None  # held-out metrics of the initial weights
         self.eval_after: dict[str, float] | None = None
         self.t_start = time.perf_counter()
+        self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
         ck = cfg.checkpoint
         self.stop = StopRequest(ck.stop_grace_s)  # `train.main` installs its signal handlers
         self.cadence = Cadence(ck.every_steps, ck.every_minutes)
@@ -92,6 +94,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(
             yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
         )
+        if cfg.cluster.placement == "colocated":  # the hosts import and load while the driver tokenizes
+            self.roles = launch_colocated(cfg, self.run_id)
         from transformers import AutoTokenizer  # here, not at import: it imports torch
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
@@ -99,10 +103,8 @@ class Trainer:
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
         self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        self.roles = start_roles(cfg, pad, self.run_id, on_worker_start=self._bring_up_to_date)
+        pad = pad_token_id(self.tokenizer)
+        self.roles = start_roles(cfg, pad, self.run_id, self._bring_up_to_date, launched=self.roles)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
@@ -121,6 +123,9 @@ class Trainer:
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
         self.telemetry = Telemetry(self.run_id)
         self.cadence.written()  # the minutes count from the end of set-up
+        self.clock.mark("actors")
+        if self.roles.hosts:
+            self.clock.actor = ray.get(self.roles.hosts[0].startup_timings.remote(), timeout=60)
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over this run's pools, timeouts and replacement hook."""
@@ -380,6 +385,7 @@ class Trainer:
             self.eval_before = self.report_eval("before")
             if self.eval_before is not None:
                 self.writer.write(0, self.eval_before)
+            self.clock.mark("held-out eval")
         bar = None
         if self.cfg.run.progress_bar:
             from tqdm import tqdm
@@ -390,6 +396,9 @@ class Trainer:
         try:
             while self.step < self.cfg.run.steps and not self.stop.requested:
                 m = self.iteration()
+                if "step 1" not in self.clock.marks:
+                    self.clock.mark("step 1")
+                    self.clock.write(self.run_dir)
                 if bar is not None:
                     bar.set_postfix(_postfix(m))
                     bar.update(1)
@@ -432,7 +441,8 @@ class Trainer:
             interrupted=interrupted,
             extra=before_after_lines(
                 self.eval_before, self.eval_after, f"held-out ({len(self.eval_prompts)} prompts)"
-            ),
+            )
+            + ([self.clock.line()] if "step 1" in self.clock.marks else []),
         )
 
     def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:

@@ -48,6 +48,13 @@ def read_prompts(cfg: DataSection) -> list[tuple[int, str, dict]]:
     return rows
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id that fills padded positions: the tokenizer's pad, else its EOS, else 0 (masked anyway)."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return int(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else 0
+
+
 def tokenize_prompts(
     rows: list[tuple[int, str, dict]], tokenizer, cfg: DataSection
 ) -> tuple[list[Prompt], DataStats]:

@@ -170,12 +170,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    from .startup import StartupClock
+
+    clock = StartupClock()
+    clock.mark("driver start")
     own_ray = not ray.is_initialized()  # a local Ray this driver starts is shut down when it ends
     dashboard = init_ray(cfg)
+    clock.mark("ray.init")
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
     trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
+    trainer.clock = clock
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/stopping.py)
     try:
         trainer.setup()

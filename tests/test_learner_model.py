@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.trajectory import Trajectory
 from learner.config import LearnerConfig
 from learner.deepspeed_setup import LinearWarmup, ds_config, remove_shm_buffers, shm_buffer_path
 from learner.model import VALUE_HEAD_FILE, PolicyWithValueHead, zero_dropout
 from learner.ppo_step import pack_trajectories
+from learner.trajectory import Trajectory
 
 
 def _rows():

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.trajectory import Trajectory
 from learner.config import KLConfig, LearnerConfig
 from learner.model import VALUE_HEAD_FILE
 from learner.rank import LearnerRank
+from learner.trajectory import Trajectory
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ from tiny_models import FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
 import learner.sequences as sequences
-from learner.trajectory import Trajectory
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import forward_scores, pack_trajectories
+from learner.trajectory import Trajectory
 from reward_service.config import ReferenceConfig
 from reward_service.reference import ReferencePolicy
 from rollout_workers.config import RolloutConfig, SamplingConfig
