@@ -1,7 +1,9 @@
 """The generation-engine interface every backend implements, and the factory that picks one.
 
 Backends only turn token ids into sampled token ids and behaviour logprobs. Prompt validation,
-the seeding policy, version tagging and building `Sample` records live in `RolloutWorker`.
+the seeding policy, version tagging and building `Sample` records live in `RolloutWorker`. The
+sleep / wake-up contract (for an engine colocated with the learner) is stated and enforced here, in
+`RolloutEngine`; the backends only free and restore memory.
 """
 
 from __future__ import annotations
@@ -27,7 +29,25 @@ class GenerationOutput:
 
 
 class RolloutEngine(ABC):
-    """A model that samples responses for token-id prompts and can swap its weights in place."""
+    """A model that samples responses for token-id prompts and can swap its weights in place.
+
+    The public methods state the contract every backend shares and enforce it; a backend implements
+    the underscored hooks (`_generate`, `_probe_logprobs`, `_load_weights`, `_release`, `_restore`).
+
+    Sleep (for an engine sharing its devices with the learner, as in a hybrid engine): `sleep(level)`
+    frees what the engine holds on its device while the learner trains, `wake_up()` takes it back.
+    - level 1: the weights move to host memory and the KV cache is dropped; after `wake_up()` the engine
+      computes exactly what it computed before (same seed -> same samples).
+    - level 2: the weights and KV cache are discarded; after `wake_up()` the weights are unknown and
+      `generate` / `probe_logprobs` raise until `load_weights` succeeds (a backend may keep a host copy,
+      the contract does not promise it).
+    - `sleep` on a sleeping engine and `wake_up` on an awake one are no-ops that return False (a second
+      `sleep` does not change the level the engine fell asleep at).
+    - While asleep, `generate`, `probe_logprobs` and `load_weights` raise RuntimeError ("engine is asleep:
+      wake_up() first"): vLLM cannot write into weights it has offloaded or discarded, so the order is
+      learner step -> `wake_up()` -> `load_weights` -> `generate`.
+    - A hook that raises leaves the state as it was (a failed `wake_up` can be retried).
+    """
 
     name: str = "engine"
 
@@ -37,7 +57,9 @@ class RolloutEngine(ABC):
     max_model_len: int | None  # longest prompt + response the model supports (None: no fixed limit)
     eos_token_ids: frozenset[int]  # tokens that end a response with finish_reason 'stop'
 
-    @abstractmethod
+    _sleep_level: int = 0  # 0: awake; 1 or 2: the level the engine fell asleep at
+    _unknown_weights: str | None = None  # why the weights held are unknown (None: they are known)
+
     def generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
@@ -46,10 +68,25 @@ class RolloutEngine(ABC):
         Prompts are already validated (non-empty int64 ids in vocab, fit in `max_model_len`). The same
         prompts, sampling, seed and weights give the same outputs.
         """
+        self._require_ready()
+        return self._generate(prompts, sampling, seed)
 
-    @abstractmethod
+    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+        """Teacher-forced logprobs (temperature 1, float32 [L-1]) of tokens 1..L-1 of each sequence,
+        computed by this engine's own forward on the weights it holds: the functional fingerprint
+        that acknowledges a weight swap (see `learner.sequences.probe_sequences`)."""
+        self._require_ready()
+        return self._probe_logprobs(sequences)
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the weights in place; raise (naming the keys) when `state` does not fit the model."""
+        """Replace the weights in place; raise (naming the keys) when `state` does not fit the model.
+
+        A refused bundle changes nothing; a load that fails part-way leaves the weights unknown (the
+        backend sets `_unknown_weights`) until a full load succeeds."""
+        if self.is_sleeping:
+            raise RuntimeError(f"{self.name} engine is asleep: wake_up() first, then load the weights")
+        self._load_weights(state)
+        self._unknown_weights = None
 
     @abstractmethod
     def weights_checksum(self) -> str | None:
@@ -57,11 +94,63 @@ class RolloutEngine(ABC):
         `load_weights` takes, so it equals `state_checksum(bundle, self.dtype)` after a load; None for
         an engine that cannot read its weights back under those names (vLLM fuses and repacks them)."""
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level the engine fell asleep at."""
+        return self._sleep_level
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free the engine's device memory at `level` (1 or 2, see the class docstring); True if it fell
+        asleep now, False if it already slept."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.is_sleeping:
+            return False
+        self._release(level)
+        self._sleep_level = level
+        return True
+
+    def wake_up(self) -> bool:
+        """Take the device memory back; True if it woke now, False if it was awake. After a level-2
+        sleep the weights must be loaded before the engine generates again."""
+        level = self._sleep_level
+        if not level:
+            return False
+        self._restore(level)
+        self._sleep_level = 0
+        if level == 2:
+            self._unknown_weights = "the engine woke from a level-2 sleep, which discards the weights"
+        return True
+
+    def _require_ready(self) -> None:
+        if self.is_sleeping:
+            raise RuntimeError(f"{self.name} engine is asleep: wake_up() first")
+        if self._unknown_weights is not None:
+            raise RuntimeError(f"{self._unknown_weights}: the weights are unknown until a full bundle loads")
+
+    # Backend hooks: called by the public methods above once the contract's checks pass.
     @abstractmethod
-    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
-        """Teacher-forced logprobs (temperature 1, float32 [L-1]) of tokens 1..L-1 of each sequence,
-        computed by this engine's own forward on the weights it holds: the functional fingerprint
-        that acknowledges a weight swap (see `learner.sequences.probe_sequences`)."""
+    def _generate(
+        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
+    ) -> list[list[GenerationOutput]]: ...
+
+    @abstractmethod
+    def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]: ...
+
+    @abstractmethod
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _release(self, level: int) -> None:
+        """Free device memory for a sleep at `level` (1 or 2); called only on an awake engine."""
+
+    @abstractmethod
+    def _restore(self, level: int) -> None:
+        """Undo `_release(level)`; called only on a sleeping engine."""
 
 
 def read_special_ids(model_path: str) -> tuple[frozenset[int], int]:

@@ -10,6 +10,14 @@ Behaviour logprobs are log_softmax(raw_logits / temperature) at the sampled toke
 tempered distribution, the one the learner and the reference recompute. With top_k/top_p on, the
 token is drawn from the truncated, renormalised distribution, so those logprobs are not exactly
 the probabilities the token was sampled with (they are lower by the log of the kept mass).
+
+Sleep (contract in `RolloutEngine`): on a GPU, level 1 and level 2 both move the model to host memory
+and return the freed blocks to the driver (`torch.cuda.empty_cache()`; transformers keeps no KV cache
+between calls), and waking moves it back. Level 2 keeps that host copy rather than discarding the
+weights: rebuilding from a pushed bundle alone would lose the non-persistent buffers (rotary
+`inv_freq`, ...) and the tying of shared parameters; the contract still demands a load after a level-2
+wake, so callers treat both backends the same. On CPU there is nothing to free: the hooks only
+change the state.
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ class HFEngine(RolloutEngine):
         return out.logits[:, -1, :].float(), out.past_key_values
 
     @torch.inference_mode()
-    def generate(
+    def _generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
         n, steps = sampling.n, sampling.max_new_tokens
@@ -125,7 +133,7 @@ class HFEngine(RolloutEngine):
         return [outs[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         check_state_keys(state, {k: tuple(v.shape) for k, v in own.items()}, what=type(self.model).__name__)
         check_tied_copies(state, self._tied)
@@ -136,13 +144,22 @@ class HFEngine(RolloutEngine):
         return state_checksum(self.model.state_dict(), self.dtype)
 
     @torch.inference_mode()
-    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
+    def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         out = []
         for seq in sequences:
             ids = torch.as_tensor(np.asarray(seq, dtype=np.int64), device=self._device).unsqueeze(0)
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
             out.append(sequence_logprobs(logits[0], ids[0]).cpu().numpy())
         return out
+
+    def _release(self, level: int) -> None:
+        if self._device.type == "cuda":
+            self.model.to("cpu")  # in place: parameters keep their identity, tied ones stay tied
+            torch.cuda.empty_cache()
+
+    def _restore(self, level: int) -> None:
+        if self._device.type == "cuda":
+            self.model.to(self._device)
 
 
 def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -19,6 +19,13 @@
   checksum; a swap is acknowledged by `probe_logprobs` (`prompt_logprobs`), what the engine computes.
 - Seeds: each prompt gets its own seed derived from (seed, prompt position); vLLM gives the k-th of
   the n samples seed + k.
+- Sleep (contract in `RolloutEngine`): with `rollout.sleep_level > 0` the engine is built with
+  `enable_sleep_mode=True` and the hooks are vLLM's `LLM.sleep(level)` / `LLM.wake_up()` (level 2
+  discards the weights; vLLM keeps the buffers, the next `load_weights` restores the rest). vLLM's
+  sleep mode needs a CUDA/ROCm/XPU GPU (its CPU worker ignores sleep), so `sleep_level > 0` on a
+  platform without it is refused at construction. An engine built with `sleep_level=0` can still be
+  put to sleep on CPU, where there is nothing to free (the hooks only change the state), but not on
+  a GPU, where vLLM needs the sleep-mode allocator from the start.
 
 Settings that differ on CPU because vLLM needs them there (defaults of `VLLMConfig`): a bounded KV
 cache (0.25 GiB unless `kv_cache_gib`; `gpu_memory_utilization` would be a fraction of all RAM),
@@ -100,6 +107,16 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model_path: str, config: RolloutConfig) -> None:
         self._vllm, self.on_cpu = import_vllm()
+        self._sleep_mode = config.sleep_level > 0
+        if self._sleep_mode:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise ValueError(
+                    f"rollout.sleep_level={config.sleep_level}: vLLM sleep mode needs a CUDA/ROCm/XPU GPU and "
+                    f"this process runs vLLM on {type(current_platform).__name__}; set rollout.sleep_level=0 "
+                    "(nothing to free on CPU) or run the rollout workers on GPUs"
+                )
         from transformers import AutoConfig, AutoModelForCausalLM
 
         v = config.vllm
@@ -127,7 +144,6 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = (
             min(v.max_model_len, limit) if v.max_model_len and limit else v.max_model_len or limit
         )
-        self._broken = False  # a load failed part-way: the weights are unknown until a full one succeeds
         tp = v.tensor_parallel_size
         kwargs: dict[str, Any] = {}
         if kv_gib is not None:
@@ -145,16 +161,16 @@ class VLLMEngine(RolloutEngine):
             generation_config="vllm",  # sampling comes from SamplingConfig only, never the checkpoint
             worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
             distributed_executor_backend=None if tp == 1 else ("mp" if self.on_cpu else "ray"),
+            enable_sleep_mode=self._sleep_mode,
             **kwargs,
         )
 
     def _requests(self, prompts: list[np.ndarray]) -> list[dict]:
         return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
 
-    def generate(
+    def _generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
-        self._require_known_weights()
         if sampling.top_k > 0 or sampling.top_p < 1.0:
             raise ValueError(
                 "engine='vllm' cannot return log_softmax(logits / T) with top_k/top_p truncation on "
@@ -184,8 +200,7 @@ class VLLMEngine(RolloutEngine):
         finish = "stop" if ids.size and int(ids[-1]) in self.eos_token_ids else "length"
         return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish)
 
-    def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
-        self._require_known_weights()
+    def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         params = self._vllm.SamplingParams(
             max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0
         )
@@ -198,22 +213,28 @@ class VLLMEngine(RolloutEngine):
             )
         return out
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         check_state_keys(state, self._expected, what=f"checkpoint {self._path}")
         check_tied_copies(state, self._tied)
         blob = bundle_bytes(state, self.dtype)
-        self._broken = True  # until every rank has loaded the whole bundle
+        self._unknown_weights = "a weight load failed part-way"  # until every rank has loaded the bundle
         counts = self._llm.collective_rpc(_LOADER, args=(blob,))
         if any(c != len(state) for c in counts):
             raise RuntimeError(f"vLLM workers read {counts} of the bundle's {len(state)} tensors")
         self._llm.reset_prefix_cache()
-        self._broken = False
 
     def weights_checksum(self) -> None:
         return None
 
-    def _require_known_weights(self) -> None:
-        if self._broken:
+    def _release(self, level: int) -> None:
+        if self._sleep_mode:
+            self._llm.sleep(level=level)
+        elif not self.on_cpu:
             raise RuntimeError(
-                "a weight load failed part-way: the weights are unknown until a full bundle loads"
+                "this vLLM engine was built with rollout.sleep_level=0, without vLLM's sleep mode: set "
+                "rollout.sleep_level to 1 or 2 to let it sleep"
             )
+
+    def _restore(self, level: int) -> None:
+        if self._sleep_mode and not self._llm.wake_up():
+            raise RuntimeError("vLLM woke up only partly: some of its memory is still asleep")

@@ -5,6 +5,10 @@ and generating never overlap: a Ray actor with the default max_concurrency=1 run
 time, and a lock keeps that true when the worker is used directly from threads or a threaded actor.
 So every token of a sample comes from the weights of the version the sample is tagged with.
 
+Sleep (colocated with the learner): `sleep()` before the learner's step frees the engine's device
+memory at `config.sleep_level`, `wake_up()` takes it back; then `load_weights` (required after a
+level-2 sleep) and `generate`. The contract is `RolloutEngine`'s; the worker adds the lock and counts.
+
 Seeding policy: the engine gets the caller's `seed` unchanged, so a chunk of prompts handed again
 (for example to another worker after a failure) with the same seed and weights gives the same samples.
 """
@@ -49,6 +53,10 @@ class RolloutWorker:
             "weight_loads": 0,
             "generate_s": 0.0,
             "load_s": 0.0,
+            "sleeps": 0,
+            "wakes": 0,
+            "sleep_s": 0.0,
+            "wake_s": 0.0,
         }
 
     def generate(
@@ -118,6 +126,46 @@ class RolloutWorker:
             self._stats["load_s"] += time.perf_counter() - t0
             return ack
 
+    def sleep(self, level: int | None = None) -> dict:
+        """Free the engine's device memory at `level` (default `config.sleep_level`; 0 does nothing).
+
+        Returns facts to log: {'worker_index', 'asleep', 'level' (the level it sleeps at, 0 awake),
+        'changed' (False when it already slept or level is 0), 'seconds'}. Asleep, the worker refuses
+        `generate`, `fingerprint` and `load_weights` until `wake_up()`; its version stays the same.
+        """
+        level = self.config.sleep_level if level is None else int(level)
+        with self._lock:
+            t0 = time.perf_counter()
+            changed = level != 0 and self._engine.sleep(level)
+            seconds = time.perf_counter() - t0
+            if changed:
+                self._stats["sleeps"] += 1
+                self._stats["sleep_s"] += seconds
+            return self._sleep_facts(changed, seconds)
+
+    def wake_up(self) -> dict:
+        """Take the engine's device memory back (a no-op when awake); the same facts as `sleep`. After a
+        level-2 sleep the weights must be loaded (`load_weights`, any version >= the one held) before
+        `generate`."""
+        with self._lock:
+            t0 = time.perf_counter()
+            changed = self._engine.wake_up()
+            seconds = time.perf_counter() - t0
+            if changed:
+                self._stats["wakes"] += 1
+                self._stats["wake_s"] += seconds
+            return self._sleep_facts(changed, seconds)
+
+    def _sleep_facts(self, changed: bool, seconds: float) -> dict:
+        level = self._engine.sleep_level
+        return {
+            "worker_index": self.worker_index,
+            "asleep": level > 0,
+            "level": level,
+            "changed": bool(changed),
+            "seconds": seconds,
+        }
+
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join learner rank 0's weight broadcast group as `rank` (`cluster.weight_sync.CollectiveWeightSync`)."""
         from rollout_workers.weight_receiver import open_group
@@ -156,10 +204,16 @@ class RolloutWorker:
         return f"rollout worker {self.worker_index} ({self._engine.name}) pid {os.getpid()} on {socket.gethostname()}"
 
     def stats(self) -> dict:
-        """Counters since start: prompts, samples and response tokens generated, busy seconds."""
+        """Counters since start: prompts, samples and response tokens generated, weight loads, sleeps and
+        wake-ups, busy seconds; and whether the engine sleeps now (`sleep_level`, 0 awake)."""
         s = dict(self._stats)
-        s["busy_s"] = s["generate_s"] + s["load_s"]
-        s.update(worker_index=self.worker_index, engine=self._engine.name, policy_version=self._version)
+        s["busy_s"] = s["generate_s"] + s["load_s"] + s["sleep_s"] + s["wake_s"]
+        s.update(
+            worker_index=self.worker_index,
+            engine=self._engine.name,
+            policy_version=self._version,
+            sleep_level=self._engine.sleep_level,
+        )
         return s
 
     def _check_prompt(self, index: int, prompt: np.ndarray, sampling: SamplingConfig) -> np.ndarray:

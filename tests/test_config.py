@@ -47,6 +47,13 @@ def test_wrong_literal_names_field_and_allowed_values():
         build_config(tree(learner={"kl": {"estimator": "k9"}}))
 
 
+def test_sleep_level_names_the_field_and_allowed_values():
+    assert build_config(tree()).rollout.sleep_level == 0
+    with pytest.raises(ConfigError) as info:
+        build_config(tree(rollout={"sleep_level": 3}))
+    assert "rollout.sleep_level" in str(info.value) and "0, 1 or 2" in str(info.value)
+
+
 def test_wrong_type_is_named():
     with pytest.raises(ConfigError, match=r"data\.prompts_per_step"):
         build_config(tree(data={"prompts_per_step": "many"}))

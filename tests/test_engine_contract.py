@@ -7,6 +7,9 @@ transformers forward of the same weights (max gap < 1e-4; measured ~1e-6 for bot
 logprobs match the new weights, and the acknowledgement's probe logprobs are the new weights' (what
 the engine computes, not what was sent); versions never go backwards; bundles that do not fit, or
 whose tied copies differ, are refused before anything changes; bad input gives a named error.
+Sleep / wake-up (`RolloutEngine`'s contract): asleep, the engine refuses to generate, probe or load;
+woken from level 1 it gives exactly the samples it gave before; woken from level 2 it refuses until a
+bundle loads; sleeping twice or waking an awake engine changes nothing.
 """
 
 from __future__ import annotations
@@ -185,6 +188,101 @@ def test_bundles_that_do_not_fit_are_refused_before_anything_changes(worker, pol
         worker.load_weights(untied, version + 1)
     fp = worker.fingerprint()
     assert fp.version == version and _gap(fp.probe, probe) == 0.0  # nothing was loaded
+
+
+def test_sleep_and_wake_up_keep_the_weights_and_the_version(worker, policies):
+    sampling = SamplingConfig(n=2, max_new_tokens=12)
+    version, probe = worker.version(), worker.fingerprint().probe
+    before = worker.generate(INDICES, PROMPTS, seed=21, sampling=sampling)
+    assert worker.sleep()["changed"] is False  # the config's sleep_level is 0: no-op
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2, got 3"):
+        worker.sleep(3)
+
+    facts = worker.sleep(1)
+    assert facts["asleep"] and facts["level"] == 1 and facts["changed"] and facts["seconds"] >= 0
+    again = worker.sleep(2)  # a second sleep is a no-op and keeps the level
+    assert again["asleep"] and again["level"] == 1 and not again["changed"]
+    assert worker.stats()["sleep_level"] == 1
+    with pytest.raises(RuntimeError, match=r"engine is asleep: wake_up\(\) first"):
+        worker.generate(INDICES, PROMPTS, seed=21, sampling=sampling)
+    with pytest.raises(RuntimeError, match=r"engine is asleep: wake_up\(\) first"):
+        worker.fingerprint()
+    with pytest.raises(RuntimeError, match=r"engine is asleep: wake_up\(\) first"):
+        worker.load_weights(_bundle(policies[0]), version + 1)
+    assert worker.version() == version
+
+    woke = worker.wake_up()
+    assert woke["changed"] and not woke["asleep"] and woke["level"] == 0
+    assert not worker.wake_up()["changed"]  # waking an awake engine is a no-op
+    after = worker.generate(INDICES, PROMPTS, seed=21, sampling=sampling)
+    assert _key(after) == _key(before) and {s.policy_version for s in after} == {version}
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    fp = worker.fingerprint()
+    assert fp.version == version and _gap(fp.probe, probe) == 0.0
+    stats = worker.stats()
+    assert stats["sleep_level"] == 0 and stats["sleeps"] >= 1 and stats["wakes"] >= 1
+
+
+def test_level_two_wake_up_needs_a_weight_load(worker, policies):
+    a, b = policies
+    sampling = SamplingConfig(n=2, max_new_tokens=12)
+    version, sleeps = worker.version(), worker.stats()["sleeps"]
+    assert worker.sleep(2)["level"] == 2
+    with pytest.raises(RuntimeError, match="engine is asleep"):
+        worker.load_weights(_bundle(b), version + 1)
+    worker.wake_up()
+    unknown = "woke from a level-2 sleep, which discards the weights: the weights are unknown until a full"
+    with pytest.raises(RuntimeError, match=unknown):
+        worker.generate(INDICES, PROMPTS, seed=5, sampling=sampling)
+    with pytest.raises(RuntimeError, match=unknown):
+        worker.fingerprint()
+    missing = {k: v for k, v in _bundle(b).items() if k != "lm_head.weight"}
+    with pytest.raises(KeyError, match="missing key"):
+        worker.load_weights(missing, version + 1)  # a refused bundle leaves the weights unknown
+    with pytest.raises(RuntimeError, match=unknown):
+        worker.generate(INDICES, PROMPTS, seed=5, sampling=sampling)
+
+    ack = worker.load_weights(_bundle(b), version + 1)  # the push after the wake-up
+    assert ack.version == worker.version() == version + 1
+    assert _gap(ack.probe, _probe_reference(b)) < TOL
+    samples = worker.generate(INDICES, PROMPTS, seed=5, sampling=sampling)
+    assert {s.policy_version for s in samples} == {version + 1} and _teacher_forced(b, samples, 1.0) < TOL
+    ack = worker.load_weights(_bundle(a), version + 2)  # back to A for the other tests
+    assert _gap(ack.probe, _probe_reference(a)) < TOL
+    assert worker.stats()["sleeps"] == sleeps + 1
+
+
+def test_hf_sleeps_at_the_configured_level(policies):
+    worker = RolloutWorker(policies[0], RolloutConfig(engine="hf", sleep_level=2))
+    facts = worker.sleep()
+    assert facts["level"] == 2 and facts["changed"] and worker.stats()["sleeps"] == 1
+    assert worker.wake_up()["changed"]
+    with pytest.raises(RuntimeError, match="level-2 sleep"):
+        worker.fingerprint()
+    assert worker.load_weights(_bundle(policies[0]), 0).version == 0  # the same version may be pushed again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading frees GPU memory: needs a GPU")
+def test_hf_sleep_frees_gpu_memory(policies):
+    worker = RolloutWorker(policies[0], RolloutConfig(engine="hf", sleep_level=1))
+    sampling = SamplingConfig(n=2, max_new_tokens=12)
+    before = worker.generate(INDICES, PROMPTS, seed=3, sampling=sampling)
+    held = torch.cuda.memory_allocated()
+    worker.sleep()
+    assert torch.cuda.memory_allocated() < held
+    worker.wake_up()
+    assert _key(worker.generate(INDICES, PROMPTS, seed=3, sampling=sampling)) == _key(before)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(_NO_VLLM, reason="vllm is not importable here (make test-vllm installs it)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU build has no sleep mode; GPUs do")
+def test_vllm_on_cpu_refuses_a_sleep_level(policies):
+    with pytest.raises(
+        ValueError, match=r"rollout\.sleep_level=1: vLLM sleep mode needs a CUDA/ROCm/XPU GPU"
+    ):
+        RolloutWorker(policies[0], RolloutConfig(engine="vllm", sleep_level=1))
 
 
 def test_bad_input_gives_a_named_error(worker):
