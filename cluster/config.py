@@ -284,6 +284,11 @@ class RunConfig(_Strict):
     def _colocated(self) -> RunConfig:
         """What cluster.placement='colocated' cannot do, named with the field to change."""
         if self.cluster.placement != "colocated":
+            if self.rollout.sleep_level:
+                raise ValueError(
+                    f"rollout.sleep_level={self.rollout.sleep_level} frees the engine's memory for a learner on the "
+                    "same devices: it needs cluster.placement='colocated' (set 0 with 'separate')"
+                )
             return self
         ranks = self.learner.num_ranks
         problems = [

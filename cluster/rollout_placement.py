@@ -31,8 +31,13 @@ from .config import RunConfig
 
 
 def worker_config(cfg: RunConfig) -> RolloutConfig:
-    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data."""
+    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, and
+    an unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for
+    the learner step: vLLM sleep mode)."""
     r = cfg.rollout
+    on_gpus = cfg.cluster.placement == "colocated" and cfg.learner.num_gpus_per_rank > 0
+    if "sleep_level" not in r.model_fields_set and on_gpus:
+        r = r.model_copy(update={"sleep_level": 1})
     if r.engine != "vllm" or r.vllm.max_model_len is not None:
         return r
     longest = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens

@@ -194,21 +194,6 @@ def init_distributed(
     )
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
-def skip_muon_import() -> None:
-    """Keep `deepspeed.initialize` from importing DeepSpeed's Muon optimizer, which this learner never
-    uses (it builds AdamW). With ZeRO on, DeepSpeed's optimizer check imports that module to list
-    Muon as supported, and the module decorates its kernels with torch.compile at import, which
-    imports torch._inductor: 2.6 s of every learner's start-up on a CPU core, compiling nothing. A
-    None entry in sys.modules is Python's way to make one import fail (ImportError), which DeepSpeed
-    catches; nothing else of DeepSpeed changes. Done only while nothing has imported the module."""
-    import sys
-
-    sys.modules.setdefault(MUON_MODULE, None)
-
-
 def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
     """`deepspeed.initialize` with AdamW (`build_optimizer`) and the warm-up schedule; returns the engine.
 
@@ -220,7 +205,6 @@ def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
 
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
-    skip_muon_import()
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(config)
     )

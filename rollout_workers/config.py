@@ -101,7 +101,7 @@ class RolloutConfig(_Strict):
     sleep_level: Literal[0, 1, 2] = Field(
         0,
         description="What the engine frees between generations while the learner trains on the same devices "
-        "(colocated placement; the cluster sets it). 0: never sleeps (separate placement, or CPU). 1: weights "
+        "(colocated placement). Unset: 1 when the cluster colocates the roles on GPUs, else 0. 0: never sleeps (separate placement, or CPU). 1: weights "
         "offloaded to host memory and KV cache dropped (vLLM sleep level 1; hf: the model moves to the CPU "
         "when it sits on a GPU). 2: weights and KV cache discarded (vLLM sleep level 2); the next weight "
         "push restores them. vLLM is built with enable_sleep_mode when > 0, which needs a CUDA/ROCm/XPU GPU.",

@@ -122,3 +122,37 @@ def test_the_driver_imports_no_framework():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.slow
+def test_colocated_engine_sleeps_while_the_learner_trains(ray_local, demo_assets, tmp_path):
+    """rollout.sleep_level=1 (what colocation on GPUs sets): the engine sleeps before each learner
+    step and wakes before the new weights load (a load or a generate on a sleeping engine raises, so a
+    wrong order fails the run). On CPU the hf engine has nothing to free; the order is what is tested."""
+    extra = {**SMALL, "cluster.placement": "colocated", "rollout.sleep_level": 1}
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))
+    trainer = make_trainer(cfg, tmp_path / "run")
+    try:
+        trainer.setup()
+        for _ in range(3):
+            trainer.iteration()
+        stats = ray.get(trainer.roles.workers.handles[0].stats.remote(), timeout=60)
+        version = ray.get(trainer.roles.workers.handles[0].version.remote(), timeout=60)
+    finally:
+        trainer.close()
+    assert (stats["sleeps"], stats["wakes"], stats["sleep_level"]) == (3, 3, 0)
+    assert version == 3
+
+
+def test_sleep_level_needs_colocation(demo_assets):
+    with pytest.raises(ConfigError, match="rollout.sleep_level=1 .*cluster.placement='colocated'"):
+        load_config(CONFIG, [*demo_overrides(demo_assets, 1), "rollout.sleep_level=1"])
+    sets = {"cluster.placement": "colocated", "learner.num_gpus_per_rank": 1}
+    from cluster.rollout_placement import worker_config
+
+    on_gpus = load_config(CONFIG, demo_overrides(demo_assets, 1, **sets))
+    assert worker_config(on_gpus).sleep_level == 1  # unset: colocated on GPUs sleeps
+    explicit = load_config(CONFIG, [*demo_overrides(demo_assets, 1, **sets), "rollout.sleep_level=0"])
+    assert worker_config(explicit).sleep_level == 0
+    on_cpus = load_config(CONFIG, demo_overrides(demo_assets, 1, **{"cluster.placement": "colocated"}))
+    assert worker_config(on_cpus).sleep_level == 0
