@@ -193,13 +193,18 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
 
     from cluster.config import load_config
     from cluster.controller import Trainer
+    from cluster.startup import StartupClock
     from cluster.train import init_ray, preflight
 
+    clock = StartupClock()
     cfg = load_config(config, [*quiet_overrides(steps), *overrides])
     preflight(cfg)
+    clock.mark("driver start")
     init_ray(cfg)
+    clock.mark("ray.init")
     marks = {"ray_ready": time.time()}
     trainer = Trainer(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")))
+    trainer.clock = clock
     rows = []
     try:
         trainer.setup()
@@ -207,6 +212,8 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             m = trainer.iteration()
+            if step == 1:
+                clock.mark("step 1")
             n = int(m["rollout/samples"])
             rows.append(
                 {
@@ -224,7 +231,8 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     finally:
         trainer.close()
         ray.shutdown()
-    out.write_text(json.dumps({"side": "ours", "steps": rows, "marks": marks}))
+    startup = {"phases_s": clock.phases(), "learner_process_s": clock.actor, "line": clock.line()}
+    out.write_text(json.dumps({"side": "ours", "steps": rows, "marks": marks, "startup": startup}))
 
 
 # ----------------------------------------------------------------------------- process-tree sampling
@@ -299,15 +307,19 @@ ROWS = [
 ]
 
 
-def format_table(this: dict | None, trl: dict | None) -> str:
-    head = f"{'':<50}{'this':>10}{'TRL':>10}{'this/TRL':>10}"
+def format_table(summary: dict[str, dict]) -> str:
+    """One column per side (TRL last) and each side's ratio to TRL."""
+    names = [n for n in summary if n != "trl"] + (["trl"] if "trl" in summary else [])
+    ratios = [n for n in names if n != "trl" and "trl" in summary]
+    head = f"{'':<50}" + "".join(f"{n:>12}" for n in names) + "".join(f"{n + '/TRL':>16}" for n in ratios)
     lines = [head, "-" * len(head)]
     for key, label, fmt in ROWS:
-        a, b = (s[key] if s else math.nan for s in (this, trl))
-        ratio = a / b if b and key != "foreign_cpu_frac" else math.nan
-        cells = [fmt.format(x) if not math.isnan(x) else "-" for x in (a, b)]
+        values = [summary[n][key] for n in names]
+        cells = "".join(f"{fmt.format(v) if not math.isnan(v) else '-':>12}" for v in values)
+        b = summary["trl"][key] if "trl" in summary else math.nan
+        rel = [summary[n][key] / b if b and key != "foreign_cpu_frac" else math.nan for n in ratios]
         lines.append(
-            f"{label:<50}{cells[0]:>10}{cells[1]:>10}{'-' if math.isnan(ratio) else f'{ratio:.2f}':>10}"
+            f"{label:<50}{cells}" + "".join(f"{'-' if math.isnan(r) else f'{r:.2f}':>16}" for r in rel)
         )
     return "\n".join(lines)
 
@@ -358,6 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=150, help="PPO steps of each side")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="this project's config")
     ap.add_argument("--sides", choices=["both", "ours", "trl"], default="both")
+    ap.add_argument(
+        "--placements",
+        default="separate,colocated",
+        help="this project's cluster.placement values, one cold run each (comma-separated)",
+    )
     ap.add_argument("--last-n", type=int, default=320, help="samples the final reward and KL average over")
     ap.add_argument("--standalone-steps", type=int, default=None, help="default: --steps, at most 40")
     ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the efficiency means")
@@ -391,8 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.sides in ("both", "ours"):
         sets = [a for o in args.overrides for a in ("--set", o)]
         me, common = [sys.executable, str(Path(__file__).resolve())], [f"--config={config}", *sets]
-        cmd = [*me, f"--steps={args.steps}", f"--side-ours={out / 'ours.json'}", *common]
-        result["this"] = run_side("this project", cmd, out / "ours.json", args)
+        for placement in args.placements.split(","):
+            side, file = f"this-{placement}", out / f"ours-{placement}.json"
+            cmd = [
+                *me,
+                f"--steps={args.steps}",
+                f"--side-ours={file}",
+                *common,
+                f"--set=cluster.placement={placement}",
+            ]
+            result[side] = run_side(f"this project ({placement})", cmd, file, args)
         k = args.standalone_steps or min(args.steps, 40)
         cmd = [
             sys.executable,
@@ -401,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
             f"--out={out / 'standalone.json'}",
         ]
         result["standalone"] = run_side("standalone", [*cmd, *common], out / "standalone.json", args)
-        result["efficiency"] = efficiency(result["this"], result["standalone"], args.warmup)
+        result["efficiency"] = {
+            name: efficiency(result[name], result["standalone"], args.warmup)
+            for name in result
+            if name.startswith("this-")
+        }
     report(result, args, out, venv)
     return 0
 
@@ -432,14 +461,14 @@ def run_trl(cfg: Any, args: argparse.Namespace, out: Path, py: Path) -> dict[str
 
 
 def report(result: dict, args: argparse.Namespace, out: Path, venv: Path) -> None:
-    sides = {k: result[k] for k in ("this", "trl") if k in result}
+    sides = {k.removeprefix("this-"): result[k] for k in result if k.startswith("this-") or k == "trl"}
     summary = {k: summarize(v, args.last_n) for k, v in sides.items()}
     result["summary"] = summary
     any_side = next(iter(summary.values()))
     print(
         f"\n=== this project vs TRL {TRL_VERSION} PPOTrainer: {any_side['steps']} PPO steps, {any_side['samples']} samples each ==="
     )
-    print(format_table(summary.get("this"), summary.get("trl")))
+    print(format_table(summary))
     print(
         f"(last samples: {any_side['tail_samples']}; TRL runs {args.trl_threads} torch threads in one process)"
     )
@@ -449,15 +478,15 @@ def report(result: dict, args: argparse.Namespace, out: Path, venv: Path) -> Non
             f"reward check: TRL's reward - this project's, {rc['samples']} samples: max |diff| {rc['max_abs_diff']:.1e}"
         )
     print("\nsettings that cannot match:\n" + "\n".join(f"  - {m}" for m in MISMATCHES))
-    if "efficiency" in result:
-        e = result["efficiency"]
+    for name, e in result.get("efficiency", {}).items():
         parts = ", ".join(f"{p} {e[p]:.3f}" for p in PHASES)
-        print(f"\npipeline efficiency, iterations {e['first']}..{e['last']}:")
+        print(f"\npipeline efficiency ({name}), iterations {e['first']}..{e['last']}:")
         print(f"  standalone compute (one process, no Ray) {e['compute']:.3f} s/iteration ({parts})")
         print(
             f"  end-to-end iteration (Ray)              {e['e2e']:.3f} s/iteration (median {e['e2e_median']:.3f})"
         )
         print(f"  end-to-end / standalone                 {e['ratio']:.2f}")
+        print(f"  {result[name].get('startup', {}).get('line', '')}")
     busy = max(s["foreign_cpu_frac"] for s in summary.values())
     if busy > 0.1:
         print(

@@ -78,16 +78,25 @@ def _compare(tmp_path: Path, demo_assets, sides: str) -> tuple[str, Path]:
 
 
 def test_compare_runs_one_tiny_step_of_this_project(tmp_path, demo_assets):
+    """Both placements, one cold run each, in one table with their start-up breakdowns."""
     stdout, out = _compare(tmp_path, demo_assets, "ours")
     assert "samples/s (whole run)" in stdout and "end-to-end / standalone" in stdout
+    assert stdout.count("to the end of step 1") == 2 and "colocated" in stdout and "separate" in stdout
     result = json.loads((out / "result.json").read_text())
-    (step,) = result["this"]["steps"]
-    assert step["samples"] == TINY["data.prompts_per_step"] and 0.0 <= step["reward_prob_mean"] <= 1.0
-    assert result["this"]["peak_pss_mb"] > 100  # Ray's daemons and four actors were counted
-    assert result["efficiency"]["compute"] > 0 and len(result["standalone"]["steps"]) == 1
+    steps = {}
+    for placement, processes in (("separate", 100), ("colocated", 100)):
+        (step,) = result[f"this-{placement}"]["steps"]
+        assert step["samples"] == TINY["data.prompts_per_step"] and 0.0 <= step["reward_prob_mean"] <= 1.0
+        assert result[f"this-{placement}"]["peak_pss_mb"] > processes  # Ray's daemons and the actors counted
+        assert result["efficiency"][f"this-{placement}"]["compute"] > 0
+        steps[placement] = step
+    assert steps["separate"]["reward_mean"] == pytest.approx(steps["colocated"]["reward_mean"], rel=1e-6)
+    assert len(result["standalone"]["steps"]) == 1
     rows = list(csv.DictReader((out / "curves.csv").open()))
     assert [r["step"] for r in rows] == ["1"]
-    assert float(rows[0]["this_p_positive"]) == pytest.approx(step["reward_prob_mean"], rel=1e-5)
+    assert float(rows[0]["colocated_p_positive"]) == pytest.approx(
+        steps["colocated"]["reward_prob_mean"], rel=1e-5
+    )
 
 
 @pytest.mark.skipif(
