@@ -151,7 +151,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
     """cluster.placement='colocated': reserve the plan and create one `ColocatedHost` per learner rank
     (named like the rank), without waiting: they import and load while the driver tokenizes. Each
     host holds its rank and replica i of every other role, and finds the pad id itself."""
-    from .colocated import ColocatedHost, RoleView
+    from .colocated import HOST_ENV, ColocatedHost, RoleView
 
     plan = PlacementPlan(cfg)
     plan.reserve()
@@ -177,7 +177,9 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
             roles.hosts.append(
                 ray.remote(ColocatedHost)
                 .options(
-                    name=actor_name(run_id, f"{prefixes['learner']}-{rank}"), **plan.options("learner", rank)
+                    name=actor_name(run_id, f"{prefixes['learner']}-{rank}"),
+                    runtime_env={"env_vars": HOST_ENV},
+                    **plan.options("learner", rank),
                 )
                 .remote(rank, cfg, plan.rollout.config)
             )

@@ -22,7 +22,6 @@ imports torch, transformers or DeepSpeed for them.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +30,15 @@ import ray
 
 from .config import RunConfig
 
-ROLE_ENV = {  # what the separate placement's actors get through their runtime_env
+# The host's environment: quiet transformers, and one OpenMP/BLAS thread for whatever does not take
+# its thread count from torch (numpy's BLAS). Ray would set OMP_NUM_THREADS to the host's CPUs
+# (all of the roles'): a second BLAS thread then spins against torch's threads, which made every
+# role ~20% slower on 2 cores. torch's own threads are set per call, per role.
+HOST_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
 }
 
 
@@ -55,7 +59,6 @@ class ColocatedHost:
     def __init__(
         self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int | None = None
     ) -> None:
-        os.environ.update(ROLE_ENV)
         t0 = time.perf_counter()
         import torch
 
@@ -88,6 +91,7 @@ class ColocatedHost:
             "reference": lambda: ReferencePolicy(cfg.reference_path, cfg.reference, temperature),
             "reward": lambda: RewardScorer(cfg.reward, cfg.tokenizer_path),
         }
+        self.busy: dict[str, float] = {}
         self.roles: dict[str, Any] = {}
         for role in ("learner", *held):
             t = time.perf_counter()
@@ -110,9 +114,15 @@ class ColocatedHost:
         self._torch.set_num_threads(self.threads[role])
         t = time.perf_counter()
         out = getattr(self.roles[role], method)(*args, **kwargs)
+        seconds = time.perf_counter() - t
         if role == "learner" and method == "setup":
-            self.timings["learner_setup_s"] = time.perf_counter() - t
+            self.timings["learner_setup_s"] = seconds
+        self.busy[f"{role}.{method}"] = self.busy.get(f"{role}.{method}", 0.0) + seconds
         return out
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Seconds spent in each role's methods so far (`role.method` keys)."""
+        return dict(self.busy)
 
     def push_local(self, version: int, checksum: Any, share: bool) -> tuple[Any, dict | None, Any]:
         """Export v`version` from this host's learner rank (every rank takes part, as ZeRO-3 gathers)
