@@ -165,7 +165,10 @@ def main() -> int:
         f"learner.torch_threads={args.async_learner_threads}",
     ]
     sides = []
-    for sets in (["pipeline.mode=sync"], async_sets):
+    for sets in (
+        ["pipeline.mode=sync", "cluster.placement=separate"],
+        [*async_sets, "cluster.placement=separate"],
+    ):
         wait_for_idle()
         sides.append(run_side(args.config, [*base, *sets], args.steps))
     sync, asyn = sides

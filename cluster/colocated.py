@@ -10,7 +10,7 @@ OpenRLHF's `--colocate_all_models` make the same trade.
 
 The roles stay the plain classes of their packages, built here as they are in their own actors.
 The host only runs each call with that role's torch thread count (one process has one thread
-setting), and moves a new version from the learner to its own worker in memory (`push_local`):
+setting; as the roles take turns, each may use the learner rank's threads), and moves a new version from the learner to its own worker in memory (`push_local`):
 no bundle passes through the object store unless a worker on another host needs it. The driver
 reaches every role through a `RoleView`, which the pools, the rollout collector and the weight
 push use exactly as an actor handle (`view.generate.remote(...)`).
@@ -77,11 +77,12 @@ class ColocatedHost:
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
         lc, temperature = cfg.learner, cfg.rollout.sampling.temperature
         held = held_roles(cfg, rank)
+        # The roles take turns, so each may use the threads the learner rank has (at least its own).
         self.threads = {
             "learner": lc.torch_threads,
-            "rollout": cfg.rollout.torch_threads,
-            "reference": 1,  # what the separate placement's reference and scorer actors use
-            "reward": 1,
+            "rollout": max(cfg.rollout.torch_threads, lc.torch_threads),
+            "reference": lc.torch_threads,  # the separate placement's reference and scorer use 1
+            "reward": lc.torch_threads,
         }
         builders = {
             "learner": lambda: LearnerRank(

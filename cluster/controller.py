@@ -138,6 +138,7 @@ class Trainer:
             t.score_s,
             start_timeout=t.actor_start_s,
             prepare=self._prepare,
+            one_chunk_per_worker=bool(self.roles.hosts),
         )
 
     def _counts(self) -> dict[str, int]:

@@ -8,6 +8,7 @@ exactly once per epoch. A sample whose reward failed is dropped and counted, nev
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +86,12 @@ class RolloutCollector:
         max_attempts: int = 3,
         start_timeout: float = 300.0,
         prepare: Prepare | None = None,
+        one_chunk_per_worker: bool = False,
     ) -> None:
         self.pools = {"generate": workers, "reference": references, "reward": scorers}
+        # Colocated roles take turns in one process, where smaller chunks overlap nothing and only
+        # add per-call and per-token overhead: the batch is then split evenly over the workers.
+        self.one_chunk_per_worker = one_chunk_per_worker
         self.timeouts = {"generate": generate_timeout, "reference": score_timeout, "reward": score_timeout}
         self.max_attempts = max_attempts
         self.start_timeout = start_timeout
@@ -222,6 +227,8 @@ class RolloutCollector:
         no reference logprobs are computed and the batch holds no trajectories (evaluation)."""
         t0 = time.perf_counter()
         batch = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
+        if self.one_chunk_per_worker:
+            chunk_size = max(1, math.ceil(len(prompts) / len(self.pools["generate"])))
         chunks = [
             _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
             for ci, s in enumerate(range(0, len(prompts), chunk_size))

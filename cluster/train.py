@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/stopping.py)
     try:
         trainer.setup()
-        print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)
+        if cfg.cluster.placement == "separate":
+            print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)
         summary = trainer.train()
     except KeyboardInterrupt:  # forced during set-up or the final save: no new checkpoint
         summary = trainer.summary(interrupted=True)

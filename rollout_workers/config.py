@@ -83,7 +83,10 @@ class RolloutConfig(_Strict):
         "float32", description="Weights dtype for generation."
     )
     chunk_size: int = Field(
-        16, ge=1, description="Prompts per generate call; finished chunks are scored while others generate."
+        16,
+        ge=1,
+        description="Prompts per generate call; finished chunks are scored while others generate. (The "
+        "cluster's colocated placement splits each batch evenly over its workers instead.)",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
     vllm: VLLMConfig = Field(

@@ -19,6 +19,7 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
         "run.sample_log_count": 2,
         "run.tensorboard": False,
         "cluster.dashboard": False,
+        "cluster.placement": "separate",  # the tests of scaling, faults and async; test_colocated.py the other
         "rollout.num_cpus_per_worker": 0.5,
         "learner.num_cpus_per_rank": 1.0,
         "learner.torch_threads": 1,  # tests run 2 ranks on 2 cores

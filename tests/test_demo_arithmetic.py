@@ -139,7 +139,10 @@ def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tm
     from cluster.config import load_config
     from cluster.streaming import make_trainer
 
-    cfg = load_config(CONFIG, _overrides(arithmetic_assets, 4, **{"pipeline.mode": "async"}))
+    cfg = load_config(
+        CONFIG,
+        _overrides(arithmetic_assets, 4, **{"pipeline.mode": "async", "cluster.placement": "separate"}),
+    )
     trainer = make_trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
