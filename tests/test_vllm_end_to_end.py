@@ -30,16 +30,26 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
-def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weight_sync):
+@pytest.mark.parametrize(
+    ("weight_sync", "placement"),
+    [("object_store", "separate"), ("collective", "separate"), ("object_store", "colocated")],
+)
+def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weight_sync, placement):
+    """Colocated: the in-process vLLM engine shares the learner rank's process (a hybrid engine)."""
     steps = 6
-    sets = {"rollout.engine": "vllm", "rollout.weight_sync": weight_sync}
+    sets = {"rollout.engine": "vllm", "rollout.weight_sync": weight_sync, "cluster.placement": placement}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
         workers, names = trainer.roles.workers.handles, trainer.roles.workers.names
-        assert all("(vllm)" in p for p in ray.get([w.ping.remote() for w in workers], timeout=60))
+        if placement == "separate":
+            assert all("(vllm)" in p for p in ray.get([w.ping.remote() for w in workers], timeout=60))
+        else:
+            assert (
+                len(trainer.roles.hosts) == 1
+                and trainer.roles.workers.handles[0].host == trainer.roles.hosts[0]
+            )
         for step in range(1, steps + 1):
             m = trainer.iteration()
             assert ray.get([w.version.remote() for w in workers], timeout=60) == [step] * len(workers)
