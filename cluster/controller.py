@@ -22,7 +22,7 @@ from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
-from .evaluation import before_after_lines, evaluate, load_eval_prompts, print_eval
+from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
 from .groups import shard_by_group
 from .metrics import MetricsWriter, truncate_metrics
 from .placement import on_driver_node
@@ -57,7 +57,7 @@ class RewardFailureError(RuntimeError):
     """Too many rewards of one step failed (reward.max_failure_frac)."""
 
 
-class Trainer:
+class Trainer(HeldOutEval):
     def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
@@ -311,11 +311,6 @@ class Trainer:
         self.finish_step(step, metrics)
         return metrics
 
-    def eval_due(self, step: int) -> bool:
-        """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
-        every = self.cfg.eval.every_steps
-        return bool(self.eval_prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
-
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
@@ -445,26 +440,6 @@ class Trainer:
             )
             + ([self.clock.line()] if "step 1" in self.clock.marks else []),
         )
-
-    def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
-        """Score the held-out prompts with the weights the workers hold now; never trained on."""
-        return evaluate(self.make_collector(RolloutCollector), self.eval_prompts, self.cfg)
-
-    def report_eval(self, when: str) -> dict[str, float] | None:
-        """Before/after training: the held-out evaluation (returned), or without held-out prompts the
-        first training prompts sampled with a fixed seed (printed only)."""
-        if self.eval_prompts:
-            m, batch = self.evaluate()
-            self.telemetry.record_eval(m)
-            print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
-            return m
-        if self.cfg.run.sample_log_count:
-            fixed = self.prompts[: self.cfg.run.sample_log_count]
-            _, batch = evaluate(
-                self.make_collector(RolloutCollector), fixed, self.cfg, self.cfg.rollout.sampling
-            )
-            print_eval(f"fixed training prompts {when} training", None, batch, self.tokenizer, self.cfg)
-        return None
 
     def workers_to_current(self) -> None:
         """Every rollout worker holds the newest weights (sync mode pushes them each step)."""

@@ -151,3 +151,33 @@ def before_after_lines(before: dict | None, after: dict | None, what: str) -> li
         f"{k.split('/')[1]} {before[k]:.3f} -> {after[k]:.3f}" for k in keys if k in before and k in after
     ]
     return [f"{what}: " + ", ".join(cells)]
+
+
+class HeldOutEval:
+    """The sync trainer's held-out evaluation hooks (a mixin of `cluster.controller.Trainer`, which
+    provides cfg, eval_prompts, prompts, tokenizer, telemetry and make_collector)."""
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
+        every = self.cfg.eval.every_steps
+        return bool(self.eval_prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
+
+    def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
+        """Score the held-out prompts with the weights the workers hold now; never trained on."""
+        return evaluate(self.make_collector(RolloutCollector), self.eval_prompts, self.cfg)
+
+    def report_eval(self, when: str) -> dict[str, float] | None:
+        """Before/after training: the held-out evaluation (returned), or without held-out prompts the
+        first training prompts sampled with a fixed seed (printed only)."""
+        if self.eval_prompts:
+            m, batch = self.evaluate()
+            self.telemetry.record_eval(m)
+            print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
+            return m
+        if self.cfg.run.sample_log_count:
+            fixed = self.prompts[: self.cfg.run.sample_log_count]
+            _, batch = evaluate(
+                self.make_collector(RolloutCollector), fixed, self.cfg, self.cfg.rollout.sampling
+            )
+            print_eval(f"fixed training prompts {when} training", None, batch, self.tokenizer, self.cfg)
+        return None

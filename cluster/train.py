@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.setup()
         if cfg.cluster.placement == "separate":
-            print(f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True)
+            print(
+                f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True
+            )
         summary = trainer.train()
     except KeyboardInterrupt:  # forced during set-up or the final save: no new checkpoint
         summary = trainer.summary(interrupted=True)
