@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = {
     "data.prompts_per_step": 8,
     "rollout.sampling.max_new_tokens": 6,
-    "rollout.chunk_size": 4,
+    "rollout.chunk_size": 8,  # one chunk: what the colocated placement draws, so both sides draw the same
     "learner.micro_batch_size": 4,
     "learner.num_minibatches": 2,
     "learner.ppo_epochs": 1,
