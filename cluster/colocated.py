@@ -21,7 +21,6 @@ imports torch, transformers or DeepSpeed for them.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,13 +91,11 @@ class ColocatedHost:
             "reference": lambda: ReferencePolicy(cfg.reference_path, cfg.reference, temperature),
             "reward": lambda: RewardScorer(cfg.reward, cfg.tokenizer_path),
         }
-        self.busy: dict[str, float] = {}
         self.roles: dict[str, Any] = {}
         for role in ("learner", *held):
             t = time.perf_counter()
             self.roles[role] = builders[role]()
             self.timings[f"{role}_s"] = time.perf_counter() - t
-        self.sleep_level = int(getattr(worker_config, "sleep_level", 0))
 
     def ping(self) -> bool:
         return True
@@ -115,15 +112,9 @@ class ColocatedHost:
         self._torch.set_num_threads(self.threads[role])
         t = time.perf_counter()
         out = getattr(self.roles[role], method)(*args, **kwargs)
-        seconds = time.perf_counter() - t
         if role == "learner" and method == "setup":
-            self.timings["learner_setup_s"] = seconds
-        self.busy[f"{role}.{method}"] = self.busy.get(f"{role}.{method}", 0.0) + seconds
+            self.timings["learner_setup_s"] = time.perf_counter() - t
         return out
-
-    def busy_seconds(self) -> dict[str, float]:
-        """Seconds spent in each role's methods so far (`role.method` keys)."""
-        return dict(self.busy)
 
     def push_local(self, version: int, checksum: Any, share: bool) -> tuple[Any, dict | None, Any]:
         """Export v`version` from this host's learner rank (every rank takes part, as ZeRO-3 gathers)
@@ -132,10 +123,8 @@ class ColocatedHost:
         acknowledgement or None, rank 0's fingerprint or None, an object-store copy of the bundle
         when `share`, for workers on other hosts)."""
         self.wake_rollout()
-        learner = self.roles["learner"]
-        self._torch.set_num_threads(self.threads["learner"])
-        bundle = learner.export_weights(checksum)
-        meta = learner.export_fingerprint() if bundle is not None else None
+        bundle = self.call("learner", "export_weights", checksum)
+        meta = self.call("learner", "export_fingerprint") if bundle is not None else None
         ack = None
         if bundle is not None and "rollout" in self.roles:
             ack = self.call("rollout", "load_weights", bundle, version)
@@ -143,16 +132,12 @@ class ColocatedHost:
         return ack, meta, shared
 
     def sleep_rollout(self) -> dict | None:
-        """The rollout engine frees its memory for the learner step (`rollout.sleep_level` > 0)."""
-        if "rollout" not in self.roles or self.sleep_level == 0:
-            return None
-        return self.call("rollout", "sleep")
+        """The rollout engine frees its memory for the learner step (a no-op at `rollout.sleep_level` 0)."""
+        return self.call("rollout", "sleep") if "rollout" in self.roles else None
 
     def wake_rollout(self) -> dict | None:
-        """The rollout engine takes its memory back (before new weights are loaded into it)."""
-        if "rollout" not in self.roles or self.sleep_level == 0:
-            return None
-        return self.call("rollout", "wake_up")
+        """The rollout engine takes its memory back (before new weights are loaded; a no-op when awake)."""
+        return self.call("rollout", "wake_up") if "rollout" in self.roles else None
 
 
 @dataclass(frozen=True)
@@ -178,20 +163,5 @@ class RoleView:
         return _Method(self.host, self.role, name)
 
     @property
-    def ping(self) -> Any:  # the host answers for all of its roles
-        return self.host.ping
-
-    @property
     def __ray_call__(self) -> Any:  # a function run in the host's process (e.g. the run-folder probe)
         return self.host.__ray_call__
-
-
-def actor_of(handle: Any) -> Any:
-    """The Ray actor behind a handle or a `RoleView` (what `ray.kill` takes)."""
-    return handle.host if isinstance(handle, RoleView) else handle
-
-
-def kill(handle: Any) -> None:
-    """Kill the actor behind `handle` (a view kills its whole host); gone already is fine."""
-    with contextlib.suppress(Exception):
-        ray.kill(actor_of(handle), no_restart=True)

@@ -285,7 +285,8 @@ class Trainer(HeldOutEval):
                 raise LearnerStepError(f"{names[ready[0]]} died during step {self.step + 1}{resume}") from err
             except ray.exceptions.RayTaskError as err:
                 raise LearnerStepError(f"{names[ready[0]]} failed: {err.cause!r}{resume}") from err
-        ray.get(sleeps)  # done before the steps (same actors): raises if an engine failed to sleep
+        # done before the steps (same actors): raises if an engine failed to sleep
+        ray.get(sleeps, timeout=self.cfg.timeouts.train_s)
         return results[refs[0]]
 
     def iteration(self) -> dict[str, float]:

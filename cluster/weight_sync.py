@@ -107,11 +107,7 @@ def push_colocated(
     refs = [
         h.push_local.remote(version, bundle_checksummer(dtype), share and i == 0) for i, h in enumerate(hosts)
     ]
-    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
-    if pending:
-        raise WeightSyncError(
-            f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
-        )
+    _wait_for_export(refs, f"learner export of v{version}", timeout)
     try:
         ack, meta, bundle = ray.get(refs)[0]
     except ray.exceptions.RayTaskError as err:
@@ -177,9 +173,7 @@ class CollectiveWeightSync:
 def export_bundle(ranks: list[Any], timeout: float) -> Any:
     """Learner rank 0's current weights put in the object store (all ranks take part); the ref."""
     refs = [r.export_weights.remote() for r in ranks]
-    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
-    if pending:
-        raise WeightSyncError(f"learner export not done within {timeout:.0f}s (timeouts.weight_sync_s)")
+    _wait_for_export(refs, "learner export", timeout)
     ray.get(refs[1:])
     return refs[0]
 
@@ -190,12 +184,15 @@ def bundle_checksummer(dtype: str) -> Any:
     return functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
 
 
-def _await_export(refs: list[Any], meta_ref: Any, version: int, dtype: str, timeout: float) -> Fingerprint:
-    _, pending = wait_until([*refs, meta_ref], len(refs) + 1, time.monotonic() + timeout)
+def _wait_for_export(refs: list[Any], what: str, timeout: float) -> None:
+    """Wait for every ref of an export (all learner ranks take part), or fail naming the timeout."""
+    _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
     if pending:
-        raise WeightSyncError(
-            f"learner export of v{version} not done within {timeout:.0f}s (timeouts.weight_sync_s)"
-        )
+        raise WeightSyncError(f"{what} not done within {timeout:.0f}s (timeouts.weight_sync_s)")
+
+
+def _await_export(refs: list[Any], meta_ref: Any, version: int, dtype: str, timeout: float) -> Fingerprint:
+    _wait_for_export([*refs, meta_ref], f"learner export of v{version}", timeout)
     ray.get(refs[1:])  # (refs[0] may be the bundle: never pulled into the driver)
     return expected_fingerprint(ray.get(meta_ref), version, dtype)
 

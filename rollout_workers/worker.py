@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -134,26 +135,23 @@ class RolloutWorker:
         `generate`, `fingerprint` and `load_weights` until `wake_up()`; its version stays the same.
         """
         level = self.config.sleep_level if level is None else int(level)
-        with self._lock:
-            t0 = time.perf_counter()
-            changed = level != 0 and self._engine.sleep(level)
-            seconds = time.perf_counter() - t0
-            if changed:
-                self._stats["sleeps"] += 1
-                self._stats["sleep_s"] += seconds
-            return self._sleep_facts(changed, seconds)
+        return self._change_sleep("sleep", lambda: level != 0 and self._engine.sleep(level))
 
     def wake_up(self) -> dict:
         """Take the engine's device memory back (a no-op when awake); the same facts as `sleep`. After a
         level-2 sleep the weights must be loaded (`load_weights`, any version >= the one held) before
         `generate`."""
+        return self._change_sleep("wake", self._engine.wake_up)
+
+    def _change_sleep(self, kind: str, change: Callable[[], bool]) -> dict:
+        """Run `change` under the lock; count it (`sleeps`/`wakes`, seconds) when it changed the state."""
         with self._lock:
             t0 = time.perf_counter()
-            changed = self._engine.wake_up()
+            changed = change()
             seconds = time.perf_counter() - t0
             if changed:
-                self._stats["wakes"] += 1
-                self._stats["wake_s"] += seconds
+                self._stats[f"{kind}s"] += 1
+                self._stats[f"{kind}_s"] += seconds
             return self._sleep_facts(changed, seconds)
 
     def _sleep_facts(self, changed: bool, seconds: float) -> dict:
