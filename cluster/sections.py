@@ -1,0 +1,192 @@
+"""The run-level sections of the run schema (`cluster.config.RunConfig` composes them with each
+role's own section): run, model, data, cluster, timeouts, pipeline, checkpoint, eval."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Strict):
+    name: str = Field("run", description="Run name; the run folder is <output_dir>/<name>-<timestamp>.")
+    output_dir: str = Field("runs", description="Parent folder of run folders.")
+    seed: int = Field(0, description="Seed of data order, sampling and learner initialisation.")
+    steps: int = Field(100, ge=1, description="PPO iterations (rollout batch -> update -> weight push).")
+    sample_log_count: int = Field(4, ge=0, description="Sampled responses printed before and after training.")
+    tensorboard: bool = Field(
+        True, description="Also write TensorBoard events (if tensorboard is installed)."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar on the controller.")
+
+
+class DemoAssetsSection(_Strict):
+    demo: str = Field(
+        ..., description="Which demo's assets (a module of the `demos` package): 'sentiment' or 'arithmetic'."
+    )
+    folder: str = Field(..., description="Folder the assets are built into when missing or out of date.")
+
+    @field_validator("demo")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from demos import DEMOS
+
+        if name not in DEMOS:
+            raise ValueError(f"unknown demo {name!r}; one of {', '.join(sorted(DEMOS))}")
+        return name
+
+
+class ModelSection(_Strict):
+    policy_path: str = Field(..., description="Initial policy folder (save_pretrained layout, local path).")
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to policy_path.")
+    demo_assets: DemoAssetsSection | None = Field(
+        None, description="If set, build this demo's assets before the run when missing (see `demos`)."
+    )
+
+
+class DataSection(_Strict):
+    prompts_path: str = Field(..., description="JSONL file of prompts, one object per line.")
+    prompt_key: str = Field("prompt", description="Key of the prompt text in each JSONL object.")
+    meta_keys: list[str] = Field(
+        default_factory=list, description="Extra JSONL keys passed to rule rewards as meta."
+    )
+    prompts_per_step: int = Field(
+        64, ge=1, description="Prompts per PPO iteration (rollout batch = this x sampling.n)."
+    )
+    max_prompt_tokens: int = Field(64, ge=1, description="Longest prompt in tokens.")
+    long_prompt: Literal["truncate", "skip"] = Field(
+        "truncate", description="Over-long prompts: keep the last tokens, or skip them (counted)."
+    )
+    add_bos: bool = Field(True, description="Prepend the tokenizer's BOS token when it has one.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+
+
+class ClusterSection(_Strict):
+    address: str | None = Field(
+        None, description="Ray address ('auto', ray://host:10001); None starts a local Ray."
+    )
+    num_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="Logical CPUs of a local Ray (None = what the actors need, at least the cores).",
+    )
+    num_gpus: int | None = Field(None, ge=0, description="GPUs of a local Ray (None = detect).")
+    dashboard: bool = Field(True, description="Start the Ray dashboard with a local Ray.")
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="Dashboard bind address; the job API runs arbitrary code, keep it on loopback.",
+    )
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="Dashboard port.")
+    placement: Literal["separate", "colocated"] = Field(
+        "separate",
+        description="'separate': one Ray actor per role replica (each scales and fails on its own; needed by "
+        "pipeline.mode='async'). 'colocated': one actor per learner rank also holding rollout worker, reference "
+        "and reward replica i (a hybrid engine: one process and its devices shared by all roles, which take "
+        "turns; sync pipeline only, fixed role counts; see cluster/colocated.py).",
+    )
+    autoscaling: bool = Field(
+        False,
+        description="The cluster adds nodes for pending work (Ray autoscaler, KubeRay): a placement plan the "
+        "current nodes cannot hold waits up to timeouts.actor_start_s for new nodes instead of failing at once.",
+    )
+
+
+class TimeoutSection(_Strict):
+    actor_start_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait for the placement plan on a busy cluster, and for actors to start and load models.",
+    )
+    generate_s: float = Field(600.0, gt=0, description="Longest wait for one generate call.")
+    score_s: float = Field(600.0, gt=0, description="Longest wait for one reference or reward call.")
+    train_s: float = Field(1800.0, gt=0, description="Longest wait for one learner step.")
+    weight_sync_s: float = Field(600.0, gt=0, description="Longest wait for exporting and loading weights.")
+
+
+class PipelineSection(_Strict):
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description=(
+            "'sync': each step generates a whole batch, trains, pushes weights (lock-step). 'async': "
+            "workers stream chunks while the learner trains; staleness bounded by max_staleness."
+        ),
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description=(
+            "eta: a sample trained at learner version v was generated by version >= v - eta (async). "
+            "Enforced at admission (generation throttled) and at consumption (older samples dropped, "
+            "their prompts re-queued)."
+        ),
+    )
+    max_inflight_per_worker: int = Field(
+        1,
+        ge=1,
+        description="Generate calls queued on one rollout worker at once (async); a call's deadline starts when it runs.",
+    )
+
+
+class CheckpointSection(_Strict):
+    every_steps: int = Field(
+        0, ge=0, description="Checkpoint every N steps (0 = no step cadence; every_minutes still applies)."
+    )
+    every_minutes: float = Field(
+        30.0,
+        ge=0,
+        description="Checkpoint at the end of the first step that ends this many minutes after the last "
+        "checkpoint (or the start): bounds the work a crash loses (0 = off).",
+    )
+    keep_last: int = Field(2, ge=1, description="Newest complete checkpoints kept; older ones are deleted.")
+    keep_best: int = Field(
+        0, ge=0, description="Also keep the K checkpoints with the best best_metric (0 = off)."
+    )
+    best_metric: str = Field(
+        "rollout/reward_mean",
+        description="Step metric (a metrics.jsonl key) that ranks checkpoints for keep_best.",
+    )
+    best_mode: Literal["max", "min"] = Field(
+        "max", description="Whether a higher or lower best_metric is better."
+    )
+    stop_grace_s: float = Field(
+        600.0,
+        gt=0,
+        description="After SIGTERM/SIGINT the current learner step may finish within this many seconds, then a "
+        "checkpoint is written; past it (or on a second signal) the run stops without one.",
+    )
+
+
+class EvalSection(_Strict):
+    prompts_path: str | None = Field(
+        None,
+        description="JSONL of held-out prompts, read like data.prompts_path (same prompt_key and meta_keys) "
+        "and never trained on; None turns evaluation off.",
+    )
+    every_steps: int = Field(
+        10,
+        ge=0,
+        description="Evaluate with the current weights after every N steps, besides before the first and "
+        "after the last step (0 = only before and after).",
+    )
+    samples_per_prompt: int = Field(1, ge=1, description="Responses drawn per held-out prompt.")
+    greedy: bool = Field(
+        False,
+        description="Greedy decoding (top_k=1; engine='hf') instead of sampling like the rollouts "
+        "(rollout.sampling without its n).",
+    )
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate only the first N held-out prompts (None = all of them)."
+    )
+    correct_at: float = Field(
+        1.0,
+        description="A response counts as correct for eval/accuracy when its reward is at least this "
+        "(reward.kind='rule' only).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.prompts_path is not None
