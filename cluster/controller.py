@@ -24,14 +24,14 @@ from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
 from .groups import shard_by_group
-from .metrics import MetricsWriter, truncate_metrics
+from .metrics import MetricsWriter, StepMetrics, truncate_metrics
 from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
 from .rollout import RolloutBatch, RolloutCollector
 from .run_folder import check_ranks_see_run_folder
 from .startup import StartupClock
 from .stopping import StopRequest
-from .summary import RunSummary, reward_to_prob
+from .summary import RunSummary
 from .telemetry import Telemetry
 from .weight_sync import (
     CollectiveWeightSync,
@@ -57,7 +57,7 @@ class RewardFailureError(RuntimeError):
     """Too many rewards of one step failed (reward.max_failure_frac)."""
 
 
-class Trainer(HeldOutEval):
+class Trainer(HeldOutEval, StepMetrics):
     def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
@@ -329,51 +329,6 @@ class Trainer(HeldOutEval):
                 f"step {step}: {len(errors)}/{total} rewards failed (> reward.max_failure_frac="
                 f"{frac}); first errors: {errors[:3]}"
             )
-
-    def sample_metrics(
-        self, scores: np.ndarray, lengths: np.ndarray, finish: list[str], failures: int, wall: float
-    ) -> dict[str, float]:
-        """The metrics of a step's trained samples and of the data, the same in both modes."""
-        stats = self.data_stats
-        m = {
-            "rollout/reward_mean": float(scores.mean()),
-            "rollout/reward_std": float(scores.std()),
-            "rollout/response_length": float(lengths.mean()),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
-            "rollout/samples": float(len(scores)),
-            "rollout/reward_failures": float(failures),
-            "throughput/tokens_per_s": float(lengths.sum()) / wall,
-            "throughput/samples_per_s": len(scores) / wall,
-            "data/empty_prompts": float(stats.empty),
-            "data/truncated_prompts": float(stats.truncated),
-            "data/skipped_prompts": float(stats.skipped_long),
-        }
-        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
-        if probs is not None:
-            m["rollout/reward_prob_mean"] = float(probs.mean())
-        return m
-
-    def step_metrics(
-        self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
-    ) -> dict:
-        lengths = np.array([len(s.response_ids) for s in batch.samples])
-        finish = [s.finish_reason for s in batch.samples]
-        staleness = [self.version - 1 - s.policy_version for s in batch.samples]
-        return {
-            **self.sample_metrics(batch.scores, lengths, finish, batch.dropped, wall),
-            "rollout/queue_depth": float(batch.queue_depth),
-            "rollout/staleness_mean": float(np.mean(staleness)),
-            **learner,
-            "time/generate": batch.time_generate,
-            "time/score": batch.time_score,
-            "time/train": t_train,
-            "time/weight_sync": t_sync,
-            "time/step": wall,
-            "policy_version": float(self.version),
-            "scale/rollout_workers": float(len(self.roles.workers)),
-            "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
-            "faults/redispatched_chunks": float(batch.redispatched),
-        }
 
     # ------------------------------------------------------------------ whole run
 

@@ -1,11 +1,19 @@
-"""Per-step metrics to JSONL (always) and TensorBoard (when installed)."""
+"""Per-step metrics: what a trained step reports (`StepMetrics`), written to JSONL (always) and
+TensorBoard (when installed)."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .summary import reward_to_prob
+
+if TYPE_CHECKING:
+    from .rollout import RolloutBatch
 
 
 class MetricsWriter:
@@ -53,3 +61,53 @@ def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]
     rows = [r for r in read_metrics(path) if r["step"] <= last_step]
     path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     return rows
+
+
+class StepMetrics:
+    """The metrics of a trained step, the same in both pipelines (a mixin of
+    `cluster.controller.Trainer`, which provides cfg, data_stats, version and roles)."""
+
+    def sample_metrics(
+        self, scores: np.ndarray, lengths: np.ndarray, finish: list[str], failures: int, wall: float
+    ) -> dict[str, float]:
+        """The metrics of a step's trained samples and of the data, the same in both modes."""
+        stats = self.data_stats
+        m = {
+            "rollout/reward_mean": float(scores.mean()),
+            "rollout/reward_std": float(scores.std()),
+            "rollout/response_length": float(lengths.mean()),
+            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
+            "rollout/samples": float(len(scores)),
+            "rollout/reward_failures": float(failures),
+            "throughput/tokens_per_s": float(lengths.sum()) / wall,
+            "throughput/samples_per_s": len(scores) / wall,
+            "data/empty_prompts": float(stats.empty),
+            "data/truncated_prompts": float(stats.truncated),
+            "data/skipped_prompts": float(stats.skipped_long),
+        }
+        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
+        if probs is not None:
+            m["rollout/reward_prob_mean"] = float(probs.mean())
+        return m
+
+    def step_metrics(
+        self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
+    ) -> dict:
+        lengths = np.array([len(s.response_ids) for s in batch.samples])
+        finish = [s.finish_reason for s in batch.samples]
+        staleness = [self.version - 1 - s.policy_version for s in batch.samples]
+        return {
+            **self.sample_metrics(batch.scores, lengths, finish, batch.dropped, wall),
+            "rollout/queue_depth": float(batch.queue_depth),
+            "rollout/staleness_mean": float(np.mean(staleness)),
+            **learner,
+            "time/generate": batch.time_generate,
+            "time/score": batch.time_score,
+            "time/train": t_train,
+            "time/weight_sync": t_sync,
+            "time/step": wall,
+            "policy_version": float(self.version),
+            "scale/rollout_workers": float(len(self.roles.workers)),
+            "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
+            "faults/redispatched_chunks": float(batch.redispatched),
+        }
