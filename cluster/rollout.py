@@ -146,7 +146,9 @@ class RolloutCollector:
                 self.resubmit(tracker, call, None)
             return
         index = pool.names.index(call.actor)
-        orphans = [call, *tracker.drop_actor(call.actor)]
+        # A stuck call is still at the head of its actor's queue, so `drop_actor` returns it too: each
+        # call is handed out again once (by identity: calls compare by `is`).
+        orphans = list(dict.fromkeys([call, *tracker.drop_actor(call.actor)]))
         new = self.replace_in_background(tracker, pool, index)
         stats.replacements += 1
         stats.events.append(f"{call.actor} {why}; replaced by {new.name}")

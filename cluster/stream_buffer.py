@@ -106,8 +106,13 @@ class StreamBuffer:
     # ------------------------------------------------------------------ scored chunks
 
     def add_scored(self, chunk: StreamChunk) -> None:
-        """A chunk whose samples, reference logprobs and scores are all in: its prompts become ready."""
-        self.inflight.pop(chunk.index, None)
+        """A chunk whose samples, reference logprobs and scores are all in: its prompts become ready.
+
+        Idempotent: only a chunk still in flight is added (a late duplicate result of a re-dispatched
+        call, or a second scoring call finishing after the chunk was added, changes nothing), so a
+        prompt enters the buffer at most once per admission."""
+        if self.inflight.pop(chunk.index, None) is None:
+            return
         by_prompt: dict[int, list[int]] = collections.defaultdict(list)
         for j, fact in enumerate(chunk.facts):
             by_prompt[fact[0]].append(j)

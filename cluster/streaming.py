@@ -309,9 +309,10 @@ class AsyncTrainer(Trainer):
         taken = learner.taken
         metrics = self._metrics(learner, busy0)
         self.samples_seen += int(metrics["rollout/samples"])
-        self.trained_prompts.update(
-            {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
-        )
+        # One count per buffer entry trained (a prompt with at least one sample kept), so a prompt
+        # that entered the buffer twice would show as trained twice.
+        kept = {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
+        self.trained_prompts.update(p.index for p in taken.prompts if p.index in kept)
         metrics["scale/events"] = float(len(scaling))
         if self.eval_ready is not None:  # a held-out round that finished during this step
             metrics.update(self.eval_ready)

@@ -24,7 +24,14 @@ from collections.abc import Callable
 
 import torch
 
-from learner.algorithms import LOG_RATIO_CLAMP, _zero_invalid, compute_gae, last_valid_index, masked_whiten
+from learner.algorithms import (
+    LOG_RATIO_CLAMP,
+    _zero_invalid,
+    compute_gae,
+    kl_penalty,
+    last_valid_index,
+    masked_whiten,
+)
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "vtrace")
 # Estimators that learn a value function (a value-head forward, value loss and value optimizer state).
@@ -166,15 +173,7 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str =
     gradients are 1, d and 1 - pi_ref/pi: k3 pushes log pi down where pi > pi_ref and up where pi < pi_ref,
     and vanishes at pi = pi_ref. Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp.
     """
-    d = logprobs - ref_logprobs
-    if estimator == "k3":
-        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.expm1(-d) + d
-    if estimator == "k2":
-        return 0.5 * d**2
-    if estimator == "k1":
-        return d
-    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: k1, k2, k3")
+    return kl_penalty(logprobs, ref_logprobs, estimator)  # the same estimators, with gradient
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,7 +80,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k2":
         return 0.5 * d**2
     if estimator == "k3":
-        # r = pi_ref / pi = exp(-d);  k3 = (r - 1) - log r  >= 0, unbiased.
+        # r = pi_ref / pi = exp(-d);  k3 = (r - 1) - log r  >= 0, unbiased. d is clamped to
+        # +-LOG_RATIO_CLAMP first: exp(-d) overflows float32 for d below about -88.
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.expm1(-d) + d
     raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {', '.join(KL_ESTIMATORS)}")
 
@@ -174,7 +176,8 @@ def aggregate_loss(
     "token-mean": sum over valid tokens / number of valid tokens, or / `global_tokens`, the count
     over all ranks and micro-batches, so that pieces of a batch add up to the whole-batch loss.
     "seq-mean-token-mean" / "seq-mean-token-sum": per-sequence mean / sum of its valid tokens,
-    then the mean over sequences (or sum / `global_seqs` for the same additivity).
+    then the mean over the sequences that have at least one valid token (or sum / `global_seqs`, the
+    same count over all ranks and micro-batches, for the same additivity).
     """
     masked = _zero_invalid(loss_mat, mask)
     if agg == "token-mean":
@@ -184,7 +187,7 @@ def aggregate_loss(
         per_seq = masked.sum(-1)
         if agg == "seq-mean-token-mean":
             per_seq = per_seq / mask.to(loss_mat.dtype).sum(-1).clamp(min=1.0)
-        denom = per_seq.shape[0] if global_seqs is None else global_seqs
+        denom = float((mask.to(loss_mat.dtype).sum(-1) > 0).sum()) if global_seqs is None else global_seqs
         return per_seq.sum() / max(float(denom), 1.0)
     raise ValueError(f"unknown loss aggregation {agg!r}; allowed: {', '.join(LOSS_AGGS)}")
 

@@ -281,7 +281,8 @@ def ppo_update(
         k = len(minibatches)
         n_micro = all_reduce([float(len(m)) for m in micro], "max", device).long().tolist()
         local_counts = [float(batch.mask[mb].sum()) for mb in minibatches] + [
-            float(len(mb)) for mb in minibatches
+            float((batch.mask[mb].sum(-1) > 0).sum())
+            for mb in minibatches  # a row with no token: none
         ]
         counts = all_reduce(local_counts, "sum", device).tolist()  # k token counts, then k sequence counts
         for j in range(k):

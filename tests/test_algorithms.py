@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.algorithms import (
+    LOG_RATIO_CLAMP,
     AdaptiveKLController,
     FixedKLController,
+    aggregate_loss,
     compute_gae,
     entropy_from_logits,
     kl_penalty,
@@ -120,6 +122,28 @@ def test_kl_estimators_by_hand():
     )
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty(lp, ref, "k4")
+
+
+def test_k3_in_the_reward_is_clamped_like_the_loss():
+    """d = log pi - log pi_ref = -100: exp(100) overflows float32 (inf); with d clamped to -20 the
+    penalty is exp(20) - 1 - 20, finite, and the other side (d = +100 -> 20) is exp(-20) - 1 + 20."""
+    lp, ref = T([-100.0, 0.0, -1.0]), T([0.0, -100.0, -1.0])
+    k3 = kl_penalty(lp, ref, "k3")
+    assert torch.isfinite(k3).all()
+    c = LOG_RATIO_CLAMP
+    assert k3.tolist() == pytest.approx([math.exp(c) - 1 - c, math.exp(-c) - 1 + c, 0.0], rel=1e-6)
+    assert torch.isinf(torch.expm1(-(lp - ref))).any()  # what the unclamped formula gave
+
+
+def test_seq_mean_counts_only_sequences_with_a_valid_token():
+    """Rows [1, 2, pad] and [3, pad, pad] plus an empty row: seq-mean-token-mean = (1.5 + 3) / 2 and
+    seq-mean-token-sum = (3 + 3) / 2; the empty row is not a sequence (it used to divide by 3)."""
+    loss = T([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    mask = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-mean")) == pytest.approx(2.25)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-sum")) == pytest.approx(3.0)
+    assert float(aggregate_loss(loss, mask, "token-mean")) == pytest.approx(2.0)
+    assert float(aggregate_loss(loss[2:], mask[2:], "seq-mean-token-mean")) == 0.0  # nothing valid
 
 
 def test_k3_is_unbiased_for_kl_between_two_categoricals():

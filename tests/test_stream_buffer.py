@@ -128,3 +128,17 @@ def test_capacity_is_never_negative_after_drops(eta):
     taken = buf.take(eta + 1)  # the learner moved on: everything is stale
     assert taken.stale_prompts == 4 and not taken.parts
     assert buf.capacity(eta + 1) >= 4
+
+
+def test_adding_a_scored_chunk_twice_changes_nothing():
+    buf = _buffer(n_prompts=8, P=4, chunk=2, eta=0)
+    chunks = [buf.next_chunk(version=0), buf.next_chunk(version=0)]
+    for c in chunks:
+        _finish(buf, c, 0)
+        buf.add_scored(c)  # a late duplicate result (a re-dispatched call) or a second scoring call
+    assert buf.depth() == 4
+    taken = buf.take(0)
+    assert [p.index for p in taken.prompts] == [0, 1, 2, 3]
+    assert buf.depth() == 0 and buf.outstanding() == []
+    buf.add_scored(chunks[0])  # after the batch was taken: still nothing
+    assert buf.depth() == 0

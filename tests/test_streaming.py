@@ -197,3 +197,36 @@ def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_
     rows = _run(cfg_for(demo_assets, 2, **extra), tmp_path / mode, 2)
     assert [m["faults/actor_replacements"] for m in rows] == [0.0, 0.0]
     assert [m["faults/redispatched_chunks"] for m in rows] == [0.0, 0.0]
+
+
+def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_assets, tmp_path):
+    """A worker busy far past timeouts.generate_s: its stuck chunk is handed out again once (it is
+    both the expired call and the head of the replaced actor's queue) and every prompt of the epoch
+    is trained exactly once, counted per buffer entry."""
+    extra = {
+        "pipeline.mode": "async",
+        "pipeline.max_staleness": 1,
+        "learner.off_policy": "tis",
+        "data.prompts_path": prompt_file(demo_assets, tmp_path, 24),
+        "rollout.num_workers": 2,
+        "rollout.num_cpus_per_worker": 0.25,
+        "rollout.chunk_size": 2,
+        "timeouts.generate_s": 8,
+    }
+    trainer = AsyncTrainer(cfg_for(demo_assets, 3, **extra), tmp_path / "run")
+    try:
+        trainer.setup()
+        rows = [trainer.iteration()]
+        trainer.roles.workers.handles[1].__ray_call__.remote(lambda self: __import__("time").sleep(120))
+        rows += [trainer.iteration(), trainer.iteration()]
+        redispatched = sum(m["faults/redispatched_chunks"] for m in rows)
+        replaced = sum(m["faults/actor_replacements"] for m in rows)
+    finally:
+        trainer.close()
+    assert replaced >= 1
+    # Each stuck or orphaned call is handed out once, never twice: per replaced worker at most the
+    # generate calls that sat on it (max_inflight_per_worker; its weight loads count nothing).
+    assert 1 <= redispatched <= replaced * trainer.cfg.pipeline.max_inflight_per_worker
+    # 3 x 8 prompts = one epoch of 24: each trained exactly once.
+    assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
+    assert set(trainer.trained_prompts.values()) == {1}
