@@ -2,8 +2,12 @@
 
 A checkpoint is written into a hidden `.step-N.partial` folder and renamed to `step-N` only
 after every part is on disk and a COMPLETE marker (holding the state file's sha256) is written,
-so a crash mid-write never leaves a folder that looks complete. Resuming from a folder that is
-empty or corrupt is an error, never a silent fresh start.
+so a crash mid-write never leaves a folder that looks complete. Durable against a machine crash,
+not only a process crash: every file and folder of the checkpoint is fsynced before the rename,
+and the parent folder after it. Rewriting an existing `step-N` moves the old one aside to
+`.step-N.old` first and deletes it only after the new one is in place; a crash in between leaves
+the old one, which `list_checkpoints` puts back. Resuming from a folder that is empty or corrupt is
+an error, never a silent fresh start.
 
 When one is written (`Cadence`: every N steps and/or M minutes) and which are kept (`to_prune`: the
 newest K plus the best K by a step metric) are pure logic here, tested without Ray.
@@ -112,17 +116,56 @@ def save_checkpoint(
     if pending:
         raise CheckpointError(f"learner checkpoint into {tmp} not written within {timeout:.0f}s")
     ray.get(refs)
-    state_path = tmp / STATE_FILE
-    state_path.write_text(json.dumps({"format": FORMAT, **state}, indent=1))
-    marker = tmp / COMPLETE
-    marker.write_text(_sha256(state_path) + "\n")
-    with open(marker) as f:
-        os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    commit(tmp, final, state)
     prune(run_dir, *keep)
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder bottom-up (their entries), then `folder`."""
+    for dirpath, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old")
+
+
+def commit(tmp: Path, final: Path, state: dict) -> None:
+    """Make the written folder `tmp` the checkpoint `final`: the state file and its COMPLETE marker,
+    everything fsynced, then the rename (an older `final` is moved aside first, removed after)."""
+    state_path = tmp / STATE_FILE
+    state_path.write_text(json.dumps({"format": FORMAT, **state}, indent=1))
+    (tmp / COMPLETE).write_text(_sha256(state_path) + "\n")
+    fsync_tree(tmp)
+    old = _aside(final)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)  # the new entry (and the one moved aside) reach the disk
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _restore_aside(root: Path) -> None:
+    """A crash between moving an old `step-N` aside and renaming the new one in left only the old
+    one: put it back (a complete `step-N` wins; a leftover `.step-N.old` beside it is deleted)."""
+    for old in root.glob(".step-*.old"):
+        final = root / old.name[1 : -len(".old")]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        elif (old / COMPLETE).is_file():
+            os.rename(old, final)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -130,6 +173,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
+    _restore_aside(root)
     found = [
         p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / COMPLETE).is_file()
     ]

@@ -21,7 +21,10 @@ from rollout_workers.types import FinishReason
 
 @dataclass
 class GenerationOutput:
-    """One sampled response; `logprobs[i]` = log_softmax(logits / temperature)[response_ids[i]]."""
+    """One sampled response. `logprobs[i]` is the log-probability of `response_ids[i]` under the
+    distribution it was drawn from: log_softmax(logits / temperature), restricted to the top_k /
+    top_p set and renormalised when those are on (every engine; vLLM's "processed_logprobs"). The
+    off-policy weights π/μ (learner.off_policy) then use the true behaviour probability μ."""
 
     response_ids: np.ndarray  # int64 [r], r >= 1; ends with an EOS token iff finish_reason == "stop"
     logprobs: np.ndarray  # float32 [r]

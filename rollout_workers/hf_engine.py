@@ -6,10 +6,10 @@ per token, it samples from the global RNG, and it merges the checkpoint's `gener
 (repetition penalties, default top_k=50, ...) into the sampling. Here the behaviour logprob is
 gathered at each step, sampling uses a private `torch.Generator`, and only `SamplingConfig` applies.
 
-Behaviour logprobs are log_softmax(raw_logits / temperature) at the sampled token: the full
-tempered distribution, the one the learner and the reference recompute. With top_k/top_p on, the
-token is drawn from the truncated, renormalised distribution, so those logprobs are not exactly
-the probabilities the token was sampled with (they are lower by the log of the kept mass).
+Behaviour logprobs are those of the distribution the token was actually drawn from (the rule of
+every engine, `RolloutEngine`): log_softmax(truncate_logits(raw_logits / temperature)), i.e. the
+tempered distribution, and with top_k/top_p on, truncated and renormalised. Without truncation
+that is the full tempered distribution the learner and the reference recompute.
 
 Sleep (contract in `RolloutEngine`): on a GPU, level 1 and level 2 both move the model to host memory
 and return the freed blocks to the driver (`torch.cuda.empty_cache()`; transformers keeps no KV cache
@@ -100,10 +100,9 @@ class HFEngine(RolloutEngine):
 
         logits, past = self._forward(ids, attn, pos)
         for t in range(steps):
-            scaled = logits / sampling.temperature
-            logp = torch.log_softmax(scaled, dim=-1)
-            probs = torch.softmax(truncate_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            scaled = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+            logp = torch.log_softmax(scaled, dim=-1)  # the distribution sampled from
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             tok = torch.where(done, torch.full_like(tok, self._pad), tok)
             tokens[:, t] = tok
             logps[:, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)

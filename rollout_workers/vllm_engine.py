@@ -3,8 +3,8 @@
 
 - Behaviour logprobs: vLLM's default `logprobs_mode="raw_logprobs"` is log_softmax of the raw
   logits, before temperature. `"processed_logprobs"` is log_softmax after temperature *and* after
-  top-k/top-p masking. Only with top-k/top-p off is that our contract, log_softmax(logits / T), so
-  this engine uses "processed_logprobs" and refuses top_k/top_p (use engine='hf' for those).
+  top-k/top-p masking: the distribution the token was drawn from, which is the contract of every
+  engine (`RolloutEngine`), so this engine uses it, with or without top_k/top_p.
 - Weight updates: the bundle travels to vLLM's workers as safetensors bytes (tensors passed through
   `LLM.collective_rpc` arrive as lists in multi-process mode). A worker extension
   (`VLLMWeightLoader`, passed as `worker_extension_cls`) hands them to the vLLM worker's own
@@ -171,15 +171,12 @@ class VLLMEngine(RolloutEngine):
     def _generate(
         self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
     ) -> list[list[GenerationOutput]]:
-        if sampling.top_k > 0 or sampling.top_p < 1.0:
-            raise ValueError(
-                "engine='vllm' cannot return log_softmax(logits / T) with top_k/top_p truncation on "
-                f"(top_k={sampling.top_k}, top_p={sampling.top_p}); turn them off or use engine='hf'"
-            )
         params = [
             self._vllm.SamplingParams(
                 n=sampling.n,
                 temperature=sampling.temperature,
+                top_k=sampling.top_k,  # 0 = off, as in SamplingConfig
+                top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's logprob only
                 seed=derive_seed(seed, i),

@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from cluster.checkpoint import COMPLETE, STATE_FILE, Cadence, list_checkpoints, prune, to_prune
+from cluster import checkpoint as ckpt_mod
+from cluster.checkpoint import (
+    COMPLETE,
+    STATE_FILE,
+    Cadence,
+    commit,
+    list_checkpoints,
+    prune,
+    read_state,
+    to_prune,
+)
 from cluster.config import ConfigError, load_config
 from cluster.run_folder import resolve_paths
 from cluster.stopping import EXIT_CODES, StopRequest
@@ -96,6 +106,61 @@ def test_prune_deletes_on_disk_by_the_stored_score(tmp_path):
     assert partial.is_dir()
 
 
+def _written(root: Path, step: int, payload: str) -> tuple[Path, Path]:
+    """A `.step-N.partial` folder as the learner ranks leave it, and its final name."""
+    tmp = root / f".step-{step:06d}.partial"
+    (tmp / "learner" / "rank-0").mkdir(parents=True)
+    (tmp / "learner" / "rank-0" / "shard.bin").write_text(payload)
+    (tmp / "learner" / "index.json").write_text("{}")
+    return tmp, root / f"step-{step:06d}"
+
+
+def test_commit_fsyncs_every_file_and_folder_before_the_rename(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    tmp, final = _written(root, 3, "w")
+    synced: list[str] = []
+    real_fsync, real_rename = ckpt_mod._fsync, ckpt_mod.os.rename
+    monkeypatch.setattr(ckpt_mod, "_fsync", lambda p: (synced.append(str(p)), real_fsync(p)))
+    renamed_after: list[int] = []
+    monkeypatch.setattr(
+        ckpt_mod.os, "rename", lambda a, b: (renamed_after.append(len(synced)), real_rename(a, b))
+    )
+    commit(tmp, final, {"step": 3})
+    parts = [tmp / COMPLETE, tmp / STATE_FILE, tmp / "learner/index.json", tmp / "learner/rank-0/shard.bin"]
+    folders = [tmp / "learner/rank-0", tmp / "learner", tmp]
+    before = set(synced[: renamed_after[0]])
+    assert {str(p) for p in parts + folders} <= before  # data and directory entries, before the rename
+    assert synced.index(str(tmp / "learner/rank-0")) < synced.index(str(tmp / "learner"))  # bottom-up
+    assert synced[-1] == str(root)  # the rename itself reaches the disk
+    assert read_state(final)["step"] == 3 and not tmp.exists()
+
+
+def test_rewriting_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
+    """A crash after the old step-N was moved aside and before the new one was renamed in: the old
+    one comes back, whole; without a crash the new one replaces it and nothing is left aside."""
+    root = tmp_path / "checkpoints"
+    tmp, final = _written(root, 5, "old")
+    commit(tmp, final, {"step": 5, "which": "old"})
+    tmp, final = _written(root, 5, "new")
+    real_rename = ckpt_mod.os.rename
+
+    def crash_on_second(a, b):
+        if Path(a) == tmp:
+            raise OSError("machine lost power")
+        real_rename(a, b)
+
+    monkeypatch.setattr(ckpt_mod.os, "rename", crash_on_second)
+    with pytest.raises(OSError, match="power"):
+        commit(tmp, final, {"step": 5, "which": "new"})
+    monkeypatch.setattr(ckpt_mod.os, "rename", real_rename)
+    assert not final.exists()  # the window the old code left with nothing at all
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000005"]
+    assert read_state(final)["which"] == "old"
+    assert (final / "learner/rank-0/shard.bin").read_text() == "old"
+    commit(tmp, final, {"step": 5, "which": "new"})
+    assert read_state(final)["which"] == "new" and sorted(p.name for p in root.iterdir()) == ["step-000005"]
+
+
 def test_checkpoint_config_fields_and_errors():
     cfg = load_config(CONFIG)
     ck = cfg.checkpoint
@@ -134,6 +199,9 @@ def test_stop_request_second_signal_forces():
 
 
 def test_stop_grace_period_forces_through_the_installed_handler():
+    # Whatever handler the runner started with (a background or nohup start inherits SIGINT ignored)
+    # is the one uninstall must restore.
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stop = StopRequest(grace_s=0.2)
     stop.install()
     try:
@@ -144,7 +212,7 @@ def test_stop_grace_period_forces_through_the_installed_handler():
                 time.sleep(0.05)
     finally:
         stop.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {sig: signal.getsignal(sig) for sig in found} == found
 
 
 def test_safe_point_cancels_the_grace_period():

@@ -30,6 +30,7 @@ from learner.sequences import (
     sequence_logprobs,
 )
 from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.hf_engine import truncate_logits
 from rollout_workers.types import Sample
 from rollout_workers.worker import RolloutWorker
 
@@ -70,20 +71,24 @@ def _hf(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _teacher_forced(path: str, samples: list[Sample], temperature: float) -> float:
-    """Max |behaviour logprob - float32 teacher-forced logprob| over every response token."""
+def _teacher_forced(
+    path: str, samples: list[Sample], temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> float:
+    """Max |behaviour logprob - float32 teacher-forced logprob| over every response token, under the
+    distribution sampled from (tempered, truncated to top_k/top_p and renormalised)."""
     ids, attn, prompt_lens, rmask = pack_sequences(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples], 0
     )
     with torch.no_grad():
         logits = _hf(path)(input_ids=ids, attention_mask=attn).logits.float()
     R = rmask.shape[1]
-    logp = torch.log_softmax(gather_response(logits, prompt_lens, R) / temperature, dim=-1)
+    scaled = truncate_logits(gather_response(logits, prompt_lens, R) / temperature, top_k, top_p)
+    logp = torch.log_softmax(scaled, dim=-1)
     expected = logp.gather(-1, response_tokens(ids, prompt_lens, R).unsqueeze(-1)).squeeze(-1)
     got = torch.zeros_like(expected)
     for i, s in enumerate(samples):
         got[i, : len(s.logprobs)] = torch.from_numpy(s.logprobs)
-    return float(((expected - got).abs() * rmask).max())
+    return float(torch.where(rmask.bool(), (expected - got).abs(), 0.0).max())  # padding may be -inf
 
 
 def _probe_reference(path: str) -> list[np.ndarray]:
@@ -136,6 +141,21 @@ def test_behaviour_logprobs_match_teacher_forced_forward(worker, policies, tempe
     )
     gap = _teacher_forced(policies[0], samples, temperature)
     assert gap < TOL, f"behaviour logprobs differ from the teacher-forced forward by {gap}"
+
+
+def test_truncated_sampling_records_the_distribution_sampled_from(worker, policies):
+    """top_k/top_p on: every token is inside the kept set and its behaviour logprob is that of the
+    truncated, renormalised distribution (one rule for every engine), not of the full one."""
+    k, p, t = 6, 0.9, 0.8
+    samples = worker.generate(
+        INDICES,
+        PROMPTS,
+        seed=3,
+        sampling=SamplingConfig(n=4, max_new_tokens=16, temperature=t, top_k=k, top_p=p),
+    )
+    assert _teacher_forced(policies[0], samples, t, k, p) < TOL
+    # Not the full distribution's: renormalising over at most 6 of the tokens raises every logprob.
+    assert _teacher_forced(policies[0], samples, t) > 10 * TOL
 
 
 def test_same_seed_same_samples_other_seed_differs(worker):

@@ -38,8 +38,11 @@ def _bundle(path) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
-def _teacher_forced(path, samples: list[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the sampled tokens under a plain right-padded forward, as the learner computes them."""
+def _teacher_forced(
+    path, samples: list[Sample], temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of the sampled tokens under a plain right-padded forward, as the learner computes them
+    (with top_k/top_p: of the truncated, renormalised distribution the tokens were drawn from)."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     ids, attn, prompt_lens, rmask = pack_sequences(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples], 0
@@ -47,7 +50,8 @@ def _teacher_forced(path, samples: list[Sample], temperature: float) -> tuple[to
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn).logits.float()
     R = rmask.shape[1]
-    logp = torch.log_softmax(gather_response(logits, prompt_lens, R) / temperature, dim=-1)
+    scaled = truncate_logits(gather_response(logits, prompt_lens, R) / temperature, top_k, top_p)
+    logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, response_tokens(ids, prompt_lens, R).unsqueeze(-1)).squeeze(-1), rmask
 
 
@@ -97,8 +101,8 @@ def test_samples_are_well_formed(tiny_policy_dir):
 def test_behaviour_logprobs_match_teacher_forced_forward(tiny_policy_dir, sampling):
     worker = _worker(tiny_policy_dir, n=4, max_new_tokens=16, **sampling)
     samples = worker.generate(INDICES, PROMPTS, seed=1)
-    expected, mask = _teacher_forced(tiny_policy_dir, samples, sampling["temperature"])
-    gap = ((expected - _behaviour(samples)).abs() * mask).max().item()
+    expected, mask = _teacher_forced(tiny_policy_dir, samples, **sampling)
+    gap = torch.where(mask.bool(), (expected - _behaviour(samples)).abs(), 0.0).max().item()  # pad: -inf
     assert gap < 1e-4, f"behaviour logprobs differ from the teacher-forced forward by {gap}"
 
 
