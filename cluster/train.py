@@ -19,6 +19,12 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
 from .config import ConfigError, RunConfig, load_config
+from .job_env import (
+    SharedSessionError,
+    check_every_node_shares,
+    in_place_working_dir,
+    override_job_runtime_env,
+)
 from .run_folder import resolve_paths
 
 EXIT_FAILED = 1
@@ -77,7 +83,16 @@ def init_ray(cfg: RunConfig) -> str | None:
         return None
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        return ray.init(address=address, log_to_driver=True).dashboard_url
+        in_place = in_place_working_dir()  # a job on raylets sharing this machine's session folder
+        if in_place is None:
+            return ray.init(address=address, log_to_driver=True).dashboard_url
+        with override_job_runtime_env():
+            context = ray.init(address=address, log_to_driver=True, runtime_env=in_place)
+        print(
+            f"job working dir used in place by this machine's raylets: {in_place['working_dir']}", flush=True
+        )
+        check_every_node_shares(in_place, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
+        return context.dashboard_url
     cpus, custom = local_resources(cfg)
     return ray.init(
         address="local",  # a new Ray even where `ray start` left one: no address would join it
@@ -175,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     clock = StartupClock()
     clock.mark("driver start")
     own_ray = not ray.is_initialized()  # a local Ray this driver starts is shut down when it ends
-    dashboard = init_ray(cfg)
+    try:
+        dashboard = init_ray(cfg)
+    except SharedSessionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     clock.mark("ray.init")
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)

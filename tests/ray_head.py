@@ -1,19 +1,23 @@
 """A second Ray cluster on this machine for tests that must not share the session's `ray_local`:
-its own processes, ports and temp dir; reached by address only and torn down by killing exactly
-its own process session, never with `ray stop` (which would kill every Ray process on the machine)."""
+its own processes, ports and temp dir (a head, and nodes that join it as a user's do); reached by
+address only and torn down by killing exactly its own process sessions, never with `ray stop`
+(which would kill every Ray process on the machine)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -59,15 +63,57 @@ def ray_env() -> dict[str, str]:
     return env
 
 
+def _ray_start(args: list[str], env: dict[str, str], cwd: str) -> int:
+    """Run `ray start ARGS` in a session of its own (every process it starts inherits it); returns
+    that session's id. Ray gives a raylet a fixed 30 s to register, which a loaded machine can
+    miss: up to three tries."""
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", *args]
+    errors: list[str] = []
+    for _ in range(3):
+        starter = subprocess.Popen(
+            cmd, env=env, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        try:
+            out, _ = starter.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            starter.kill()
+            out, _ = starter.communicate()
+        if starter.returncode == 0:
+            return starter.pid
+        kill_session(starter.pid)
+        errors.append(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
+    raise RuntimeError("\n".join(errors))
+
+
+def _wait_for_nodes(dashboard: str, count: int, timeout_s: float = 300.0) -> None:
+    """Until the cluster lists `count` live nodes (asked over HTTP: no ray.init in this process)."""
+    from ray.util.state import list_nodes
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(Exception):  # the state API answers once the dashboard is up
+            alive = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], timeout=30)
+            if len(alive) >= count:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} live nodes after {timeout_s:.0f}s")
+        time.sleep(1)
+
+
 @contextlib.contextmanager
-def ray_head(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> Iterator[RayHead]:
-    """`ray start --head` with the dashboard, free ports and a temp dir of its own."""
+def ray_head(
+    num_cpus: int = 2,
+    env_vars: dict[str, str] | None = None,
+    workers: Sequence[dict[str, Any]] = (),
+) -> Iterator[RayHead]:
+    """`ray start --head` with the dashboard, free ports and a temp dir of its own; then each of
+    `workers` ({'num_cpus': .., 'resources': {..}}) joins it with `ray start --address` on this
+    machine, as a user starts a multi-node cluster (joining nodes take the head's temp dir, Ray's
+    default: every raylet shares one session folder)."""
     temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
     gcs, dashboard = free_port(), free_port()
     env = {**ray_env(), **(env_vars or {})}
-    cmd = [
-        str(Path(sys.executable).parent / "ray"),
-        "start",
+    head = [
         "--head",
         f"--port={gcs}",
         f"--num-cpus={num_cpus}",
@@ -80,31 +126,27 @@ def ray_head(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> Itera
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
     ]
-    # Ray gives a raylet a fixed 30 s to register, which a loaded machine can miss: up to three tries.
-    errors: list[str] = []
-    for _ in range(3):
-        starter = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=temp_dir,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            out, _ = starter.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            starter.kill()
-            out, _ = starter.communicate()
-        if starter.returncode == 0:
-            break
-        kill_session(starter.pid)
-        errors.append(f"ray start failed ({starter.returncode}):\n{out.decode()[-3000:]}")
-    else:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        pytest.fail("\n".join(errors))
+    sessions: list[int] = []
     try:
+        try:
+            sessions.append(_ray_start(head, env, temp_dir))
+            for node in workers:
+                args = [
+                    f"--address=127.0.0.1:{gcs}",
+                    f"--num-cpus={node.get('num_cpus', 1)}",
+                    f"--resources={json.dumps(node.get('resources', {}))}",
+                    f"--object-store-memory={128 * 2**20}",  # the demo's objects are small
+                    f"--dashboard-agent-listen-port={free_port()}",
+                    f"--metrics-export-port={free_port()}",
+                    "--disable-usage-stats",
+                ]
+                sessions.append(_ray_start(args, env, temp_dir))
+            if workers:
+                _wait_for_nodes(f"http://127.0.0.1:{dashboard}", 1 + len(workers))
+        except RuntimeError as err:
+            pytest.fail(str(err))
         yield RayHead(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}", Path(temp_dir), env)
     finally:
-        kill_session(starter.pid)  # `ray start` led the session that every head process inherited
+        for sid in reversed(sessions):  # `ray start` led the session that each node's processes inherited
+            kill_session(sid)
         shutil.rmtree(temp_dir, ignore_errors=True)

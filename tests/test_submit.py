@@ -1,5 +1,6 @@
 """Job submission against a real Ray head (its own processes, ports and temp dir, `ray_head.py`;
-reached over HTTP only, no `ray.init` here), and the examples."""
+reached over HTTP only, no `ray.init` here) and a 3-node cluster started with `ray start`, and the
+examples."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from ray_head import free_port
 from ray_head import ray_head as start_ray_head
 
 from cluster.config import load_config
+from cluster.job_env import (
+    JOB_CONFIG_VAR,
+    SharedSessionError,
+    check_every_node_shares,
+    in_place_working_dir,
+)
 from cluster.submit import (
     DEFAULT_EXCLUDES,
     EXIT_BAD_INPUT,
@@ -127,6 +134,72 @@ def test_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, demo_assets, tmp_p
     assert "stopped by SIGTERM" in logs and f"{ckpt}  (continue with --resume {run_dir})" in logs, logs[
         -3000:
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three nodes and the demo's start-up on a shared 2-core machine
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
+def test_demo_job_on_three_nodes_started_with_ray_start(demo_assets, tmp_path, capsys):
+    """Issue 21: the demo submitted with `python -m cluster.submit` (separate placement) to a
+    cluster started as a user starts one: `ray start --head`, then two `ray start --address` on the
+    same machine, which share the head's session folder. When the driver connects, every raylet
+    sets up the job's runtime env, and Ray's working_dir plugin deleted and unpacked again the
+    folder the driver runs in: the job died at start-up (its working directory gone). The learner
+    and the rollout worker are pinned to the joined nodes, so actors of both run from the job's
+    working dir there."""
+    from demo_run import CONFIG, demo_overrides, prompt_file
+
+    steps = 2
+    sets = demo_overrides(
+        demo_assets,
+        steps,
+        **{
+            "data.prompts_per_step": 8,
+            "data.prompts_path": prompt_file(demo_assets, tmp_path, steps * 8),
+            "rollout.chunk_size": 4,
+            "learner.micro_batch_size": 8,
+            "learner.resources": "{learner_node: 1}",
+            "rollout.resources": "{rollout_node: 1}",
+        },
+    )
+    workers = [
+        {"num_cpus": 1, "resources": {"learner_node": 1}},
+        {"num_cpus": 1, "resources": {"rollout_node": 1}},
+    ]
+    # token auth off on every node: Ray turns it on for a head where ~/.ray/auth_token exists, and
+    # a joining node then cannot register
+    no_auth = {"RAY_AUTH_MODE": "disabled"}
+    run_dir = tmp_path / "run"
+    with start_ray_head(num_cpus=1, env_vars=no_auth, workers=workers) as head:
+        argv = ["--address", head.dashboard, str(CONFIG), "--run-dir", str(run_dir)]
+        code = main(argv + [arg for item in sets for arg in ("--set", item)])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-6000:] + err[-2000:]
+    assert "SUCCEEDED" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+
+def test_a_job_driver_uses_its_working_dir_in_place_only_where_raylets_share_the_session(
+    tmp_path, monkeypatch
+):
+    """The rule behind the test above: in place (`local://`) only for a job driver whose working
+    dir Ray unpacked into a session folder that other raylets' runtime-env agents also use."""
+    session = tmp_path / "session_x"
+    wd = session / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123abcd"
+    wd.mkdir(parents=True)
+    (session / "runtime_env_agent_port_aaaa").write_text("1")
+    monkeypatch.delenv(JOB_CONFIG_VAR, raising=False)
+    assert in_place_working_dir(wd) is None  # not a job's driver
+    monkeypatch.setenv(JOB_CONFIG_VAR, "{}")
+    assert in_place_working_dir(wd) is None  # one raylet: Ray's own working dir is safe
+    assert in_place_working_dir(tmp_path) is None  # not a folder Ray unpacked
+    (session / "runtime_env_agent_port_bbbb").write_text("2")
+    env = in_place_working_dir(wd)
+    assert env == {"working_dir": f"local://{wd}"}
+    check_every_node_shares(env, ["aaaa", "bbbb"])
+    with pytest.raises(SharedSessionError, match="nodes elsewhere"):
+        check_every_node_shares(env, ["aaaa", "bbbb", "cccc"])  # a node on another machine
 
 
 def test_build_entrypoint_quotes_every_argument():
