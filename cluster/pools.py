@@ -20,6 +20,14 @@ class ActorStartError(RuntimeError):
 
 
 DEAD_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# An object whose every copy is gone (its node died; Ray cannot rebuild an actor's output): owner
+# died, reconstruction failed, fetch timed out are all subclasses.
+LOST_OBJECT_ERRORS = (ray.exceptions.ObjectLostError,)
+
+
+def is_lost_object(err: BaseException) -> bool:
+    """`err` (or the error a task raised, wrapped by Ray) is a lost object."""
+    return isinstance(err, LOST_OBJECT_ERRORS) or isinstance(getattr(err, "cause", None), LOST_OBJECT_ERRORS)
 
 
 def wait_until(refs: list[Any], num_returns: int, deadline: float) -> tuple[list[Any], list[Any]]:

@@ -22,6 +22,7 @@ from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
 
 from .actors import to_trajectory
+from .pools import LOST_OBJECT_ERRORS
 
 
 class StreamingRolloutWorker(RolloutWorker):
@@ -51,11 +52,22 @@ class StreamingScorer(RewardScorer):
 
 
 class StreamingLearnerRank(LearnerRank):
-    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, float]:
+    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, Any]:
         """`train_step` on trajectories assembled here from object references: each part is
-        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...])."""
-        trajectories = []
-        for samples_ref, ref_lp_ref, picks in parts:
-            samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
+        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...]).
+
+        An input whose object is lost (its node died with the only copy) trains nothing anywhere:
+        every rank learns whether any rank lost an input before the step's first collective, and
+        all return `{"lost_parts": [positions in their own parts]}` so the driver can regenerate
+        those prompts and give the rest of the batch back."""
+        trajectories, lost = [], []
+        for k, (samples_ref, ref_lp_ref, picks) in enumerate(parts):
+            try:
+                samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
+            except LOST_OBJECT_ERRORS:
+                lost.append(k)
+                continue
             trajectories += [to_trajectory(samples[j], ref_lps[j], score, g) for j, score, g in picks]
+        if self.any_rank(bool(lost)):
+            return {"lost_parts": lost}
         return self.train_step(trajectories)

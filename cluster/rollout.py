@@ -24,7 +24,7 @@ from .actors import to_trajectory
 from .calls import Call, CallTracker
 from .data import Prompt
 from .groups import group_runs
-from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member
+from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 
 
 class RolloutError(RuntimeError):
@@ -47,6 +47,7 @@ class RolloutBatch:
     queue_depth: int = 0  # most chunks generated and waiting for their scores at once
     replacements: int = 0
     redispatched: int = 0
+    lost: int = 0  # chunks generated again because their samples' object was lost with its node
     events: list[str] = field(default_factory=list)
 
 
@@ -60,6 +61,12 @@ class _Chunk:
     scores: Any = None
     attempts: int = 0
     sampling: Any = None  # a SamplingConfig overriding the workers' own (evaluation)
+    round: int = 0  # bumped when the samples are lost: results of an older round are ignored
+
+    def lost(self) -> None:
+        """The samples are gone: forget every result and start a new round."""
+        self.samples = self.ref_logprobs = self.scores = None
+        self.round += 1
 
 
 def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
@@ -120,11 +127,35 @@ class RolloutCollector:
             else:
                 by_index = {p.index: p.meta for p in chunk.prompts}
                 ref = h.score.remote(p_ids, r_ids, [by_index[s.prompt_index] for s in chunk.samples])
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk)
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round)
 
-    def resubmit(self, tracker: CallTracker, call: Call, member: Member | None) -> None:
-        """Hand `call`'s work out again (same chunk, same seed) to `member` or the next in line."""
+    @staticmethod
+    def current(call: Call) -> bool:
+        """`call` belongs to its chunk's current round (not to samples since lost)."""
+        return call.extra.get("round", 0) == call.payload.round
+
+    def resubmit(self, tracker: CallTracker, call: Call, member: Member | None) -> bool:
+        """Hand `call`'s work out again (same chunk, same seed) to `member` or the next in line;
+        False for work of a round whose samples were lost (that chunk is being generated again)."""
+        if not self.current(call):
+            return False
         self.submit(tracker, call.kind, call.payload, member)
+        return True
+
+    def regenerate(self, tracker: CallTracker, call: Call, stats: Any) -> None:
+        """A call's input samples (scoring) or its own result (generate) were lost with the node that
+        held the only copy: generate the chunk again, same seed, and ignore whatever its old round
+        still returns."""
+        chunk = call.payload
+        if not self.current(call):
+            return  # another call of that round already started the new one
+        chunk.attempts += 1
+        if chunk.attempts >= self.max_attempts:
+            raise RolloutError(f"the samples of chunk {chunk.index} were lost {chunk.attempts} times")
+        chunk.lost()
+        stats.lost += 1
+        stats.events.append(f"chunk {chunk.index}: samples lost with their node; generating it again")
+        self.submit(tracker, "generate", chunk)
 
     # ------------------------------------------------------------------ faults
 
@@ -141,9 +172,8 @@ class RolloutCollector:
                 )
         pool = self._pool_of(call.actor)
         if pool is None:  # the actor was already replaced (another of its calls failed first)
-            if call.kind in self.pools:
+            if call.kind in self.pools and self.resubmit(tracker, call, None):
                 stats.redispatched += 1
-                self.resubmit(tracker, call, None)
             return
         index = pool.names.index(call.actor)
         # A stuck call is still at the head of its actor's queue, so `drop_actor` returns it too: each
@@ -153,9 +183,10 @@ class RolloutCollector:
         stats.replacements += 1
         stats.events.append(f"{call.actor} {why}; replaced by {new.name}")
         for orphan in orphans:
-            if orphan.kind in self.pools:
+            if orphan.kind in self.pools and self.resubmit(
+                tracker, orphan, new if orphan.kind == "generate" else None
+            ):
                 stats.redispatched += 1
-                self.resubmit(tracker, orphan, new if orphan.kind == "generate" else None)
 
     def _pool_of(self, actor: str) -> ActorPool | None:
         for pool in self.pools.values():
@@ -198,7 +229,12 @@ class RolloutCollector:
                     ) from None
             self.fail(tracker, call, "died", stats)
             return False, None
-        except ray.exceptions.RayTaskError as err:
+        except ray.exceptions.RayError as err:
+            if is_lost_object(err) and call.kind in self.pools:  # its samples or their facts are gone
+                self.regenerate(tracker, call, stats)
+                return False, None
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                raise
             if call.kind == "start":
                 raise ActorStartError(f"{call.actor} failed to start: {err.cause!r}") from err
             raise RolloutError(f"{call.actor} failed in {call.kind}: {err.cause!r}") from err
@@ -247,7 +283,7 @@ class RolloutCollector:
                 continue
             for call in done:
                 ok, value = self.settle(tracker, call, batch)
-                if not ok or call.kind not in self.pools:
+                if not ok or call.kind not in self.pools or not self.current(call):
                     continue
                 chunk = call.payload
                 if call.kind == "generate":

@@ -39,6 +39,12 @@ class StreamChunk:
     scores: Any = None  # ScoreBatch (small: fetched by the driver)
     sampling: Any = None  # a SamplingConfig overriding the worker's own (evaluation chunks)
     eval: bool = False  # a held-out evaluation chunk: scored by the reward only, never buffered or trained
+    round: int = 0  # bumped when the samples are lost: results of an older round are ignored
+
+    def lost(self) -> None:
+        """The samples are gone: forget every result and start a new round."""
+        self.facts = self.samples_ref = self.ref_logprobs_ref = self.scores = None
+        self.round += 1
 
     @property
     def version(self) -> int:
@@ -58,6 +64,7 @@ class Taken:
     stale_samples: int = 0
     stale_prompts: int = 0
     staleness: list[int] = field(default_factory=list)  # per trained sample
+    items: list[tuple[StreamChunk, Prompt, list[int]]] = field(default_factory=list)  # as buffered
 
 
 class StreamBuffer:
@@ -157,7 +164,32 @@ class StreamBuffer:
         for _chunk, positions in parts:
             positions.sort()
         staleness = [version - c.facts[j][1] for c, pos in parts for j in pos]
-        return Taken(parts, [p for _c, p, _pos in items], stale_samples, stale_prompts, staleness)
+        prompts = [p for _c, p, _pos in items]
+        return Taken(
+            parts,
+            prompts,
+            stale_samples,
+            stale_prompts,
+            staleness,
+            [(c, p, list(pos)) for c, p, pos in items],
+        )
+
+    def give_back(self, taken: Taken, lost: set[int]) -> int:
+        """A batch the learner could not train because the objects of the chunks `lost` (indices)
+        are gone: their prompts, and those of the same chunks still buffered, are re-queued to be
+        generated again (their admission slots given back); the rest of the batch returns to the
+        front of the buffer. Returns the number of prompts re-queued."""
+        keep: collections.deque = collections.deque()
+        requeued = 0
+        for entry in [*taken.items, *self.ready]:
+            if entry[0].index in lost:
+                self.requeued.append(entry[1])
+                self.admitted -= 1
+                requeued += 1
+            else:
+                keep.append(entry)
+        self.ready = keep
+        return requeued
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -61,12 +61,20 @@ class StreamCollector(RolloutCollector):
             facts_ref, samples_ref = h.generate_chunk.remote(
                 [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
             )
-            return tracker.add(member.name, facts_ref, kind, self.timeouts[kind], chunk, samples=samples_ref)
+            return tracker.add(
+                member.name,
+                facts_ref,
+                kind,
+                self.timeouts[kind],
+                chunk,
+                samples=samples_ref,
+                round=chunk.round,
+            )
         if kind == "reference":
             ref = h.sample_logprobs.remote(chunk.samples_ref)
         else:
             ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk)
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round)
 
 
 class AsyncTrainer(Trainer):
@@ -181,7 +189,7 @@ class AsyncTrainer(Trainer):
         if call.started is not None and call.kind in c.pools:
             self.busy["generate" if call.kind == "generate" else "score"] += now - call.started
         ok, value = c.settle(c.tracker, call, self._faults)
-        if not ok or call.kind not in c.pools:
+        if not ok or call.kind not in c.pools or not c.current(call):
             return None
         chunk: StreamChunk = call.payload
         if call.kind == "generate":
@@ -237,17 +245,24 @@ class AsyncTrainer(Trainer):
         shards = shard_by_group(group, len(ranks))  # the samples of one prompt stay on one rank
         calls = []
         for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
-            parts = [  # consecutive samples of one chunk travel as one (samples, ref logprobs) pair
+            # consecutive samples of one chunk travel as one (samples, ref logprobs) pair
+            runs = [
+                (chunk, list(run))
+                for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
+            ]
+            parts = [
                 (
                     chunk.samples_ref,
                     chunk.ref_logprobs_ref,
                     [(j, float(chunk.scores.scores[j]), group[k]) for k, (_, j) in run],
                 )
-                for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
+                for chunk, run in runs
             ]
             ref = rank.train_parts.remote(parts)
             name = f"learner-rank-{i}"
-            calls.append(self.collector.tracker.add(name, ref, "train", self.cfg.timeouts.train_s, name=name))
+            add = self.collector.tracker.add
+            chunks = [chunk for chunk, _run in runs]  # per part: a rank names lost inputs by position
+            calls.append(add(name, ref, "train", self.cfg.timeouts.train_s, name=name, chunks=chunks))
         return calls
 
     def _start_export(self) -> tuple[list[Call], Any]:
@@ -365,6 +380,7 @@ class AsyncTrainer(Trainer):
             "scale/rollout_workers": float(len(self.roles.workers) - len(self.collector.draining)),
             "faults/actor_replacements": float(self._faults.replacements),
             "faults/redispatched_chunks": float(self._faults.redispatched),
+            "faults/lost_chunks": float(self._faults.lost),
             "staleness/dropped_samples": float(step.stale_samples),
             "staleness/requeued_prompts": float(step.stale_prompts),
         }
@@ -383,6 +399,8 @@ class _LearnerStep:
         self.bundle: Any = None
         self.metrics: dict[str, float] = {}
         self.stale_samples = self.stale_prompts = 0
+        self.lost: set[int] = set()  # chunk indices whose objects a rank could not get
+        self.aborted = False
         self.t0 = time.perf_counter()
         self.t_wait = self.t_train = self.t_sync = 0.0
         self.done = False
@@ -390,6 +408,15 @@ class _LearnerStep:
     @property
     def waiting(self) -> bool:
         return self.taken is None
+
+    def _give_back(self) -> None:
+        """The batch could not be trained (inputs lost with their node): the lost chunks' prompts are
+        generated again, the rest of the batch returns to the buffer, and the step waits again."""
+        tr = self.trainer
+        tr.buffer.give_back(self.taken, self.lost)
+        tr._faults.lost += len(self.lost)
+        tr._faults.events.append(f"learner inputs of chunks {sorted(self.lost)} lost; generating them again")
+        self.taken, self.metrics, self.lost, self.aborted = None, {}, set(), False
 
     def start(self, taken: Taken, depth: int) -> None:
         self.taken, self.depth = taken, depth
@@ -401,11 +428,19 @@ class _LearnerStep:
         tr = self.trainer
         if call.kind == "train":
             self.train_calls.remove(call)
-            self.metrics = self.metrics or value  # every rank returns the same global metrics
-            if not self.train_calls:
-                self.t_train = time.perf_counter() - self.t1
-                self.t2 = time.perf_counter()
-                self.export_calls, self.bundle = tr._start_export()
+            if "lost_parts" in value:  # no rank trained: some input's object is gone
+                self.lost.update(call.extra["chunks"][k].index for k in value["lost_parts"])
+                self.aborted = True
+            else:
+                self.metrics = self.metrics or value  # every rank returns the same global metrics
+            if self.train_calls:
+                return
+            if self.aborted:
+                self._give_back()
+                return
+            self.t_train = time.perf_counter() - self.t1
+            self.t2 = time.perf_counter()
+            self.export_calls, self.bundle = tr._start_export()
             return
         self.export_calls.remove(call)
         if call.extra["name"] == "fingerprint":

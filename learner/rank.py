@@ -127,6 +127,12 @@ class LearnerRank:
             self.reward_moments,
         )
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on at least one (a collective: all ranks call it)."""
+        from learner.ppo_step import all_reduce
+
+        return bool(all_reduce([float(flag)], "max", self._require_engine().device)[0] > 0)
+
     def optimizer_name(self) -> str:
         """The class of the optimizer DeepSpeed steps ("AdamW", or "DeepSpeedCPUAdam" when offloaded)."""
         return type(self._require_engine().optimizer.optimizer).__name__

@@ -142,3 +142,35 @@ def test_adding_a_scored_chunk_twice_changes_nothing():
     assert buf.depth() == 0 and buf.outstanding() == []
     buf.add_scored(chunks[0])  # after the batch was taken: still nothing
     assert buf.depth() == 0
+
+
+def test_a_batch_given_back_regenerates_only_the_lost_chunks_prompts():
+    """The learner could not read chunk 1's objects (its node died): chunk 1's prompts are generated
+    again (slots given back), chunk 0's return to the front of the buffer, and over the epoch every
+    prompt is trained exactly once."""
+    buf = _buffer(n_prompts=8, P=4, chunk=2, eta=1)
+    first = [buf.next_chunk(version=0) for _ in range(4)]  # capacity (1 + 0 + 1) x 4 = 8 prompts
+    for c in first:
+        _finish(buf, c, 0)
+    taken = buf.take(0)
+    assert [p.index for p in taken.prompts] == [0, 1, 2, 3]
+    admitted = buf.admitted
+    assert buf.give_back(taken, {first[1].index}) == 2
+    assert buf.admitted == admitted - 2
+    assert [(c.index, p.index) for c, p, _ in buf.ready] == [(0, 0), (0, 1), (2, 4), (2, 5), (3, 6), (3, 7)]
+    again = buf.next_chunk(version=0)
+    assert [p.index for p in again.prompts] == [2, 3] and again.index == 4  # a new chunk, a new seed
+    _finish(buf, again, 0)
+    trained = collections.Counter()
+    for version in (0, 1):
+        got = buf.take(version)
+        trained.update(p.index for p in got.prompts)
+    assert trained == {i: 1 for i in range(8)} and buf.depth() == 0
+
+
+def test_a_lost_chunk_starts_a_new_round():
+    buf = _buffer()
+    c = buf.next_chunk(version=0)
+    _finish(buf, c, 0)
+    c.lost()
+    assert c.round == 1 and c.facts is None and c.samples_ref is None and c.scores is None and not c.scored

@@ -202,11 +202,11 @@ def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_
 def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_assets, tmp_path):
     """A worker busy far past timeouts.generate_s: its stuck chunk is handed out again once (it is
     both the expired call and the head of the replaced actor's queue) and every prompt of the epoch
-    is trained exactly once, counted per buffer entry."""
+    is trained exactly once, counted per buffer entry. eta = 0 so that step 1 cannot finish without
+    the stuck chunk (with eta > 0 the other worker may run the whole test before the deadline)."""
     extra = {
         "pipeline.mode": "async",
-        "pipeline.max_staleness": 1,
-        "learner.off_policy": "tis",
+        "pipeline.max_staleness": 0,
         "data.prompts_path": prompt_file(demo_assets, tmp_path, 24),
         "rollout.num_workers": 2,
         "rollout.num_cpus_per_worker": 0.25,
@@ -216,9 +216,10 @@ def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_a
     trainer = AsyncTrainer(cfg_for(demo_assets, 3, **extra), tmp_path / "run")
     try:
         trainer.setup()
-        rows = [trainer.iteration()]
+        # Queued ahead of every chunk (calls of one caller run in order): the first chunk handed to
+        # this worker waits behind it, past its deadline.
         trainer.roles.workers.handles[1].__ray_call__.remote(lambda self: __import__("time").sleep(120))
-        rows += [trainer.iteration(), trainer.iteration()]
+        rows = [trainer.iteration() for _ in range(3)]
         redispatched = sum(m["faults/redispatched_chunks"] for m in rows)
         replaced = sum(m["faults/actor_replacements"] for m in rows)
     finally:
