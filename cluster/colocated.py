@@ -91,22 +91,34 @@ class ColocatedHost:
             "reference": lambda: ReferencePolicy(cfg.reference_path, cfg.reference, temperature),
             "reward": lambda: RewardScorer(cfg.reward, cfg.tokenizer_path),
         }
+        self._builders = builders
         self.roles: dict[str, Any] = {}
+        # The rollout worker is built once the learner has joined its world (`call("learner",
+        # "setup")`): an engine that brings torch.distributed state of its own (vLLM's in-process
+        # worker initialises a default group of size 1 when none exists, and DeepSpeed would then
+        # adopt it, every rank training alone) must find the learner's world there first.
+        self._pending = tuple(role for role in held if role == "rollout")
         for role in ("learner", *held):
-            t = time.perf_counter()
-            self.roles[role] = builders[role]()
-            self.timings[f"{role}_s"] = time.perf_counter() - t
+            if role not in self._pending:
+                self._build(role)
+
+    def _build(self, role: str) -> None:
+        t = time.perf_counter()
+        self.roles[role] = self._builders[role]()
+        self.timings[f"{role}_s"] = time.perf_counter() - t
 
     def ping(self) -> bool:
         return True
 
     def startup_timings(self) -> dict[str, float]:
         """Seconds spent importing the frameworks and building each role (the learner's DeepSpeed
-        engine is built later, in `setup`)."""
+        engine is built later, in `setup`, and the rollout worker right after it)."""
         return dict(self.timings)
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """`role.method(*args, **kwargs)` with `role`'s torch thread count."""
+        if role in self._pending:
+            raise RuntimeError(f"this host builds its {role} after the learner's setup, which has not run")
         if role not in self.roles:
             raise ValueError(f"this host holds {sorted(self.roles)}, not {role!r}")
         self._torch.set_num_threads(self.threads[role])
@@ -114,6 +126,9 @@ class ColocatedHost:
         out = getattr(self.roles[role], method)(*args, **kwargs)
         if role == "learner" and method == "setup":
             self.timings["learner_setup_s"] = time.perf_counter() - t
+            pending, self._pending = self._pending, ()
+            for held in pending:
+                self._build(held)
         return out
 
     def push_local(self, version: int, checksum: Any, share: bool) -> tuple[Any, dict | None, Any]:

@@ -192,6 +192,28 @@ def init_distributed(
     deepspeed.init_distributed(
         dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
     )
+    check_world(rank, world_size)
+
+
+def check_world(rank: int, world_size: int) -> None:
+    """Raise unless this process's default torch.distributed world is the learner's: `world_size`
+    ranks, this one `rank`.
+
+    DeepSpeed (like torch) adopts a default process group that already exists in the process, whatever
+    its size: one created by another library first (vLLM's in-process engine makes a world of its own
+    size 1) would make every gradient all-reduce a no-op, each rank silently training on its shard alone.
+    """
+    import torch.distributed as dist
+
+    got = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    if got != (rank, world_size):
+        seen = f"rank {got[0]} of a world of {got[1]}" if got else "no initialised world"
+        raise RuntimeError(
+            f"learner rank {rank} of {world_size}: torch.distributed has {seen} after DeepSpeed's init. "
+            "Something in this process initialised torch.distributed before the learner (e.g. an "
+            "in-process vLLM engine built before LearnerRank.setup) and DeepSpeed reused that world; "
+            "set the learner up first"
+        )
 
 
 def initialize_engine(model: torch.nn.Module, config: LearnerConfig):

@@ -102,6 +102,26 @@ def bundle_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
     return save(out)
 
 
+def executor_backend(tensor_parallel_size: int, on_cpu: bool, in_process: bool) -> str | None:
+    """vLLM's `distributed_executor_backend` for this engine (None: vLLM's own choice, `uni` at tp 1).
+
+    vLLM's one-process executor (`uni`, vllm/v1/executor/uniproc_executor.py) runs its worker in the
+    engine core's process, and with an in-process engine core that is this process. The worker's
+    `init_distributed_environment` (vllm/distributed/parallel_state.py) initialises the default
+    torch.distributed group only when none exists, else adopts the existing one and builds its
+    groups over all of its ranks (`new_group`, a collective over that world). In a process that
+    already belongs to a world of more than one rank (a colocated learner rank of N > 1) the worker
+    therefore gets its own process (`mp`), with a torch.distributed world of its own: adopting the
+    learner's world works only while every rank builds an engine at the same moment (measured: with 2
+    ranks and one worker, rank 0's engine waits forever for rank 1 in `new_group`).
+    """
+    if tensor_parallel_size > 1:
+        return "mp" if on_cpu else "ray"
+    dist = torch.distributed
+    shared = in_process and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return "mp" if shared else None
+
+
 class VLLMEngine(RolloutEngine):
     name = "vllm"
 
@@ -160,7 +180,7 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # sampling comes from SamplingConfig only, never the checkpoint
             worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
-            distributed_executor_backend=None if tp == 1 else ("mp" if self.on_cpu else "ray"),
+            distributed_executor_backend=executor_backend(tp, self.on_cpu, in_process),
             enable_sleep_mode=self._sleep_mode,
             **kwargs,
         )

@@ -88,3 +88,30 @@ def test_cpu_state_dict_keeps_names_order_and_ties():
     assert not out["wte"].requires_grad and out["wte"].data_ptr() != emb.data_ptr()
     assert all(torch.equal(out[k], state[k].detach()) for k in state)
     assert cpu_state_dict(state, bucket_bytes=16, keep=False) is None
+
+
+def test_a_learner_rank_refuses_a_world_that_is_not_its_own():
+    """DeepSpeed adopts a torch.distributed world that already exists in the process (vLLM's in-process
+    engine makes one of size 1 when built first): the rank's init must refuse it, not train alone.
+    In a child process, so this one's torch.distributed and DeepSpeed state stay untouched."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch.distributed as dist\n"
+        "from learner.deepspeed_setup import free_port, init_distributed\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "try:\n"
+        "    init_distributed(1, 2, '127.0.0.1', free_port(), 'gloo', 30)\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+        "finally:\n"
+        "    dist.destroy_process_group()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED learner rank 1 of 2: torch.distributed has rank 0 of a world of 1" in done.stdout, (
+        done.stdout[-2000:]
+    )

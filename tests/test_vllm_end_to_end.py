@@ -70,3 +70,53 @@ def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weig
     rewards = [h["rollout/reward_mean"] for h in trainer.history]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 1.0, rewards
     assert trainer.history[-1]["objective/kl"] > 0
+
+
+def test_two_colocated_ranks_train_on_the_whole_batch_beside_vllm(ray_local, demo_assets, tmp_path):
+    """Issue 21, item 4: built before the learner's setup, vLLM's in-process worker made a
+    torch.distributed world of size 1 in each colocated host and DeepSpeed adopted it: every
+    all-reduce a no-op, each rank training on its half alone (train/tokens about half the batch's).
+
+    Three 2-step runs with 2 learner ranks: vLLM colocated (2 workers), vLLM separate, hf colocated.
+    Every rank is in a world of 2, and every step trains on the whole batch (train/tokens = samples x
+    mean response length). vLLM gives the same samples in both placements (same seeds and chunks),
+    and about as many tokens as hf (the bug halved them)."""
+
+    def learner_world(_actor) -> tuple[int, int]:  # runs in a learner rank's process (pickled by value)
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
+
+    steps, runs = 2, {}
+    for engine, placement in (("vllm", "colocated"), ("vllm", "separate"), ("hf", "colocated")):
+        # Separate: one worker draws both chunks (the seeds are per chunk, not per worker), one vLLM
+        # start fewer.
+        workers = 1 if placement == "separate" else 2
+        sets = {"rollout.engine": engine, "cluster.placement": placement}
+        sets |= {"learner.num_ranks": 2, "rollout.num_workers": workers}
+        cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
+        trainer = Trainer(cfg, tmp_path / f"{engine}-{placement}")
+        try:
+            trainer.setup()
+            ranks = trainer.roles.ranks  # a colocated rank's view runs __ray_call__ in its host
+            worlds = ray.get([r.__ray_call__.remote(learner_world) for r in ranks], timeout=60)
+            runs[engine, placement] = [trainer.iteration() for _ in range(steps)]
+        finally:
+            trainer.close()
+        for step, m in enumerate(runs[engine, placement], start=1):
+            samples, length = m["rollout/samples"], m["rollout/response_length"]
+            assert m["train/tokens"] == pytest.approx(samples * length, abs=1e-6), (
+                engine,
+                placement,
+                step,
+                m["train/tokens"],
+                samples * length,
+            )
+            assert m["train/sequences"] == samples == 64, (engine, placement, step, m["train/sequences"])
+        assert worlds == [(0, 2), (1, 2)], (engine, placement, worlds)
+    tokens = {key: [m["train/tokens"] for m in rows] for key, rows in runs.items()}
+    lengths = {key: [m["rollout/response_length"] for m in rows] for key, rows in runs.items()}
+    assert tokens["vllm", "colocated"] == tokens["vllm", "separate"], tokens
+    assert lengths["vllm", "colocated"] == lengths["vllm", "separate"], lengths
+    for got, hf in zip(tokens["vllm", "colocated"], tokens["hf", "colocated"], strict=True):
+        assert 0.75 < got / hf < 1.33, tokens
