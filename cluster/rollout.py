@@ -8,6 +8,7 @@ exactly once per epoch. A sample whose reward failed is dropped and counted, nev
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable
@@ -59,7 +60,9 @@ class _Chunk:
     samples: list[Sample] | None = None
     ref_logprobs: list[np.ndarray] | None = None
     scores: Any = None
-    attempts: int = 0
+    # failures per kind of work ("generate", "reference", "reward", "lost"): a chunk that keeps
+    # failing one kind of work is given up; faults of different roles do not add up
+    attempts: collections.Counter = field(default_factory=collections.Counter)
     sampling: Any = None  # a SamplingConfig overriding the workers' own (evaluation)
     round: int = 0  # bumped when the samples are lost: results of an older round are ignored
 
@@ -149,9 +152,9 @@ class RolloutCollector:
         chunk = call.payload
         if not self.current(call):
             return  # another call of that round already started the new one
-        chunk.attempts += 1
-        if chunk.attempts >= self.max_attempts:
-            raise RolloutError(f"the samples of chunk {chunk.index} were lost {chunk.attempts} times")
+        chunk.attempts["lost"] += 1
+        if chunk.attempts["lost"] >= self.max_attempts:
+            raise RolloutError(f"the samples of chunk {chunk.index} were lost {chunk.attempts['lost']} times")
         chunk.lost()
         stats.lost += 1
         stats.events.append(f"chunk {chunk.index}: samples lost with their node; generating it again")
@@ -164,11 +167,11 @@ class RolloutCollector:
         and hand every call queued on that actor out again (the others count no attempt)."""
         chunk = call.payload
         if call.kind in self.pools:
-            chunk.attempts += 1
-            if chunk.attempts >= self.max_attempts:
+            chunk.attempts[call.kind] += 1
+            if chunk.attempts[call.kind] >= self.max_attempts:
                 cls = RolloutTimeout if why.startswith("stuck") else RolloutError
                 raise cls(
-                    f"{call.kind} of chunk {chunk.index} failed {chunk.attempts} times; last: {call.actor} {why}"
+                    f"{call.kind} of chunk {chunk.index} failed {chunk.attempts[call.kind]} times; last: {call.actor} {why}"
                 )
         pool = self._pool_of(call.actor)
         if pool is None:  # the actor was already replaced (another of its calls failed first)

@@ -31,7 +31,7 @@ class StreamChunk:
     index: int
     prompts: list[Prompt]
     seed: int
-    attempts: int = 0
+    attempts: collections.Counter = field(default_factory=collections.Counter)  # failures per kind of work
     # filled as the chunk moves through the pipeline
     facts: list[tuple] | None = None  # per sample: (prompt index, version, length, finish reason)
     samples_ref: Any = None
