@@ -121,7 +121,9 @@ def _cfg(assets, tmp_path, mode, policy=None):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_driver_never_holds_weights_or_samples(ray_local, demo_assets, big_policy, tmp_path, mode, monkeypatch):
+def test_the_driver_never_holds_weights_or_samples(
+    ray_local, demo_assets, big_policy, tmp_path, mode, monkeypatch
+):
     folder, bundle_bytes = big_policy
     assert bundle_bytes > 150 * MAX_DRIVER_VALUE  # the model would be unmistakable
     got, grew_big = _run(_cfg(demo_assets, tmp_path, mode, folder), tmp_path / "big", 3, monkeypatch)
