@@ -76,9 +76,13 @@ class CallTracker:
         now = time.monotonic()
         earliest = min((c.deadline for c in self._by_ref.values()), default=now + max_wait)
         timeout = max(0.0, min(max_wait, 1.0, earliest - now))
-        ready, _ = ray.wait(list(self._by_ref), num_returns=1, timeout=timeout)
+        # fetch_local=False: readiness only. The default pulls every ready object to the driver's node,
+        # samples and weight bundles included; the driver reads only the small values it asks for.
+        ready, _ = ray.wait(list(self._by_ref), num_returns=1, timeout=timeout, fetch_local=False)
         if ready:  # collect whatever else is already done, without waiting
-            more, _ = ray.wait(list(self._by_ref), num_returns=len(self._by_ref), timeout=0)
+            more, _ = ray.wait(
+                list(self._by_ref), num_returns=len(self._by_ref), timeout=0, fetch_local=False
+            )
             ready = list(dict.fromkeys([*ready, *more]))
         done = [self._by_ref[r] for r in ready]
         for call in done:

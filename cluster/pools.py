@@ -38,8 +38,11 @@ def wait_until(refs: list[Any], num_returns: int, deadline: float) -> tuple[list
     ready: list[Any] = []
     while True:
         left = deadline - time.monotonic()
-        got, pending = ray.wait(
-            pending, num_returns=min(num_returns - len(ready), len(pending)), timeout=max(0.0, min(1.0, left))
+        got, pending = ray.wait(  # readiness only: never pulls the objects to the driver's node
+            pending,
+            num_returns=min(num_returns - len(ready), len(pending)),
+            timeout=max(0.0, min(1.0, left)),
+            fetch_local=False,
         )
         ready += got
         if len(ready) >= num_returns or not pending or left <= 0:

@@ -38,8 +38,12 @@ class StreamingRolloutWorker(RolloutWorker):
 
 
 class StreamingReference(ReferencePolicy):
-    def sample_logprobs(self, samples: list) -> list:
-        return self.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    @ray.method(num_returns=2)
+    def sample_logprobs(self, samples: list) -> tuple[int, list]:
+        """(how many samples were scored, their reference logprobs): the driver waits on the count and
+        hands the logprobs' reference to the learner, which reads them itself."""
+        out = self.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        return len(out), out
 
 
 class StreamingScorer(RewardScorer):
@@ -52,6 +56,13 @@ class StreamingScorer(RewardScorer):
 
 
 class StreamingLearnerRank(LearnerRank):
+    @ray.method(num_returns=2)
+    def export_split(self, checksum: Any = None) -> tuple[bool, Any]:
+        """`export_weights` as (whether this rank holds the bundle, the bundle): the driver waits on
+        the flag and publishes the bundle's reference; the bundle itself never reaches the driver."""
+        bundle = self.export_weights(checksum)
+        return bundle is not None, bundle
+
     def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, Any]:
         """`train_step` on trajectories assembled here from object references: each part is
         (samples ref, reference-logprobs ref, [(sample position, score, group id), ...]).

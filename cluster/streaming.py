@@ -71,7 +71,16 @@ class StreamCollector(RolloutCollector):
                 round=chunk.round,
             )
         if kind == "reference":
-            ref = h.sample_logprobs.remote(chunk.samples_ref)
+            count_ref, logprobs_ref = h.sample_logprobs.remote(chunk.samples_ref)
+            return tracker.add(
+                member.name,
+                count_ref,
+                kind,
+                self.timeouts[kind],
+                chunk,
+                logprobs=logprobs_ref,
+                round=chunk.round,
+            )
         else:
             ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
         return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round)
@@ -197,7 +206,7 @@ class AsyncTrainer(Trainer):
             for kind in ("reward",) if chunk.eval else ("reference", "reward"):
                 c.submit(c.tracker, kind, chunk)
         elif call.kind == "reference":
-            chunk.ref_logprobs_ref = call.ref
+            chunk.ref_logprobs_ref = call.extra["logprobs"]
         else:
             chunk.scores = value
         if chunk.eval:
@@ -267,23 +276,18 @@ class AsyncTrainer(Trainer):
 
     def _start_export(self) -> tuple[list[Call], Any]:
         """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs, checksum) is what the workers must acknowledge."""
+        (probe logprobs, checksum) is what the workers must acknowledge. The driver tracks each rank's
+        small flag; the bundle stays an object reference it hands to the workers."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
         checksum = bundle_checksummer(self.cfg.rollout.dtype)
-        ranks = self.roles.ranks
-        calls = [
-            add(
-                f"learner-rank-{i}",
-                r.export_weights.remote(checksum),
-                "export",
-                limit,
-                name=f"learner-rank-{i}",
-            )
-            for i, r in enumerate(ranks)
-        ]
-        fingerprint = ranks[0].export_fingerprint.remote()  # after export_weights on the same actor
+        calls, bundle = [], None
+        for i, r in enumerate(self.roles.ranks):
+            flag, exported = r.export_split.remote(checksum)
+            bundle = exported if i == 0 else bundle
+            calls.append(add(f"learner-rank-{i}", flag, "export", limit, name=f"learner-rank-{i}"))
+        fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor
         calls.append(add("learner-rank-0", fingerprint, "export", limit, name="fingerprint"))
-        return calls, calls[0].ref
+        return calls, bundle
 
     def _check_learner_deadlines(self) -> None:
         for call in self.collector.tracker.expired():
