@@ -111,23 +111,26 @@ def small_demo(assets, tmp_path: Path, steps: int, **extra) -> list[str]:
 def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, tmp_path, mode):
     """In async mode samples stay in the object store of the node that generated them: objects under
     Ray's inline limit (100 KB) travel inside their reference instead, so the limit is lowered to
-    1 KB here (a 4-sample chunk of the demo is ~2.5 KB), as real responses exceed 100 KB. Losing
-    the rollout node then also loses the samples generated ahead (eta = 1) and not yet trained:
-    they are generated again, and every prompt is still trained exactly once."""
+    1 KB here (a 4-sample chunk of the demo is ~2.5 KB), as real responses exceed 100 KB. The
+    reference and the scorer share the rollout node in async mode, so until the learner reads them
+    the only copies of the samples and reference logprobs generated ahead (eta = 1) are on that
+    node (a scorer elsewhere would have fetched a copy Ray recovers them from): losing it loses
+    them, they are generated again, and every prompt is still trained exactly once."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     steps = 4
+    scoring = "rollout_node" if mode == "async" else "reward_node"
     pins = {
         "pipeline.mode": mode,
         "learner.resources": "{learner_node: 1}",
         "rollout.resources": "{rollout_node: 1}",
-        "reference.resources": "{reward_node: 1}",
-        "reward.resources": "{reward_node: 1}",
+        "reference.resources": f"{{{scoring}: 1}}",
+        "reward.resources": f"{{{scoring}: 1}}",
         "checkpoint.every_steps": 2,
     }
     with ray_cluster(
-        {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer
+        {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer (sync)
         {"num_cpus": 1, "resources": {"learner_node": 1}},
-        {"num_cpus": 1, "resources": {"rollout_node": 1}},
+        {"num_cpus": 1, "resources": {"rollout_node": 3}},
         system_config={"max_direct_call_object_size": 1024} if mode == "async" else None,
     ) as (cluster, (head, learner_node, rollout_node)):
         proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins))
@@ -148,15 +151,16 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
             actors = wait_for("every role started", placed, proc, log)
             assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
             assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
-            assert actors["reference-0"]["NodeID"] == head.node_id
-            assert actors["reward-scorer-0"]["NodeID"] == head.node_id
+            scoring_node = rollout_node if mode == "async" else head
+            assert actors["reference-0"]["NodeID"] == scoring_node.node_id
+            assert actors["reward-scorer-0"]["NodeID"] == scoring_node.node_id
             # The control actor (no resources) lives with the driver, on the head node.
             assert actors["rayppo-control-run"]["NodeID"] == head.node_id
 
             wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
             cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
             replacement_node = cluster.add_node(
-                num_cpus=1, resources={"rollout_node": 1}, object_store_memory=OBJECT_STORE
+                num_cpus=1, resources={"rollout_node": 3}, object_store_memory=OBJECT_STORE
             )
             out = finish(proc, log)
         finally:
