@@ -41,39 +41,54 @@ def _seed() -> int:
     return int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(2**32))
 
 
-def schedule(seed: int) -> list[tuple[float, str, str]]:
-    """(seconds after the previous fault, role pool, 'kill' | 'stall') for each fault. Each role is
-    attacked EVENTS / 3 = 2 times: a chunk whose work of one kind fails 3 times is given up as a
-    poison chunk (the run's rule), which faults of independent actors must not reach."""
+def schedule(seed: int) -> list[tuple[int, float, str, str]]:
+    """(step, seconds into that step, role pool, 'kill' | 'stall') for each fault, steps 2..STEPS-4
+    (a stall is found by its deadline, which the last steps leave time for). Each role is attacked
+    EVENTS / 3 = 2 times: a chunk whose work of one kind fails 3 times is given up as a poison chunk
+    (the run's rule), which faults of independent actors must not reach."""
     rng = random.Random(seed)
     roles = [role for role in ROLES for _ in range(EVENTS // len(ROLES))]
     rng.shuffle(roles)
-    return [(rng.uniform(0.5, 6.0), role, rng.choice(("kill", "stall"))) for role in roles]
+    return sorted(
+        (rng.randint(2, STEPS - 4), rng.uniform(0.0, 1.5), role, rng.choice(("kill", "stall")))
+        for role in roles
+    )
 
 
-class Chaos(threading.Thread):
-    """Carries out `schedule(seed)` on a live trainer's role pools from a second thread."""
+class Chaos:
+    """Carries out `schedule(seed)` on a live trainer's role pools: each fault on a timer started with
+    its step, so it lands wherever that step is by then (generating, scoring, training, pushing)."""
 
     def __init__(self, trainer, seed: int) -> None:
-        super().__init__(daemon=True)
         self.trainer, self.rng, self.plan = trainer, random.Random(seed + 1), schedule(seed)
-        self.stop = threading.Event()
+        self.timers: list[threading.Timer] = []
         self.done: list[str] = []
+        self.lock = threading.Lock()
 
-    def run(self) -> None:
-        for delay, role, action in self.plan:
-            if self.stop.wait(delay):
-                return
-            roles = self.trainer.roles
-            if roles is None:
-                return
-            members = list(getattr(roles, role).members)  # a snapshot: the run replaces members meanwhile
-            victim = self.rng.choice(members)
-            if action == "kill":
-                ray.kill(victim.handle, no_restart=True)
-            else:
-                victim.handle.__ray_call__.remote(lambda self, s=STALL_S: time.sleep(s))
+    def step_starts(self, step: int) -> None:
+        for at, delay, role, action in self.plan:
+            if at == step:
+                timer = threading.Timer(delay, self._strike, (role, action))
+                timer.daemon = True
+                timer.start()
+                self.timers.append(timer)
+
+    def _strike(self, role: str, action: str) -> None:
+        roles = self.trainer.roles
+        if roles is None:
+            return
+        members = list(getattr(roles, role).members)  # a snapshot: the run replaces members meanwhile
+        victim = self.rng.choice(members)
+        if action == "kill":
+            ray.kill(victim.handle, no_restart=True)
+        else:
+            victim.handle.__ray_call__.remote(lambda self, s=STALL_S: time.sleep(s))
+        with self.lock:
             self.done.append(f"{action} {victim.name}")
+
+    def stop(self) -> None:
+        for timer in self.timers:
+            timer.join(timeout=60)  # each fires within 1.5 s of its step's start
 
 
 def _versions(trainer) -> dict[str, int]:
@@ -90,12 +105,11 @@ def _versions(trainer) -> dict[str, int]:
 
 
 def _alive_actors(run_id: str) -> list[str]:
-    from ray.util.state import list_actors
+    """The run's actors that GCS still lists as alive (the local Ray runs without a dashboard)."""
+    from ray._private.state import actors
 
     return [
-        a.name
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-        if a.name and a.name.startswith(f"{run_id}/")
+        a["Name"] for a in actors().values() if a["Name"].startswith(f"{run_id}/") and a["State"] == "ALIVE"
     ]
 
 
@@ -131,22 +145,21 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
     rows = []
     try:
         trainer.setup()
-        chaos.start()
-        for _ in range(STEPS):
+        for step in range(1, STEPS + 1):
+            chaos.step_starts(step)
             rows.append(trainer.iteration())
             for name, v in _versions(trainer).items():
                 seen.setdefault(name, []).append(v)
-        chaos.stop.set()
-        chaos.join(timeout=60)
+        chaos.stop()
         run_id = trainer.run_id
         outstanding = trainer.buffer.outstanding() if mode == "async" else []
         position = trainer.stream.state_dict()
     finally:
-        chaos.stop.set()
+        chaos.stop()
         trainer.close()
     why = f"chaos seed {seed} (CHAOS_SEED={seed} replays it); faults: {chaos.done}"
     assert len(rows) == STEPS, why
-    assert chaos.done, why  # at least one fault landed while the run trained
+    assert len(chaos.done) == EVENTS, why  # every fault landed while the run trained
     # Every prompt drawn from the stream is trained exactly once or still outstanding (async: admitted
     # and not yet trained, e.g. delayed by a stall past the epoch's end), whatever was killed or
     # stalled; nothing is trained twice, nothing is lost.
