@@ -60,11 +60,14 @@ class Taken:
     """One learner batch: (chunk, sample positions) in chunk order, plus what was dropped on the way."""
 
     parts: list[tuple[StreamChunk, list[int]]]
-    prompts: list[Prompt]
+    items: list[tuple[StreamChunk, Prompt, list[int]]]  # the buffer entries taken (give_back returns them)
     stale_samples: int = 0
     stale_prompts: int = 0
     staleness: list[int] = field(default_factory=list)  # per trained sample
-    items: list[tuple[StreamChunk, Prompt, list[int]]] = field(default_factory=list)  # as buffered
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [p for _c, p, _pos in self.items]
 
 
 class StreamBuffer:
@@ -164,15 +167,7 @@ class StreamBuffer:
         for _chunk, positions in parts:
             positions.sort()
         staleness = [version - c.facts[j][1] for c, pos in parts for j in pos]
-        prompts = [p for _c, p, _pos in items]
-        return Taken(
-            parts,
-            prompts,
-            stale_samples,
-            stale_prompts,
-            staleness,
-            [(c, p, list(pos)) for c, p, pos in items],
-        )
+        return Taken(parts, items, stale_samples, stale_prompts, staleness)  # parts copied the positions
 
     def give_back(self, taken: Taken, lost: set[int]) -> int:
         """A batch the learner could not train because the objects of the chunks `lost` (indices)

@@ -56,34 +56,19 @@ class StreamCollector(RolloutCollector):
     def submit(self, tracker: CallTracker, kind: str, chunk: StreamChunk, member: Any = None) -> Call:
         member = member or self.least_loaded(kind)
         h = member.handle
-        if kind == "generate":
+        if kind == "generate":  # tracked: the facts; kept: the samples' ref
             extra = () if chunk.sampling is None else (chunk.sampling,)
-            facts_ref, samples_ref = h.generate_chunk.remote(
+            ref, samples = h.generate_chunk.remote(
                 [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
             )
-            return tracker.add(
-                member.name,
-                facts_ref,
-                kind,
-                self.timeouts[kind],
-                chunk,
-                samples=samples_ref,
-                round=chunk.round,
-            )
-        if kind == "reference":
-            count_ref, logprobs_ref = h.sample_logprobs.remote(chunk.samples_ref)
-            return tracker.add(
-                member.name,
-                count_ref,
-                kind,
-                self.timeouts[kind],
-                chunk,
-                logprobs=logprobs_ref,
-                round=chunk.round,
-            )
+            keep = {"samples": samples}
+        elif kind == "reference":  # tracked: the count; kept: the logprobs' ref
+            ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
+            keep = {"logprobs": logprobs}
         else:
             ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round)
+            keep = {}
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round, **keep)
 
 
 class AsyncTrainer(Trainer):

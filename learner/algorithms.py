@@ -34,6 +34,11 @@ def _zero_invalid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def count_sequences(mask: torch.Tensor) -> float:
+    """Rows with at least one valid entry: a row with none is not a sequence (seq-mean losses)."""
+    return float(_valid(mask).any(-1).sum())
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean over valid entries (0 where there are none)."""
     m = mask.to(x.dtype)
@@ -187,7 +192,7 @@ def aggregate_loss(
         per_seq = masked.sum(-1)
         if agg == "seq-mean-token-mean":
             per_seq = per_seq / mask.to(loss_mat.dtype).sum(-1).clamp(min=1.0)
-        denom = float((mask.to(loss_mat.dtype).sum(-1) > 0).sum()) if global_seqs is None else global_seqs
+        denom = count_sequences(mask) if global_seqs is None else global_seqs
         return per_seq.sum() / max(float(denom), 1.0)
     raise ValueError(f"unknown loss aggregation {agg!r}; allowed: {', '.join(LOSS_AGGS)}")
 

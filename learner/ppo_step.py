@@ -27,6 +27,7 @@ import torch.distributed as dist
 from learner.advantages import estimate, kl_loss, missing_eos_penalty, needs_critic
 from learner.algorithms import (
     aggregate_loss,
+    count_sequences,
     entropy_from_logits,
     logprobs_from_logits,
     off_policy_weights,
@@ -281,8 +282,7 @@ def ppo_update(
         k = len(minibatches)
         n_micro = all_reduce([float(len(m)) for m in micro], "max", device).long().tolist()
         local_counts = [float(batch.mask[mb].sum()) for mb in minibatches] + [
-            float((batch.mask[mb].sum(-1) > 0).sum())
-            for mb in minibatches  # a row with no token: none
+            count_sequences(batch.mask[mb]) for mb in minibatches
         ]
         counts = all_reduce(local_counts, "sum", device).tolist()  # k token counts, then k sequence counts
         for j in range(k):
