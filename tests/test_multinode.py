@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from demo_run import CONFIG, demo_overrides, prompt_file
 from ray.cluster_utils import Cluster
+from ray.core.generated import common_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -66,13 +68,25 @@ def finish(proc: subprocess.Popen, log: Path) -> str:
 
 def actors_by_name(cluster: Cluster) -> dict[str, dict]:
     """Every actor the cluster has seen (dead ones too): member name (the run id prefix of
-    `<run id>/<member>` dropped) -> {'State', 'NodeID'}."""
+    `<run id>/<member>` dropped) -> {'State', 'NodeID', 'Pid'}."""
     table = cluster.global_state.actor_table(None)
     return {
-        a["Name"].split("/", 1)[-1]: {"State": a["State"], "NodeID": a["Address"]["NodeID"]}
+        a["Name"].split("/", 1)[-1]: {"State": a["State"], "NodeID": a["Address"]["NodeID"], "Pid": a["Pid"]}
         for a in table.values()
         if a["Name"]
     }
+
+
+def finished_since(cluster: Cluster, method: str, since_ns: int) -> int:
+    """How many calls of actor method `method` finished after `since_ns` (time.time_ns), from the
+    task events Ray's GCS keeps (reported about once a second; no dashboard needed)."""
+    done = common_pb2.TaskStatus.Value("FINISHED")
+    return sum(
+        1
+        for e in cluster.global_state._get_all_task_events()
+        if e.task_info.func_or_class_name.endswith(f".{method}")
+        and e.state_updates.state_ts_ns.get(done, 0) > since_ns
+    )
 
 
 def wait_for(what: str, check, proc: subprocess.Popen, log: Path):
@@ -113,9 +127,10 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     Ray's inline limit (100 KB) travel inside their reference instead, so the limit is lowered to
     1 KB here (a 4-sample chunk of the demo is ~2.5 KB), as real responses exceed 100 KB. The
     reference and the scorer share the rollout node in async mode, so until the learner reads them
-    the only copies of the samples and reference logprobs generated ahead (eta = 1) are on that
-    node (a scorer elsewhere would have fetched a copy Ray recovers them from): losing it loses
-    them, they are generated again, and every prompt is still trained exactly once."""
+    the only copies of a chunk's samples and reference logprobs are on that node (a scorer
+    elsewhere would have fetched a copy Ray recovers them from). The learner is paused (SIGSTOP)
+    until a chunk has been scored and the node removed: the chunk's objects are lost, the learner
+    says so, they are generated again, and every prompt is still trained exactly once."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     steps = 4
     scoring = "rollout_node" if mode == "async" else "reward_node"
@@ -157,8 +172,27 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
             # The control actor (no resources) lives with the driver, on the head node.
             assert actors["rayppo-control-run"]["NodeID"] == head.node_id
 
-            wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
-            cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
+            if mode == "sync":
+                wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
+                cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
+            else:
+                # The learner is paused before it can read anything, so a chunk scored after the
+                # pause has its samples and reference logprobs on the rollout node only: losing the
+                # node certainly loses them (waiting for a step instead left it to timing whether
+                # any chunk generated ahead was still unread when the node went).
+                learner_pid = actors["learner-rank-0"]["Pid"]
+                paused_ns = time.time_ns()
+                os.kill(learner_pid, signal.SIGSTOP)
+                try:
+                    wait_for(
+                        "a chunk scored while the learner is paused",
+                        lambda: finished_since(cluster, "sample_logprobs", paused_ns) >= 1,
+                        proc,
+                        log,
+                    )
+                    cluster.remove_node(rollout_node)
+                finally:
+                    os.kill(learner_pid, signal.SIGCONT)
             replacement_node = cluster.add_node(
                 num_cpus=1, resources={"rollout_node": 3}, object_store_memory=OBJECT_STORE
             )
@@ -176,7 +210,7 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert sum(r["faults/actor_replacements"] for r in rows) >= 1
-    if mode == "async":  # chunks generated ahead on the lost node were generated again
+    if mode == "async":  # the chunks scored while the learner was paused were generated again
         assert sum(r["faults/lost_chunks"] for r in rows) >= 1, out[-4000:]
 
     # Every prompt of the epoch trained exactly once, the lost chunk included.
