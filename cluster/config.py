@@ -76,6 +76,8 @@ class RunConfig(_Strict):
                 f"learner.advantage={self.learner.advantage!r} takes its baseline from the other samples of "
                 "the same prompt: set rollout.sampling.n >= 2"
             )
+        if self.reference.pack_sequences is None:  # the reference scores the way the learner does
+            self.reference.pack_sequences = self.learner.pack_sequences
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
             self.learner.off_policy = "none"  # vtrace's truncated importance weights are the correction

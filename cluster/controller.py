@@ -23,7 +23,7 @@ from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
-from .groups import shard_by_group
+from .groups import shard_batch
 from .metrics import MetricsWriter, StepMetrics, truncate_metrics
 from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
@@ -266,7 +266,13 @@ class Trainer(HeldOutEval, StepMetrics):
         # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
         # so it runs first); a no-op unless rollout.sleep_level > 0
         sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
-        groups = shard_by_group([t.group for t in batch.trajectories], len(ranks))  # groups stay whole
+        trajs = batch.trajectories
+        groups = shard_batch(  # groups stay whole
+            [t.group for t in trajs],
+            [len(t.prompt_ids) + len(t.response_ids) for t in trajs],
+            len(ranks),
+            self.cfg.learner.balance_ranks,
+        )
         shards = [[batch.trajectories[k] for k in idx] for idx in groups]
         refs = [r.train_step.remote(shard) for r, shard in zip(ranks, shards, strict=True)]
         names = {ref: f"learner-rank-{i}" for i, ref in enumerate(refs)}

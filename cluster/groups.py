@@ -35,3 +35,45 @@ def shard_by_group(groups: Sequence[int], num_shards: int) -> list[np.ndarray]:
         cuts.append(cut)
     cuts.append(n)
     return [np.arange(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def max_load(shards: Sequence[np.ndarray], costs: Sequence[float]) -> float:
+    """The cost of the most loaded shard (what sets a step's time when ranks wait for each other)."""
+    c = np.asarray(costs, dtype=np.float64)
+    return max((float(c[s].sum()) for s in shards), default=0.0)
+
+
+def shard_by_cost(groups: Sequence[int], costs: Sequence[float], num_shards: int) -> list[np.ndarray]:
+    """`num_shards` index arrays over `groups` balancing the summed `costs` (e.g. tokens per sequence).
+
+    Whole groups, largest first, each onto the least-loaded shard (fewest items breaks ties): the
+    longest-processing-time rule, within 4/3 of the best possible maximum load. The even contiguous
+    split of `shard_by_group` is kept where its maximum load is lower, so the result is never worse
+    than it. Each shard's indices are ascending (batch order)."""
+    if len(costs) != len(groups):
+        raise ValueError(f"{len(costs)} costs for {len(groups)} items")
+    even = shard_by_group(groups, num_shards)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    c = np.asarray(costs, dtype=np.float64)
+    load = np.zeros(num_shards)
+    count = np.zeros(num_shards, dtype=np.int64)
+    picked: list[list[int]] = [[] for _ in range(num_shards)]
+    for items in sorted(members.values(), key=lambda m: (-float(c[m].sum()), m[0])):
+        s = min(range(num_shards), key=lambda k: (load[k], count[k], k))
+        picked[s].extend(items)
+        load[s] += float(c[items].sum())
+        count[s] += len(items)
+    greedy = [np.array(sorted(p), dtype=np.int64) for p in picked]
+    return greedy if max_load(greedy, c) < max_load(even, c) else even
+
+
+def shard_batch(groups: Sequence[int], tokens: Sequence[int], num_shards: int, how: str) -> list[np.ndarray]:
+    """The learner ranks' shards by `learner.balance_ranks`: 'tokens' (`shard_by_cost` on prompt +
+    response tokens) or 'count' (`shard_by_group`)."""
+    if how == "tokens":
+        return shard_by_cost(groups, tokens, num_shards)
+    if how == "count":
+        return shard_by_group(groups, num_shards)
+    raise ValueError(f"learner.balance_ranks={how!r}; allowed: 'tokens', 'count'")

@@ -26,7 +26,7 @@ import ray
 from .calls import Call, CallTracker
 from .controller import LearnerStepError, Trainer
 from .evaluation import EvalRound
-from .groups import group_runs, shard_by_group
+from .groups import group_runs, shard_batch
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
 from .weight_sync import bundle_checksummer, expected_fingerprint, load_into
@@ -236,7 +236,10 @@ class AsyncTrainer(Trainer):
         ranks = self.roles.ranks
         items = [(chunk, j) for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]]
         group = group_runs([(chunk.index, chunk.facts[j][0]) for chunk, j in items])
-        shards = shard_by_group(group, len(ranks))  # the samples of one prompt stay on one rank
+        prompt_len = {(c.index, p.index): len(p.ids) for c, _ in taken.parts for p in c.prompts}
+        tokens = [prompt_len[chunk.index, chunk.facts[j][0]] + chunk.facts[j][2] for chunk, j in items]
+        # the samples of one prompt stay on one rank
+        shards = shard_batch(group, tokens, len(ranks), self.cfg.learner.balance_ranks)
         calls = []
         for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
             # consecutive samples of one chunk travel as one (samples, ref logprobs) pair

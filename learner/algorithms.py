@@ -11,6 +11,7 @@ control), Ye et al. 2020 (dual-clip PPO). This module imports nothing of the pro
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -358,11 +359,26 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return picked - lse.reshape(picked.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum softmax(z) * z."""
-    z = logits.float()
-    lse = torch.logsumexp(z, dim=-1)
-    return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    z = z.float()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum softmax(z) * z.
+
+    In chunks of `chunk_rows` positions, each recomputed in the backward pass when it needs a
+    gradient (activation checkpointing), so float32 softmax intermediates exist for one chunk at a
+    time instead of the whole `[B, R, V]` block."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.shape[0] <= chunk_rows:
+        return _entropy(flat).reshape(logits.shape[:-1])
+    grad = flat.requires_grad and torch.is_grad_enabled()
+    parts = [
+        torch.utils.checkpoint.checkpoint(_entropy, c, use_reentrant=False) if grad else _entropy(c)
+        for c in flat.split(chunk_rows)
+    ]
+    return torch.cat(parts).reshape(logits.shape[:-1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,34 @@ class LearnerConfig(_Strict):
         ge=1,
         description="Sequences per forward/backward on one rank (gradient accumulation fills a minibatch).",
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Token budget of one forward/backward on one rank (prompt + response tokens; a padded micro-batch "
+            "counts rows x its longest row, a packed one the sum). Set: micro-batches are cut by tokens "
+            "(first-fit decreasing) for the proximal pass and every PPO epoch, and micro_batch_size is not "
+            "used; the loss is normalised by the minibatch's global counts, so the gradient does not depend "
+            "on the cut. A sequence longer than the budget is an error. None: micro_batch_size rows."
+        ),
+    )
+    pack_sequences: bool = Field(
+        False,
+        description=(
+            "Padding-free micro-batches: the rows are laid end to end in one row with position ids restarting "
+            "at each sequence and no attention across sequences (transformers' packed-sequence masking: SDPA "
+            "or eager on CPU, flash-attention varlen on GPU). Checked once at start-up on the model itself: "
+            "an architecture whose packed logits differ from the padded ones is refused."
+        ),
+    )
+    balance_ranks: Literal["count", "tokens"] = Field(
+        "tokens",
+        description=(
+            "How a batch is split over learner ranks (whole groups always stay on one rank): 'tokens' "
+            "balances prompt + response tokens (largest group first onto the least-loaded rank, or the even "
+            "split where that is better), 'count' an even split of sequences in batch order."
+        ),
+    )
     clip_eps: float = Field(
         0.2, gt=0.0, description="PPO ratio clip (lower side, and upper unless clip_eps_high)."
     )

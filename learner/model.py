@@ -10,7 +10,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from learner.sequences import fuse_tanh_gelu, gather_response, response_logits
+from learner.sequences import (
+    PackedRows,
+    fuse_tanh_gelu,
+    gather_response,
+    packed_response_logits,
+    response_logits,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,18 +111,25 @@ class PolicyWithValueHead(nn.Module):
         prompt_lens: torch.Tensor,
         response_len: int,
         temperature: float = 1.0,
+        packed: PackedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens.
+        """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens;
+        with `packed` (one padding-free row, the other tensors unused) `(logits [K, V], values [K])` at
+        its `keep` positions.
 
         One forward of the HF causal LM: its own output path makes the logits (whatever scaling or
         softcap the architecture applies), and its last hidden state (after the final norm, the
         lm_head's input) feeds the value head. `output_hidden_states=-1` asks only for that last one
         where transformers can select (5.23 does); older versions read it as True and return all layers.
         """
-        logits, out = response_logits(
-            self.policy, input_ids, attention_mask, prompt_lens, response_len, output_hidden_states=-1
-        )
-        hidden = gather_response(out.hidden_states[-1], prompt_lens, response_len)
+        if packed is not None:
+            logits, out = packed_response_logits(self.policy, packed, output_hidden_states=-1)
+            hidden = out.hidden_states[-1][0, packed.keep]
+        else:
+            logits, out = response_logits(
+                self.policy, input_ids, attention_mask, prompt_lens, response_len, output_hidden_states=-1
+            )
+            hidden = gather_response(out.hidden_states[-1], prompt_lens, response_len)
         del out  # the other layers' hidden states, where returned
         values = self.value_head(hidden).squeeze(-1)
         return logits / temperature, values

@@ -20,6 +20,7 @@ import functools
 import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,8 @@ from learner.critic import (
     normalized_scores,
     value_clip_radius,
 )
-from learner.sequences import response_tokens
+from learner.micro_batches import plan_micro_batches
+from learner.sequences import pack_rows, response_tokens
 
 
 def _world() -> int:
@@ -62,21 +64,48 @@ def all_reduce(values: Sequence[float] | torch.Tensor, op: str = "sum", device="
     return t.cpu()
 
 
+class Scored(NamedTuple):
+    """What one forward gives the PPO loss, in the padded `[B, R]` layout of the micro-batch."""
+
+    logprobs: torch.Tensor  # float32 log-probabilities of the response tokens
+    values: torch.Tensor  # float32 values
+    entropy: torch.Tensor | None  # per-token entropy (with grad), only when asked for
+    anchor: torch.Tensor  # sum of the logits: backward(anchor * 0) reaches every policy parameter
+
+
 def forward_scores(
-    model, b: Batch, temperature: float, extra: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(logprobs [b, R] float32, values [b, R] float32, logits [b, R, V])` of the response tokens.
+    model, b: Batch, temperature: float, extra: int = 0, packed: bool = False, entropy: bool = False
+) -> Scored:
+    """Log-probabilities and values (and entropies with `entropy`) of the response tokens of `b`.
 
     With `extra=1` every output has R+1 positions: position `len_i` of row i then holds what the
-    state after its last token gives (the value a truncated response bootstraps from)."""
+    state after its last token gives (the value a truncated response bootstraps from). `packed`: one
+    padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions."""
     R = b.mask.shape[1] + extra
+    if packed:
+        counts = b.mask.sum(1).long() + extra
+        rows = pack_rows(b.input_ids.cpu(), b.attention_mask.cpu(), b.prompt_lens.cpu(), counts.cpu(), R)
+        rows = rows.to(b.input_ids.device)
+        logits, values = model(None, None, None, R, temperature, packed=rows)
+        logprobs = rows.unpack(logprobs_from_logits(logits, rows.targets))
+        ent = rows.unpack(entropy_from_logits(logits)) if entropy else None
+        return Scored(logprobs, rows.unpack(values.float()), ent, logits.float().sum())
     logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
     logprobs = logprobs_from_logits(logits, response_tokens(b.input_ids, b.prompt_lens, R))
-    return logprobs, values.float(), logits
+    ent = entropy_from_logits(logits) if entropy else None
+    return Scored(logprobs, values.float(), ent, logits.float().sum())
 
 
-def _micro_batches(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return list(idx.split(size)) if len(idx) else []
+def _micro_batches(batch: Batch, idx: torch.Tensor, config: LearnerConfig) -> list[torch.Tensor]:
+    """Rows `idx` of `batch` cut by count or under the token budget (`learner.micro_batches`)."""
+    lengths = batch.attention_mask[idx].sum(1).tolist()
+    plan = plan_micro_batches(
+        lengths,
+        max_rows=config.micro_batch_size,
+        max_tokens=config.max_tokens_per_micro_batch,
+        packed=config.pack_sequences,
+    )
+    return [idx[torch.tensor(members, dtype=torch.long)] for members in plan]
 
 
 @torch.no_grad()
@@ -86,7 +115,7 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
 
     Values are 0 when the estimator has no critic; the bootstrap values are only computed (one more
     output position) with truncation='bootstrap'."""
-    micro = _micro_batches(torch.arange(len(batch)), config.micro_batch_size)
+    micro = _micro_batches(batch, torch.arange(len(batch)), config)
     n = int(all_reduce([len(micro)], "max", device)[0])
     critic = needs_critic(config.advantage)
     extra = int(critic and config.truncation == "bootstrap")
@@ -96,13 +125,13 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
-            lp, v, _ = forward_scores(engine, mb.to(device), temperature, extra)
+            lp, v, _, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
             r = mb.mask.shape[1]
             old_lp[micro[i], :r] = lp[:, :r].cpu()
             if critic:
                 values[micro[i], : r + extra] = v.cpu()
         else:
-            forward_scores(engine, dummy_batch(pad_id).to(device), temperature)
+            forward_scores(engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences)
     lengths = batch.mask.sum(-1).long()
     boot = values.gather(1, lengths.clamp(max=R + extra - 1).unsqueeze(1)).squeeze(1) if extra else None
     return old_lp, values[:, :R], boot
@@ -226,7 +255,9 @@ def micro_batch_loss(
     engine, mb: Batch, config: LearnerConfig, temperature: float, g_tokens: float, g_seqs: float
 ):
     """The PPO loss of one micro-batch, normalised by the minibatch's global counts, and its local metrics."""
-    logprobs, values, logits = forward_scores(engine, mb, temperature)
+    with_entropy = config.entropy_coef > 0  # else the sampled tokens' -log pi estimates it, for free
+    scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, entropy=with_entropy)
+    logprobs, values = scored.logprobs, scored.values
     t, agg = mb.tokens, config.loss_agg
     pg, pg_m = policy_loss(
         logprobs,
@@ -246,8 +277,10 @@ def micro_batch_loss(
         vf, vf_m = value_loss(values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs)
     else:  # no critic: no value loss (the value head is frozen, see LearnerRank.setup)
         vf, vf_m = torch.zeros((), device=logprobs.device), {"clip_frac": 0.0}
-    with torch.set_grad_enabled(config.entropy_coef > 0 and torch.is_grad_enabled()):
-        ent = aggregate_loss(entropy_from_logits(logits), mb.mask, agg, g_tokens, g_seqs)
+    if with_entropy:
+        ent = aggregate_loss(scored.entropy, mb.mask, agg, g_tokens, g_seqs)
+    else:
+        ent = aggregate_loss(-logprobs.detach(), mb.mask, agg, g_tokens, g_seqs)
     loss = pg + config.vf_coef * vf - config.entropy_coef * ent
     if config.kl.mode == "loss":
         kl_term = kl_loss(logprobs, t["ref_logprobs"], config.kl.loss_estimator)
@@ -263,7 +296,7 @@ def micro_batch_loss(
         n,
         pg_m["log_ratio_clamped"],
     ]
-    return loss, (logits, values), local
+    return loss, scored, local
 
 
 def ppo_update(
@@ -278,7 +311,7 @@ def ppo_update(
     for _ in range(config.ppo_epochs):
         perm = torch.randperm(n_local, generator=generator)
         minibatches = list(torch.tensor_split(perm, config.num_minibatches))
-        micro = [_micro_batches(mb, config.micro_batch_size) for mb in minibatches]
+        micro = [_micro_batches(batch, mb, config) for mb in minibatches]
         k = len(minibatches)
         n_micro = all_reduce([float(len(m)) for m in micro], "max", device).long().tolist()
         local_counts = [float(batch.mask[mb].sum()) for mb in minibatches] + [
@@ -294,7 +327,7 @@ def ppo_update(
                 engine.set_gradient_accumulation_boundary(i == n_micro[j] - 1)
                 if i < len(micro[j]):
                     mb = batch.take(micro[j][i]).to(device)
-                    loss, (logits, values), local = micro_batch_loss(
+                    loss, scored, local = micro_batch_loss(
                         engine, mb, config, temperature, counts[j], counts[k + j]
                     )
                     if torch.isfinite(loss):
@@ -304,12 +337,12 @@ def ppo_update(
                     poisoned = True
                     scale = float("nan")
                 else:
-                    _, values, logits = forward_scores(engine, zero_w, temperature)
+                    scored = forward_scores(engine, zero_w, temperature, 0, config.pack_sequences)
                     scale = 0.0
                 # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
                 # through the same modules as a real micro-batch: the (frozen) value head only with a
                 # critic, or ZeRO-3 would gather it in this backward alone and the ranks' collectives differ.
-                out = logits.float().sum() + (values.sum() if needs_critic(config.advantage) else 0.0)
+                out = scored.anchor + (scored.values.sum() if needs_critic(config.advantage) else 0.0)
                 engine.backward(out * scale, scale_wrt_gas=False)
             engine.step()
             if engine.was_step_applied():

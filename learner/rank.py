@@ -29,7 +29,7 @@ from learner.deepspeed_setup import (
 from learner.gather import cpu_state_dict
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
-from learner.sequences import probe_sequences
+from learner.sequences import check_packing_exact, probe_sequences
 
 _STATE_KEY = "_learner_rank"
 
@@ -100,6 +100,9 @@ class LearnerRank:
             gradient_checkpointing=self.config.gradient_checkpointing,
             seed=self.seed,
         )
+        if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
+            vocab = model.policy.config.get_text_config().vocab_size
+            check_packing_exact(model.policy, vocab, "learner.pack_sequences")
         if not needs_critic(self.config.advantage):
             # No critic: the value head is frozen, so it gets no gradient and no optimizer state.
             model.value_head.requires_grad_(False)

@@ -12,6 +12,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -134,6 +135,102 @@ def response_logits(
         return gather_response(out.logits, prompt_lens - first, response_len), out
     out = model(**kwargs)
     return gather_response(out.logits, prompt_lens, response_len), out
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Right-padded rows laid end to end in one row with no padding (padding-free packing).
+
+    `position_ids` restart at 0 for each sequence; with no attention mask, transformers' own masking
+    reads the restarts as sequence boundaries (a block-diagonal causal mask with SDPA/eager, varlen
+    with flash-attention), so no token attends across sequences. `keep` are the packed positions
+    whose outputs score response tokens, row by row; output k belongs at `[rows[k], cols[k]]` of the
+    padded `[B, R]` layout and scores token `targets[k]`."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    keep: torch.Tensor  # [K]
+    rows: torch.Tensor  # [K]
+    cols: torch.Tensor  # [K]
+    targets: torch.Tensor  # [K]
+    shape: tuple[int, int]  # (B, R) of the padded layout
+
+    def to(self, device) -> PackedRows:
+        moved = {k: getattr(self, k).to(device) for k in ("input_ids", "position_ids", "keep", "rows", "cols", "targets")}
+        return PackedRows(**moved, shape=self.shape)
+
+    def unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-output values `[K]` into the padded `[B, R]` layout (0 where a row has no output)."""
+        out = flat.new_zeros(self.shape)
+        return out.index_put((self.rows, self.cols), flat)
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor, counts: torch.Tensor, R: int
+) -> PackedRows:
+    """Pack right-padded rows; row i keeps `counts[i]` (at most R) outputs from position p_i - 1 on.
+
+    A row of n real tokens scores at most n - p + 1 positions (the last one, the state after its
+    final token, is what a truncated response bootstraps its value from)."""
+    lengths = attention_mask.sum(1).long()
+    prompt_lens = prompt_lens.long()
+    counts = torch.minimum(counts.long().clamp(min=1), (lengths - prompt_lens + 1).clamp(min=1)).clamp(max=R)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    real = attention_mask.bool()
+    ids = input_ids[real].unsqueeze(0)
+    pos = (torch.arange(input_ids.shape[1]).expand_as(input_ids))[real].unsqueeze(0)
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    cols = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    keep = offsets[rows] + prompt_lens[rows] - 1 + cols
+    last = offsets[rows] + lengths[rows] - 1  # a row's final output scores no token of its own
+    targets = ids[0, torch.minimum(keep + 1, last)]
+    return PackedRows(ids, pos, keep, rows, cols, targets, (int(input_ids.shape[0]), int(R)))
+
+
+def packed_response_logits(model: torch.nn.Module, packed: PackedRows, **forward_kwargs):
+    """`(logits [K, V], output)` of the packed row's scoring positions from one call of the model's own
+    forward (see `response_logits`): projected only at `keep` where the model takes per-row positions."""
+    kwargs = {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "attention_mask": None,
+        "use_cache": False,
+        **forward_kwargs,
+    }
+    if keeps_positions_per_row(type(model)):
+        out = model(**kwargs, logits_to_keep=packed.keep.unsqueeze(0))
+        return out.logits[0], out
+    out = model(**kwargs)
+    return out.logits[0, packed.keep], out
+
+
+def check_packing_exact(model: torch.nn.Module, vocab_size: int, field: str) -> float:
+    """Score two probe sequences packed and padded; refuse (ValueError naming `field`, the architecture
+    and the attention implementation) a model whose packed logits differ, i.e. one whose forward does
+    not honour restarting position ids. Returns the largest difference seen."""
+    a, b = probe_sequences(vocab_size, count=2, length=6)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    ids, attn, p_lens, mask = pack_sequences([a[:3], b[:2]], [a[3:], b[2:]], 0)
+    R = mask.shape[1]
+    counts = mask.sum(1).long()
+    impl = getattr(model.config, "_attn_implementation", None)
+    what = f"{field}: {type(model).__name__} (attention implementation {impl!r})"
+    with torch.no_grad():
+        padded, _ = response_logits(model, ids.to(device), attn.to(device), p_lens.to(device), R)
+        packed = pack_rows(ids, attn, p_lens, counts, R).to(device)
+        try:
+            flat, _ = packed_response_logits(model, packed)
+        except TypeError as err:  # a forward without position_ids
+            raise ValueError(f"{what} cannot take packed sequences ({err}); set {field}: false") from err
+    diff = float((padded[packed.rows, packed.cols].float() - flat.float()).abs().max())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # rounding of the two layouts; a leak is O(0.1-1)
+    if not diff <= tol:
+        raise ValueError(
+            f"{what} does not pack sequences exactly (packed and padded logits differ by {diff:.3g} > "
+            f"{tol}); set {field}: false"
+        )
+    return diff
 
 
 class TanhGELU(torch.nn.Module):

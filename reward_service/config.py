@@ -71,6 +71,13 @@ class ReferenceConfig(_Strict):
         description="Custom Ray resources each reference actor needs besides CPUs/GPUs, to pin it to node types: {'reward_node': 1} runs it only on nodes started with `ray start --resources` naming reward_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
     )
     batch_size: int = Field(64, ge=1, description="Sequences per reference forward.")
+    pack_sequences: bool | None = Field(
+        None,
+        description=(
+            "Score each batch as one padding-free row (see learner.pack_sequences, checked the same way at "
+            "start-up); None follows learner.pack_sequences."
+        ),
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Reference weights dtype."
     )

@@ -9,7 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.algorithms import logprobs_from_logits
-from learner.sequences import fuse_tanh_gelu, pack_sequences, response_logits, response_tokens
+from learner.sequences import (
+    check_packing_exact,
+    fuse_tanh_gelu,
+    pack_rows,
+    pack_sequences,
+    packed_response_logits,
+    response_logits,
+    response_tokens,
+)
 from reward_service.config import ReferenceConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,6 +49,10 @@ class ReferencePolicy:
         fuse_tanh_gelu(self.model)  # the same GELU kernel as the generator and the learner
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
+        self.packed = bool(config.pack_sequences)
+        if self.packed:
+            vocab = self.model.config.get_text_config().vocab_size
+            check_packing_exact(self.model, vocab, "reference.pack_sequences")
         cfg = self.model.config
         # Right padding sits after every real token, so under causal attention its id never matters.
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
@@ -75,8 +87,13 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def _batch(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
-        ids, attn, p_lens, _ = pack_sequences(prompts, responses, self.pad_id)
+        ids, attn, p_lens, mask = pack_sequences(prompts, responses, self.pad_id)
         R = max(max(len(r) for r in responses), 1)
+        if self.packed:  # one padding-free row: logits only at real response positions
+            rows = pack_rows(ids, attn, p_lens, mask.sum(1).long(), R).to(self.device)
+            logits, _ = packed_response_logits(self.model, rows)
+            lp = rows.unpack(logprobs_from_logits(logits.float() / self.temperature, rows.targets))
+            return self._done(lp, responses)
         tokens = response_tokens(ids, p_lens, R).to(self.device)
         ids, attn = ids.to(self.device), attn.to(self.device)
         logits, _ = response_logits(self.model, ids, attn, p_lens, R)  # the model's own output path
@@ -87,6 +104,9 @@ class ReferencePolicy:
                 for row, tok in zip(logits.split(1), tokens.split(1), strict=True)
             ]
         )
+        return self._done(lp, responses)
+
+    def _done(self, lp: torch.Tensor, responses: list[np.ndarray]) -> list[np.ndarray]:
         lp = lp.cpu().numpy().astype(np.float32)
         self._sequences += len(responses)
         self._tokens += sum(len(r) for r in responses)

@@ -52,7 +52,7 @@ def _learner(model, responses):
     ]
     b = pack_trajectories(trajs, pad_id=0)
     with torch.no_grad():
-        lp, values, _ = forward_scores(model, b, TEMPERATURE)
+        lp, values, _, _ = forward_scores(model, b, TEMPERATURE)
     return [lp[i, : len(r)].numpy() for i, r in enumerate(responses)], values
 
 
