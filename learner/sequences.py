@@ -156,7 +156,10 @@ class PackedRows:
     shape: tuple[int, int]  # (B, R) of the padded layout
 
     def to(self, device) -> PackedRows:
-        moved = {k: getattr(self, k).to(device) for k in ("input_ids", "position_ids", "keep", "rows", "cols", "targets")}
+        moved = {
+            k: getattr(self, k).to(device)
+            for k in ("input_ids", "position_ids", "keep", "rows", "cols", "targets")
+        }
         return PackedRows(**moved, shape=self.shape)
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
@@ -166,7 +169,11 @@ class PackedRows:
 
 
 def pack_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor, counts: torch.Tensor, R: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    counts: torch.Tensor,
+    R: int,
 ) -> PackedRows:
     """Pack right-padded rows; row i keeps `counts[i]` (at most R) outputs from position p_i - 1 on.
 
