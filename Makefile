@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,11 @@ bench-async: $(STAMP)
 # Advantage estimators gae, grpo (n=4) and rloo (n=4) on the demo at equal samples (bench/bench_algos.py).
 bench-algos: $(STAMP)
 	$(BIN)/python bench/bench_algos.py --out runs/bench-algos $(ARGS)
+
+# Learner tokens/s and peak memory at long-tail lengths: padded by count vs token budget vs packed and
+# balanced, 2 ranks on a Qwen2-shaped model (bench/bench_learner.py).
+bench-learner: $(STAMP)
+	$(BIN)/python bench/bench_learner.py $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
