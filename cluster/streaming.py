@@ -29,7 +29,7 @@ from .evaluation import EvalRound
 from .groups import group_runs, shard_batch
 from .rollout import RolloutBatch, RolloutCollector
 from .stream_buffer import StreamBuffer, StreamChunk, Taken
-from .weight_sync import bundle_checksummer, expected_fingerprint, load_into
+from .weight_sync import bundle_facts, expected_fingerprint, load_into
 
 LEARNER_KINDS = ("train", "export")
 
@@ -264,13 +264,13 @@ class AsyncTrainer(Trainer):
 
     def _start_export(self) -> tuple[list[Call], Any]:
         """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs, checksum) is what the workers must acknowledge. The driver tracks each rank's
+        (probe logprobs, checksum, digest) is what the workers must acknowledge. The driver tracks each rank's
         small flag; the bundle stays an object reference it hands to the workers."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
-        checksum = bundle_checksummer(self.cfg.rollout.dtype)
+        describe = bundle_facts(self.cfg.rollout.dtype)
         calls, bundle = [], None
         for i, r in enumerate(self.roles.ranks):
-            flag, exported = r.export_split.remote(checksum)
+            flag, exported = r.export_split.remote(describe)
             bundle = exported if i == 0 else bundle
             calls.append(add(f"learner-rank-{i}", flag, "export", limit, name=f"learner-rank-{i}"))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor

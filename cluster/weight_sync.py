@@ -45,6 +45,7 @@ class Fingerprint:
     checksum: str | None  # of the bundle at the rollout dtype; None when skipped (too large)
     atol: float
     rtol: float
+    digest: str | None = None  # `sampled_digest` of the bundle at the rollout dtype
 
 
 def bounded_checksum(state: dict[str, Any], dtype: str, max_bytes: int) -> str | None:
@@ -86,7 +87,7 @@ def push_weights(
     or probe logprobs is an error naming it.
     """
     t0 = time.perf_counter()
-    refs = [r.export_weights.remote(bundle_checksummer(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
+    refs = [r.export_weights.remote(bundle_facts(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
     bundle = refs[0]
     meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
@@ -105,7 +106,7 @@ def push_colocated(
     t0 = time.perf_counter()
     share = len(workers) > 1
     refs = [
-        h.push_local.remote(version, bundle_checksummer(dtype), share and i == 0) for i, h in enumerate(hosts)
+        h.push_local.remote(version, bundle_facts(dtype), share and i == 0) for i, h in enumerate(hosts)
     ]
     _wait_for_export(refs, f"learner export of v{version}", timeout)
     try:
@@ -159,7 +160,7 @@ class CollectiveWeightSync:
         t0 = time.perf_counter()
         self._form(ranks[0], workers, timeout)
         acks = [w.receive_weights.remote() for w in workers]
-        refs = [r.broadcast_weights.remote(version, self.bucket_mb, bundle_checksummer(dtype)) for r in ranks]
+        refs = [r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype)) for r in ranks]
         meta_ref = ranks[0].export_fingerprint.remote()
         expected = _await_export(refs, meta_ref, version, dtype, timeout)
         ray.get(refs[0])  # bytes sent: raises if rank 0's broadcast failed
@@ -178,10 +179,20 @@ def export_bundle(ranks: list[Any], timeout: float) -> Any:
     return refs[0]
 
 
-def bundle_checksummer(dtype: str) -> Any:
-    """What learner rank 0 runs on the bundle while exporting: its checksum at the rollout dtype
-    (None for bundles over CHECKSUM_MAX_BYTES)."""
-    return functools.partial(bounded_checksum, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
+def describe_bundle(state: dict[str, Any], dtype: str, max_bytes: int) -> dict[str, str | None]:
+    """What learner rank 0 records about the bundle it exports, at the rollout dtype: its checksum
+    (`bounded_checksum`) and its `sampled_digest`, which every worker's ack must match."""
+    from rollout_workers.weights import sampled_digest, torch_dtype
+
+    return {
+        "checksum": bounded_checksum(state, dtype, max_bytes),
+        "digest": sampled_digest(state.items(), torch_dtype(dtype)),
+    }
+
+
+def bundle_facts(dtype: str) -> Any:
+    """The function learner rank 0 runs on the bundle while exporting (`describe_bundle` at `dtype`)."""
+    return functools.partial(describe_bundle, dtype=dtype, max_bytes=CHECKSUM_MAX_BYTES)
 
 
 def _wait_for_export(refs: list[Any], what: str, timeout: float) -> None:
@@ -219,15 +230,26 @@ def expected_fingerprint(meta: dict, version: int, rollout_dtype: str) -> Finger
     """The acknowledgement to expect from learner rank 0's `export_fingerprint()`."""
     coarser = max(rollout_dtype, meta["dtype"], key=_PRECISION.index)
     atol, rtol = PROBE_TOLERANCE[coarser]
-    return Fingerprint(version, [np.asarray(p) for p in meta["probe"]], meta["checksum"], atol, rtol)
+    probe = [np.asarray(p) for p in meta["probe"]]
+    return Fingerprint(version, probe, meta.get("checksum"), atol, rtol, meta.get("digest"))
 
 
 def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None:
-    """A worker's acknowledgement (`rollout_workers.types.WeightAck`) must name the version, and its
-    engine must compute the learner's probe logprobs within tolerance (and the bundle's checksum,
-    where both ends have one)."""
+    """A worker's acknowledgement (`rollout_workers.types.WeightAck`) must name the version; the bundle
+    it received and (hf) the weights it holds must have the learner's digest, and (vLLM) its engine's
+    own digest must have moved when the bundle did; then the full checksum where both ends have one,
+    and the engine must compute the learner's probe logprobs within tolerance."""
     if ack.version != version:
         raise WeightSyncError(f"{name} acknowledged v{ack.version}, expected v{version}")
+    if expected.digest is not None and ack.received is not None and ack.received != expected.digest:
+        raise WeightSyncError(f"{name} received a bundle that is not v{version} (its digest differs)")
+    if expected.digest is not None and ack.held is not None and ack.held != expected.digest:
+        raise WeightSyncError(f"{name} holds weights that are not v{version} after loading it (digest differs)")
+    if ack.bundle_changed and ack.changed is False:
+        raise WeightSyncError(
+            f"{name} kept its previous weights: the v{version} bundle differs from the one it loaded before, "
+            "but the weights its engine holds did not change (a stale engine)"
+        )
     if ack.checksum is not None and expected.checksum is not None and ack.checksum != expected.checksum:
         raise WeightSyncError(
             f"{name} holds weights with checksum {ack.checksum[:12]}, expected v{version} {expected.checksum[:12]}"

@@ -148,14 +148,15 @@ class LearnerRank:
         return int(self.config.export_bucket_mb * 2**20)
 
     def export_weights(
-        self, checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None
+        self, describe: Callable[[dict[str, torch.Tensor]], dict] | None = None
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
         time: see learner.gather). Tied weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
-        on the fixed probe and, when `checksum` is given, `checksum(bundle)`.
+        on the fixed probe and, when `describe` is given, the facts `describe(bundle)` returns (the
+        cluster's: checksum and digest at the rollout dtype).
         """
         engine = self._require_engine()
         probe = self._probe_logprobs()
@@ -164,11 +165,7 @@ class LearnerRank:
         )
         if out is None:
             return None
-        self._fingerprint = {
-            "probe": probe,
-            "checksum": checksum(out) if checksum is not None else None,
-            "dtype": self.config.dtype,
-        }
+        self._fingerprint = {"probe": probe, "dtype": self.config.dtype, **(describe(out) if describe else {})}
         return out
 
     def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -183,13 +180,13 @@ class LearnerRank:
         self,
         version: int,
         bucket_mb: float,
-        checksum: Callable[[dict[str, torch.Tensor]], str | None] | None = None,
+        describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
     ) -> int:
         """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
         group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks)."""
         from learner.weight_broadcast import broadcast_state
 
-        state = self.export_weights(checksum)
+        state = self.export_weights(describe)
         if state is None:
             return 0
         if self._weight_group is None:
@@ -197,7 +194,7 @@ class LearnerRank:
         return broadcast_state(self._weight_group, state, version, int(bucket_mb * 2**20))
 
     def export_fingerprint(self) -> dict | None:
-        """Rank 0: `{"probe", "checksum", "dtype"}` of the last `export_weights` (None before one)."""
+        """Rank 0: `{"probe", "dtype", ...describe's facts}` of the last `export_weights` (None before one)."""
         return self._fingerprint
 
     @torch.no_grad()

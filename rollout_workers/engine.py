@@ -91,6 +91,15 @@ class RolloutEngine(ABC):
         self._load_weights(state)
         self._unknown_weights = None
 
+    # Whether `weights_digest` names tensors as the bundles do (then it equals the bundle's
+    # `sampled_digest` after a load); else it is only comparable with the engine's own earlier digests.
+    digest_names_match: bool = True
+
+    @abstractmethod
+    def weights_digest(self) -> str:
+        """`rollout_workers.weights.sampled_digest` of the weights as the engine holds them now, computed
+        where they live (for vLLM inside its worker processes)."""
+
     @abstractmethod
     def weights_checksum(self) -> str | None:
         """`state_checksum(held, self.dtype)` of the weights held now, keyed like the bundles

@@ -34,6 +34,7 @@ from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special
 from rollout_workers.weights import (
     check_state_keys,
     check_tied_copies,
+    sampled_digest,
     state_checksum,
     tied_groups,
     torch_dtype,
@@ -141,6 +142,9 @@ class HFEngine(RolloutEngine):
 
     def weights_checksum(self) -> str:
         return state_checksum(self.model.state_dict(), self.dtype)
+
+    def weights_digest(self) -> str:
+        return sampled_digest(self.model.state_dict().items(), self.dtype)
 
     @torch.inference_mode()
     def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:

@@ -37,8 +37,18 @@ class WeightAck:
     (`learner.sequences.probe_sequences(vocab)`); the learner computes the same on the weights it
     exported. `checksum` is `state_checksum` of the weights read back from the engine (None where the
     engine cannot read them back, as vLLM).
+
+    Digests (`rollout_workers.weights.sampled_digest`, cheap at any size) tell version v from v+1 after
+    one optimizer step, which the probe's tolerance cannot: `received` is the bundle's as the worker got
+    it; `held` the engine's own after the load when it names tensors as the bundle does (hf), else
+    None; `changed` whether the engine's digest moved in this load and `bundle_changed` whether the
+    bundle differs from the one this worker loaded before (None for its first load).
     """
 
     version: int
     probe: list[np.ndarray]
     checksum: str | None = None
+    received: str | None = None
+    held: str | None = None
+    changed: bool | None = None
+    bundle_changed: bool | None = None

@@ -84,6 +84,13 @@ class VLLMWeightLoader:
         self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
 
+    def rayppo_weights_digest(self) -> str:
+        """`sampled_digest` of this worker's parameters under vLLM's own names (fused, sharded and, on
+        CPU, with the Linear weights repacked out of the module: what is left of them is hashed)."""
+        from rollout_workers.weights import sampled_digest
+
+        return sampled_digest(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+
 
 def bundle_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
     """The bundle as safetensors bytes, floating tensors cast to `dtype`; tensors sharing storage
@@ -242,6 +249,11 @@ class VLLMEngine(RolloutEngine):
 
     def weights_checksum(self) -> None:
         return None
+
+    digest_names_match = False  # vLLM's parameters are fused and renamed: compare only with itself
+
+    def weights_digest(self) -> str:
+        return "|".join(self._llm.collective_rpc("rayppo_weights_digest"))  # one per tensor-parallel rank
 
     def _release(self, level: int) -> None:
         if self._sleep_mode:

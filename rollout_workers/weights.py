@@ -7,7 +7,7 @@ holds after loading. Equal strings prove the worker generates with exactly the w
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
@@ -95,3 +95,26 @@ def check_tied_copies(state: Mapping[str, torch.Tensor], groups: list[list[str]]
 
 def _head(items: list[str], n: int = 8) -> str:
     return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+DIGEST_SAMPLES = 4096  # elements per tensor
+
+
+def sampled_digest(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
+    """sha256 over names, shapes and `DIGEST_SAMPLES` evenly spaced elements of every tensor (all of a
+    smaller one), floating ones cast to `dtype` first: cheap at any model size (a few MB read) and,
+    unlike probe logprobs, it changes after one optimizer step. Adam moves every weight with a
+    gradient history by about the learning rate, which changes the bf16 rounding of about lr / ulp of
+    the elements: at lr 1e-6 and weights ~0.02 (ulp 2^-13) about 1 in 120, so among 4096 samples of
+    each of a model's tensors some always change. Names are sorted."""
+    h = hashlib.sha256()
+    for name, t in sorted(dict(tensors).items()):
+        flat = t.detach().reshape(-1)
+        n = flat.numel()
+        if n > DIGEST_SAMPLES:
+            flat = flat[torch.linspace(0, n - 1, DIGEST_SAMPLES, device=flat.device).long()]
+        if dtype is not None and flat.is_floating_point():
+            flat = flat.to(dtype)
+        h.update(f"{len(name)}:{name}|{tuple(t.shape)}|".encode())
+        h.update(flat.to("cpu").contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()

@@ -28,6 +28,7 @@ from learner.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, make_engine
 from rollout_workers.types import Sample, WeightAck
+from rollout_workers.weights import sampled_digest
 
 _MAX_SEED = 2**63 - 1
 
@@ -43,6 +44,7 @@ class RolloutWorker:
         self._engine = make_engine(str(model_path), config)
         self._version = initial_version
         self._checksum: str | None = None  # of the weights held now; computed lazily
+        self._last_received: str | None = None  # digest of the last bundle loaded
         self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
         self._weight_group = None  # learner rank 0's weight broadcast group (CollectiveWeightSync)
         self._lock = threading.Lock()
@@ -119,10 +121,24 @@ class RolloutWorker:
                 )
             t0 = time.perf_counter()
             self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
-            self._engine.load_weights(state)
+            engine = self._engine
+            received = sampled_digest(state.items(), engine.dtype)
+            before = None if engine.digest_names_match else engine.weights_digest()
+            self._last_received = None  # until this load succeeds
+            engine.load_weights(state)
             self._version = int(version)
-            self._checksum = self._engine.weights_checksum()
-            ack = WeightAck(self._version, self._engine.probe_logprobs(self._probe), self._checksum)
+            self._checksum = engine.weights_checksum()
+            after = engine.weights_digest()
+            ack = WeightAck(
+                self._version,
+                engine.probe_logprobs(self._probe),
+                self._checksum,
+                received=received,
+                held=after if engine.digest_names_match else None,
+                changed=None if before is None else after != before,
+                bundle_changed=None if self._last_received is None else received != self._last_received,
+            )
+            self._last_received = received
             self._stats["weight_loads"] += 1
             self._stats["load_s"] += time.perf_counter() - t0
             return ack

@@ -349,3 +349,45 @@ def test_low_precision_engines_pass_the_probe_and_stale_weights_do_not(policies,
     verify_ack("w", dataclasses.replace(ack, checksum=None), 1, want_b)
     with pytest.raises(WeightSyncError, match="w does not compute what the learner's v1 weights compute"):
         verify_ack("w", dataclasses.replace(stale, version=1, checksum=None), 1, want_b)
+
+
+def _one_adam_step(state: dict[str, torch.Tensor], path: str, seed: int) -> dict[str, torch.Tensor]:
+    """The bundle after one AdamW step at the sentiment demo's learning rate (2e-4) on the NLL of a few
+    random sequences: the size of change one PPO step makes to every weight with a gradient."""
+    model = _hf(path)
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.0)
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(3, VOCAB, size=(4, 12)))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_optimizer_step_is_told_apart_and_a_stale_engine_refused(policies, engine, dtype):
+    """Digests tell v from v+1 after one step in both dtypes and both engines: hf reads its weights
+    back under the bundle's names (exact); vLLM's own (fused, renamed) parameters must change when the
+    bundle does. An engine whose load became a no-op is refused; the honest loads pass."""
+    from cluster.weight_sync import Fingerprint, WeightSyncError, verify_ack
+    from rollout_workers.weights import sampled_digest, torch_dtype
+
+    a, _ = policies
+    worker = RolloutWorker(a, RolloutConfig(engine=engine, dtype=dtype))
+    v1 = _bundle(a)
+    v2 = _one_adam_step(v1, a, seed=1)
+    v3 = _one_adam_step(v2, a, seed=2)
+
+    def expect(version, bundle, ack):  # the probe is the engine's own here: the digests are under test
+        return Fingerprint(
+            version, ack.probe, None, 1e-4, 1e-5, sampled_digest(bundle.items(), torch_dtype(dtype))
+        )
+
+    for version, bundle in ((1, v1), (2, v2)):
+        ack = worker.load_weights(bundle, version)
+        verify_ack("w", ack, version, expect(version, bundle, ack))
+        assert ack.received != expect(version, v1 if version == 2 else v2, ack).digest  # one step shows
+    worker._engine._load_weights = lambda state: None  # the engine now ignores every load
+    ack = worker.load_weights(v3, 3)
+    with pytest.raises(WeightSyncError, match="w (holds weights that are not v3|kept its previous weights)"):
+        verify_ack("w", ack, 3, expect(3, v3, ack))

@@ -6,6 +6,8 @@ step and pushes: an honest worker passes, a worker that acknowledges without loa
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -180,3 +182,63 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
         assert versions() == [3, 3, 3] and m["scale/rollout_workers"] == 3
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_that_keeps_the_previous_version_is_refused_after_one_real_step(
+    ray_local, tiny_policy_dir, dtype
+):
+    """One PPO step at the demo's learning rate (2e-4, Adam) moves the probe logprobs by less than the
+    bf16 tolerance, so the probe alone passes an engine that kept v1; the digest (a sample of every
+    tensor, at the rollout dtype) tells v1 from v2 in both dtypes. The stale engine is a real worker
+    whose engine's load was made a no-op after v1 (injected, as the chaos test kills actors)."""
+    from test_learner_ranks import _trajectories
+
+    from learner.config import LearnerConfig
+    from learner.rank import LearnerRank
+
+    ray = ray_local
+    config = LearnerConfig(lr=2e-4, dist_timeout_s=60)  # the sentiment demo's policy learning rate
+    rank = ray.remote(LearnerRank).options(num_cpus=0.5).remote(0, 1, str(tiny_policy_dir), config, 0, 0)
+    workers = [
+        ray.remote(RolloutWorker)
+        .options(num_cpus=0.25)
+        .remote(str(tiny_policy_dir), RolloutConfig(dtype=dtype))
+        for _ in range(2)
+    ]
+    names = ["honest", "stale"]
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.node_address.remote(), timeout=120)), timeout=120)
+        push_weights([rank], workers, names, 1, dtype, 120)
+        ray.get(
+            workers[1].__ray_call__.remote(lambda w: setattr(w._engine, "_load_weights", lambda state: None))
+        )
+        ray.get(rank.train_step.remote(_trajectories(8, seed=0)), timeout=120)
+        with pytest.raises(WeightSyncError, match="stale holds weights that are not v2"):
+            push_weights([rank], workers, names, 2, dtype, 120)
+        expected = expected_fingerprint(ray.get(rank.export_fingerprint.remote()), 2, dtype)
+        verify_ack("honest", ray.get(workers[0].fingerprint.remote()), 2, expected)
+        stale = ray.get(workers[1].fingerprint.remote())
+        gap = max(float(np.abs(a - b).max()) for a, b in zip(stale.probe, expected.probe, strict=True))
+        assert gap > 0.0
+        if dtype == "bfloat16":  # what the digest is for: the probe alone cannot see one step in bf16
+            probe_only = dataclasses.replace(expected, digest=None, checksum=None)
+            verify_ack("stale", dataclasses.replace(stale, version=2, checksum=None), 2, probe_only)
+    finally:
+        for actor in (rank, *workers):
+            ray.kill(actor)
+
+
+def test_verify_ack_checks_digests_before_anything_else():
+    fp = dataclasses.replace(_expected(None), digest="d2")
+    verify_ack("w", WeightAck(4, PROBE, None, received="d2", held="d2"), 4, fp)  # hf: exact
+    verify_ack("w", WeightAck(4, PROBE, None, received="d2", changed=True, bundle_changed=True), 4, fp)
+    verify_ack("w", WeightAck(4, PROBE, None, received="d2", changed=False, bundle_changed=False), 4, fp)
+    verify_ack("w", WeightAck(4, PROBE, None, received="d2", changed=False), 4, fp)  # first load: unknown
+    with pytest.raises(WeightSyncError, match="w received a bundle that is not v4"):
+        verify_ack("w", WeightAck(4, PROBE, None, received="d1"), 4, fp)
+    with pytest.raises(WeightSyncError, match="w holds weights that are not v4"):
+        verify_ack("w", WeightAck(4, PROBE, None, received="d2", held="d1"), 4, fp)
+    with pytest.raises(WeightSyncError, match="w kept its previous weights.*stale engine"):
+        verify_ack("w", WeightAck(4, PROBE, None, received="d2", changed=False, bundle_changed=True), 4, fp)
