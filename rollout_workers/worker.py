@@ -124,7 +124,7 @@ class RolloutWorker:
             engine = self._engine
             received = sampled_digest(state.items(), engine.dtype)
             before = None if engine.digest_names_match else engine.weights_digest()
-            self._last_received = None  # until this load succeeds
+            previous, self._last_received = self._last_received, None  # until this load succeeds
             engine.load_weights(state)
             self._version = int(version)
             self._checksum = engine.weights_checksum()
@@ -136,7 +136,7 @@ class RolloutWorker:
                 received=received,
                 held=after if engine.digest_names_match else None,
                 changed=None if before is None else after != before,
-                bundle_changed=None if self._last_received is None else received != self._last_received,
+                bundle_changed=None if previous is None else received != previous,
             )
             self._last_received = received
             self._stats["weight_loads"] += 1
