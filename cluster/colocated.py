@@ -131,14 +131,16 @@ class ColocatedHost:
                 self._build(held)
         return out
 
-    def push_local(self, version: int, describe: Any, share: bool) -> tuple[Any, dict | None, Any]:
+    def push_local(
+        self, version: int, describe: Any, share: bool, dtype: str | None = None
+    ) -> tuple[Any, dict | None, Any]:
         """Export v`version` from this host's learner rank (every rank takes part, as ZeRO-3 gathers)
         and load it into this host's rollout worker in memory (every host wakes its engine first, so
         the driver's loads on other hosts find it awake). Returns (the worker's
         acknowledgement or None, rank 0's fingerprint or None, an object-store copy of the bundle
         when `share`, for workers on other hosts)."""
         self.wake_rollout()
-        bundle = self.call("learner", "export_weights", describe)
+        bundle = self.call("learner", "export_weights", describe, dtype)
         meta = self.call("learner", "export_fingerprint") if bundle is not None else None
         ack = None
         if bundle is not None and "rollout" in self.roles:

@@ -169,7 +169,9 @@ class Trainer(HeldOutEval, StepMetrics):
         """The current weights in the object store. The collective path leaves none there, so a new
         or replacement worker gets them from an export made for it (the learner is idle then)."""
         if self._bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
-            self._bundle = export_bundle(self.roles.ranks, self.cfg.timeouts.weight_sync_s)
+            self._bundle = export_bundle(
+                self.roles.ranks, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
+            )
         return self._bundle
 
     def close(self) -> None:

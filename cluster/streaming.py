@@ -270,7 +270,7 @@ class AsyncTrainer(Trainer):
         describe = bundle_facts(self.cfg.rollout.dtype)
         calls, bundle = [], None
         for i, r in enumerate(self.roles.ranks):
-            flag, exported = r.export_split.remote(describe)
+            flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype)
             bundle = exported if i == 0 else bundle
             calls.append(add(f"learner-rank-{i}", flag, "export", limit, name=f"learner-rank-{i}"))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor

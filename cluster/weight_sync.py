@@ -87,7 +87,9 @@ def push_weights(
     or probe logprobs is an error naming it.
     """
     t0 = time.perf_counter()
-    refs = [r.export_weights.remote(bundle_facts(dtype)) for r in ranks]  # all ranks take part (ZeRO-3)
+    refs = [
+        r.export_weights.remote(bundle_facts(dtype), dtype) for r in ranks
+    ]  # all ranks take part (ZeRO-3)
     bundle = refs[0]
     meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
@@ -106,7 +108,8 @@ def push_colocated(
     t0 = time.perf_counter()
     share = len(workers) > 1
     refs = [
-        h.push_local.remote(version, bundle_facts(dtype), share and i == 0) for i, h in enumerate(hosts)
+        h.push_local.remote(version, bundle_facts(dtype), share and i == 0, dtype)
+        for i, h in enumerate(hosts)
     ]
     _wait_for_export(refs, f"learner export of v{version}", timeout)
     try:
@@ -160,7 +163,9 @@ class CollectiveWeightSync:
         t0 = time.perf_counter()
         self._form(ranks[0], workers, timeout)
         acks = [w.receive_weights.remote() for w in workers]
-        refs = [r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype)) for r in ranks]
+        refs = [
+            r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
+        ]
         meta_ref = ranks[0].export_fingerprint.remote()
         expected = _await_export(refs, meta_ref, version, dtype, timeout)
         ray.get(refs[0])  # bytes sent: raises if rank 0's broadcast failed
@@ -171,9 +176,10 @@ class CollectiveWeightSync:
         return SyncResult(version, expected, time.perf_counter() - t0), None
 
 
-def export_bundle(ranks: list[Any], timeout: float) -> Any:
-    """Learner rank 0's current weights put in the object store (all ranks take part); the ref."""
-    refs = [r.export_weights.remote() for r in ranks]
+def export_bundle(ranks: list[Any], dtype: str, timeout: float) -> Any:
+    """Learner rank 0's current weights in the rollout `dtype` put in the object store (all ranks take
+    part); the ref."""
+    refs = [r.export_weights.remote(None, dtype) for r in ranks]
     _wait_for_export(refs, "learner export", timeout)
     ray.get(refs[1:])
     return refs[0]
@@ -244,7 +250,9 @@ def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None
     if expected.digest is not None and ack.received is not None and ack.received != expected.digest:
         raise WeightSyncError(f"{name} received a bundle that is not v{version} (its digest differs)")
     if expected.digest is not None and ack.held is not None and ack.held != expected.digest:
-        raise WeightSyncError(f"{name} holds weights that are not v{version} after loading it (digest differs)")
+        raise WeightSyncError(
+            f"{name} holds weights that are not v{version} after loading it (digest differs)"
+        )
     if ack.bundle_changed and ack.changed is False:
         raise WeightSyncError(
             f"{name} kept its previous weights: the v{version} bundle differs from the one it loaded before, "

@@ -73,10 +73,11 @@ def stream_full_state(
 
 
 def cpu_state_dict(
-    state: dict[str, torch.Tensor], bucket_bytes: int, keep: bool
+    state: dict[str, torch.Tensor], bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor] | None:
     """Detached CPU copies of `state` under its own names and order (tied names share one tensor), built
-    bucket by bucket; returns None where `keep` is False (those ranks only take part in the gathers)."""
+    bucket by bucket, floating tensors cast to `dtype` on the way (None: their own); returns None where
+    `keep` is False (those ranks only take part in the gathers)."""
     copies: dict[str, torch.Tensor] = {}
     zero3 = any(hasattr(t, "ds_id") for t in state.values())
     if not keep and not zero3:
@@ -85,7 +86,8 @@ def cpu_state_dict(
         if not keep:
             continue
         for names, t in bucket:
-            copy = t.detach().to("cpu", copy=True).contiguous()
+            cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            copy = t.detach().to("cpu", dtype=cast, copy=True).contiguous()
             for name in names:
                 copies[name] = copy
     return {name: copies[name] for name in state} if keep else None

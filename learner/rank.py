@@ -31,6 +31,8 @@ from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import check_packing_exact, probe_sequences
 
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 _STATE_KEY = "_learner_rank"
 
 
@@ -148,9 +150,10 @@ class LearnerRank:
         return int(self.config.export_bucket_mb * 2**20)
 
     def export_weights(
-        self, describe: Callable[[dict[str, torch.Tensor]], dict] | None = None
+        self, describe: Callable[[dict[str, torch.Tensor]], dict] | None = None, dtype: str | None = None
     ) -> dict[str, torch.Tensor] | None:
-        """The policy's full weights under HF names on rank 0 (training dtype, CPU copies); None elsewhere.
+        """The policy's full weights under HF names on rank 0 (CPU copies, floating tensors in `dtype`, e.g.
+        the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
         time: see learner.gather). Tied weights stay one shared tensor. Rank 0 also records what a
@@ -161,11 +164,18 @@ class LearnerRank:
         engine = self._require_engine()
         probe = self._probe_logprobs()
         out = cpu_state_dict(
-            engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep=self.rank == 0
+            engine.module.policy.state_dict(keep_vars=True),
+            self._bucket_bytes,
+            keep=self.rank == 0,
+            dtype=None if dtype is None else EXPORT_DTYPES[dtype],
         )
         if out is None:
             return None
-        self._fingerprint = {"probe": probe, "dtype": self.config.dtype, **(describe(out) if describe else {})}
+        self._fingerprint = {
+            "probe": probe,
+            "dtype": self.config.dtype,
+            **(describe(out) if describe else {}),
+        }
         return out
 
     def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -181,12 +191,13 @@ class LearnerRank:
         version: int,
         bucket_mb: float,
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
+        dtype: str | None = None,
     ) -> int:
         """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
         group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks)."""
         from learner.weight_broadcast import broadcast_state
 
-        state = self.export_weights(describe)
+        state = self.export_weights(describe, dtype)
         if state is None:
             return 0
         if self._weight_group is None:

@@ -5,12 +5,16 @@
   logits, before temperature. `"processed_logprobs"` is log_softmax after temperature *and* after
   top-k/top-p masking: the distribution the token was drawn from, which is the contract of every
   engine (`RolloutEngine`), so this engine uses it, with or without top_k/top_p.
-- Weight updates: the bundle travels to vLLM's workers as safetensors bytes (tensors passed through
-  `LLM.collective_rpc` arrive as lists in multi-process mode). A worker extension
+- Weight updates: with the engine core in the worker's process (`vllm.in_process`, the CPU
+  default) the bundle's tensors go to vLLM's workers as tensors through `LLM.collective_rpc`: by
+  reference to the one-process executor's worker, as pickled out-of-band buffers to `mp` workers
+  (tensor parallelism), with no copy when the bundle is already in the engine's dtype (the learner
+  exports in the rollout dtype). With a separate engine-core process vLLM's msgpack turns tensors
+  into lists, so the bundle goes as safetensors bytes there. A worker extension
   (`VLLMWeightLoader`, passed as `worker_extension_cls`) hands them to the vLLM worker's own
   `reload_weights(..., is_checkpoint_format=True)`, which re-runs the post-load processing (the
   model's bare `load_weights` fails on a live CPU engine, whose Linear weights are repacked); with
-  tensor parallelism every rank takes its shard from the same bytes. The prefix cache is reset after
+  tensor parallelism every rank takes its shard from the same full tensors. The prefix cache is reset after
   each load: cached KV blocks were computed with the old weights.
 - Bundles are checked before anything is sent: keys and shapes against the HF model, and tied copies
   (e.g. `lm_head.weight` = the embedding) equal. vLLM itself would only warn about a missing tied
@@ -82,6 +86,11 @@ class VLLMWeightLoader:
 
         named = load(blob)
         self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return len(named)
+
+    def rayppo_load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Load named tensors (HF names, the engine's dtype) through the same `reload_weights`."""
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
 
     def rayppo_weights_digest(self) -> str:
@@ -158,6 +167,10 @@ class VLLMEngine(RolloutEngine):
 
         self._path = model_path
         self.dtype = torch_dtype(config.dtype)
+        # With the engine core in this process, `collective_rpc` hands tensors to the worker as tensors
+        # (by reference with the one-process executor, as pickled out-of-band buffers to `mp` workers);
+        # through a separate engine-core process they would arrive as lists, so bytes go there instead.
+        self._tensor_rpc = in_process
         self.eos_token_ids, _ = read_special_ids(model_path)
         hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         with torch.device("meta"):  # names and shapes of the HF state dict, without allocating weights
@@ -240,9 +253,12 @@ class VLLMEngine(RolloutEngine):
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         check_state_keys(state, self._expected, what=f"checkpoint {self._path}")
         check_tied_copies(state, self._tied)
-        blob = bundle_bytes(state, self.dtype)
         self._unknown_weights = "a weight load failed part-way"  # until every rank has loaded the bundle
-        counts = self._llm.collective_rpc(_LOADER, args=(blob,))
+        if self._tensor_rpc:  # no copy when the bundle already is in the engine's dtype (the export's)
+            named = [(k, t.to(self.dtype) if t.is_floating_point() else t) for k, t in state.items()]
+            counts = self._llm.collective_rpc("rayppo_load_tensors", args=(named,))
+        else:
+            counts = self._llm.collective_rpc(_LOADER, args=(bundle_bytes(state, self.dtype),))
         if any(c != len(state) for c in counts):
             raise RuntimeError(f"vLLM workers read {counts} of the bundle's {len(state)} tensors")
         self._llm.reset_prefix_cache()
