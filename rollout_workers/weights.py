@@ -112,7 +112,8 @@ def sampled_digest(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
         flat = t.detach().reshape(-1)
         n = flat.numel()
         if n > DIGEST_SAMPLES:
-            flat = flat[torch.linspace(0, n - 1, DIGEST_SAMPLES, device=flat.device).long()]
+            # integer steps: float linspace rounds past the last index for tensors of ~16M+ elements
+            flat = flat[torch.arange(DIGEST_SAMPLES, device=flat.device) * (n - 1) // (DIGEST_SAMPLES - 1)]
         if dtype is not None and flat.is_floating_point():
             flat = flat.to(dtype)
         h.update(f"{len(name)}:{name}|{tuple(t.shape)}|".encode())

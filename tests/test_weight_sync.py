@@ -242,3 +242,15 @@ def test_verify_ack_checks_digests_before_anything_else():
         verify_ack("w", WeightAck(4, PROBE, None, received="d2", held="d1"), 4, fp)
     with pytest.raises(WeightSyncError, match="w kept its previous weights.*stale engine"):
         verify_ack("w", WeightAck(4, PROBE, None, received="d2", changed=False, bundle_changed=True), 4, fp)
+
+
+def test_sampled_digest_reaches_the_last_element_of_large_tensors():
+    """25M elements: a float linspace of indices rounds past the end there (it crashed on GPT-2's embedding)."""
+    from rollout_workers.weights import sampled_digest
+
+    big = torch.zeros(24_576_000)
+    before = sampled_digest([("w", big)])
+    big[-1] = 1.0  # the last element is always sampled
+    assert sampled_digest([("w", big)]) != before
+    big[1] = 1.0  # one between samples is not (the digest is a sample, by design)
+    assert sampled_digest([("w", big)]) == sampled_digest([("w", big.clone().index_fill_(0, torch.tensor([1]), 0.0))])
