@@ -83,7 +83,8 @@ def run_case(repo: str, policy: str, fields: dict, shards, reps: int) -> tuple[f
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(repo, r, port, policy, fields, shards[r], reps, out)) for r in range(2)
+        ctx.Process(target=_rank_main, args=(repo, r, port, policy, fields, shards[r], reps, out))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
@@ -98,7 +99,7 @@ def run_case(repo: str, policy: str, fields: dict, shards, reps: int) -> tuple[f
                 for p in procs:
                     p.kill()
                 log = (Path(policy) / f"rank{failed[0]}.log").read_text()[-3000:]
-                raise RuntimeError(f"learner rank {failed[0]} failed:\n{log}")
+                raise RuntimeError(f"learner rank {failed[0]} failed:\n{log}") from None
     for p in procs:
         p.join(timeout=120)
     seconds = [max(results[0][i][0], results[1][i][0]) for i in range(reps)]
@@ -183,7 +184,6 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed tensors leave RSS (ranks inherit it)
     import torch
-
     from bench_async import wait_for_idle
 
     torch.set_num_threads(1)
@@ -193,7 +193,9 @@ def main() -> int:
             f"Qwen2-shaped model from config: {n / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers, "
             f"vocab {args.vocab}), fp32; 2 ranks ZeRO-2, gloo, 1 thread each; {args.seqs} sequences per step"
         )
-        print(f"{'batch':<10} {'case':<24} {'code':<9} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} {'peak_extra_MiB':>14}")
+        print(
+            f"{'batch':<10} {'case':<24} {'code':<9} {'tokens':>7} {'s/step':>7} {'tokens/s':>9} {'peak_extra_MiB':>14}"
+        )
         for kind in args.batches:
             trajs = make_batch(kind, args.seqs, args.median, args.tail, args.vocab)
             tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)

@@ -253,4 +253,6 @@ def test_sampled_digest_reaches_the_last_element_of_large_tensors():
     big[-1] = 1.0  # the last element is always sampled
     assert sampled_digest([("w", big)]) != before
     big[1] = 1.0  # one between samples is not (the digest is a sample, by design)
-    assert sampled_digest([("w", big)]) == sampled_digest([("w", big.clone().index_fill_(0, torch.tensor([1]), 0.0))])
+    assert sampled_digest([("w", big)]) == sampled_digest(
+        [("w", big.clone().index_fill_(0, torch.tensor([1]), 0.0))]
+    )
