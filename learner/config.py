@@ -207,6 +207,14 @@ class LearnerConfig(_Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models)."
     )
+    attn_implementation: str | None = Field(
+        None,
+        description=(
+            "transformers' attention implementation for the policy ('sdpa', 'eager', 'flash_attention_2', ...); "
+            "None: transformers' default. On GPUs with pack_sequences use 'flash_attention_2' (varlen "
+            "kernels: cost per sequence, not per packed row); the packing check at start-up covers it too."
+        ),
+    )
     dist_timeout_s: float = Field(
         600.0,
         gt=0.0,

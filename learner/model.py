@@ -78,6 +78,7 @@ class PolicyWithValueHead(nn.Module):
         value_head_std: float = 0.0,
         gradient_checkpointing: bool = False,
         seed: int = 0,
+        attn_implementation: str | None = None,
     ) -> PolicyWithValueHead:
         """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head."""
         if dtype not in _DTYPES:
@@ -87,8 +88,9 @@ class PolicyWithValueHead(nn.Module):
         text_cfg = config.get_text_config()
         if text_cfg is not config:
             zero_dropout(text_cfg)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         policy = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True
+            path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
         )
         fuse_tanh_gelu(policy)
         if gradient_checkpointing:

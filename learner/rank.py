@@ -101,6 +101,7 @@ class LearnerRank:
             value_head_std=self.config.value_head_std,
             gradient_checkpointing=self.config.gradient_checkpointing,
             seed=self.seed,
+            attn_implementation=self.config.attn_implementation,
         )
         if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
             vocab = model.policy.config.get_text_config().vocab_size

@@ -240,3 +240,11 @@ def test_two_packed_ranks_under_a_token_budget_take_the_steps_of_one_rank(ray_lo
         _assert_same_weights(_weights(ray, one), _weights(ray, two))
         for key in ("params/grad_norm", "loss/policy", "loss/value", "loss/entropy"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_the_attention_implementation_is_the_configured_one_and_packs_exactly(family, impl):
+    _, path = family
+    model = PolicyWithValueHead.from_pretrained(path, attn_implementation=impl)
+    assert model.policy.config._attn_implementation == impl
+    assert check_packing_exact(model.policy, VOCAB, "learner.pack_sequences") < TOL
