@@ -70,7 +70,13 @@ class Scored(NamedTuple):
     logprobs: torch.Tensor  # float32 log-probabilities of the response tokens
     values: torch.Tensor  # float32 values
     entropy: torch.Tensor | None  # per-token entropy (with grad), only when asked for
-    anchor: torch.Tensor  # sum of the logits: backward(anchor * 0) reaches every policy parameter
+    logits: torch.Tensor  # the forward's logits ([B, R, V] padded, [K, V] packed)
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """Sum of the logits: backward(anchor * 0) reaches every policy parameter (only zero-weight
+        and poisoned micro-batches need it, so it is not computed on every forward)."""
+        return self.logits.float().sum()
 
 
 def forward_scores(
@@ -87,13 +93,16 @@ def forward_scores(
         rows = pack_rows(b.input_ids.cpu(), b.attention_mask.cpu(), b.prompt_lens.cpu(), counts.cpu(), R)
         rows = rows.to(b.input_ids.device)
         logits, values = model(None, None, None, R, temperature, packed=rows)
-        logprobs = rows.unpack(logprobs_from_logits(logits, rows.targets))
-        ent = rows.unpack(entropy_from_logits(logits)) if entropy else None
-        return Scored(logprobs, rows.unpack(values.float()), ent, logits.float().sum())
-    logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
-    logprobs = logprobs_from_logits(logits, response_tokens(b.input_ids, b.prompt_lens, R))
-    ent = entropy_from_logits(logits) if entropy else None
-    return Scored(logprobs, values.float(), ent, logits.float().sum())
+        tokens, place = rows.targets, rows.unpack  # outputs back into the padded layout
+    else:
+        logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
+        tokens, place = response_tokens(b.input_ids, b.prompt_lens, R), _as_is
+    ent = place(entropy_from_logits(logits)) if entropy else None
+    return Scored(place(logprobs_from_logits(logits, tokens)), place(values.float()), ent, logits)
+
+
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _micro_batches(batch: Batch, idx: torch.Tensor, config: LearnerConfig) -> list[torch.Tensor]:

@@ -85,6 +85,16 @@ class ReferencePolicy:
         self._busy_s += time.perf_counter() - start
         return out
 
+    def _scaled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """logprobs of `tokens` under logits / temperature, upcast 1024 positions at a time, so a
+        low-precision model never holds a float32 copy of the whole block."""
+        flat, tok = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+        parts = [
+            logprobs_from_logits(c.float() / self.temperature, t)
+            for c, t in zip(flat.split(1024), tok.split(1024), strict=True)
+        ]
+        return torch.cat(parts).reshape(tokens.shape)
+
     @torch.no_grad()
     def _batch(self, prompts: list[np.ndarray], responses: list[np.ndarray]) -> list[np.ndarray]:
         ids, attn, p_lens, mask = pack_sequences(prompts, responses, self.pad_id)
@@ -92,21 +102,12 @@ class ReferencePolicy:
         if self.packed:  # one padding-free row: logits only at real response positions
             rows = pack_rows(ids, attn, p_lens, mask.sum(1).long(), R).to(self.device)
             logits, _ = packed_response_logits(self.model, rows)
-            lp = rows.unpack(logprobs_from_logits(logits.float() / self.temperature, rows.targets))
-            return self._done(lp, responses)
-        tokens = response_tokens(ids, p_lens, R).to(self.device)
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        logits, _ = response_logits(self.model, ids, attn, p_lens, R)  # the model's own output path
-        # Row by row, so a low-precision model never holds a float32 copy of the whole [B, R, V] block.
-        lp = torch.cat(
-            [
-                logprobs_from_logits(row.float() / self.temperature, tok)
-                for row, tok in zip(logits.split(1), tokens.split(1), strict=True)
-            ]
-        )
-        return self._done(lp, responses)
-
-    def _done(self, lp: torch.Tensor, responses: list[np.ndarray]) -> list[np.ndarray]:
+            lp = rows.unpack(self._scaled_logprobs(logits, rows.targets))
+        else:
+            tokens = response_tokens(ids, p_lens, R).to(self.device)
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            logits, _ = response_logits(self.model, ids, attn, p_lens, R)  # the model's own output path
+            lp = self._scaled_logprobs(logits, tokens)
         lp = lp.cpu().numpy().astype(np.float32)
         self._sequences += len(responses)
         self._tokens += sum(len(r) for r in responses)

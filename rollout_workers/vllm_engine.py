@@ -82,14 +82,13 @@ class VLLMWeightLoader:
     """Mixed into each vLLM worker via `worker_extension_cls`; its methods run in that worker."""
 
     def rayppo_load_weights(self, blob: bytes) -> int:
+        """The bundle as safetensors bytes (through a separate engine-core process)."""
         from safetensors.torch import load
 
-        named = load(blob)
-        self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return len(named)
+        return self.rayppo_load_tensors(list(load(blob).items()))
 
     def rayppo_load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Load named tensors (HF names, the engine's dtype) through the same `reload_weights`."""
+        """Load named tensors (HF names, the engine's dtype) through the worker's own `reload_weights`."""
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
 
