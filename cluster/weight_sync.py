@@ -130,50 +130,143 @@ def push_colocated(
     return SyncResult(version, expected, time.perf_counter() - t0), bundle
 
 
+class _LostMembers(Exception):
+    """Workers that died during a broadcast (indices into the pushed workers)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        super().__init__(indices)
+        self.indices = indices
+
+
 class CollectiveWeightSync:
-    """The collective weight path: learner rank 0 broadcasts each bundle to the workers over a
-    gloo group of its own (`learner.weight_broadcast`, bucketed, versioned), and every worker
-    acknowledges it exactly as an object-store push. The group is formed on the first push and again
-    whenever the set of workers changes. A worker lost during a broadcast fails the push (naming it):
-    the group cannot finish without it; the object-store path replaces lost workers instead.
+    """The collective weight path: learner rank 0 broadcasts each bundle, bucket by bucket, over a
+    group of its own (`learner.weight_broadcast`) to every process holding a rollout engine's weights
+    (a hf worker; each tensor-parallel rank of a vLLM engine, inside vLLM), which loads each bucket in
+    place as it arrives; every worker acknowledges exactly as after an object-store push.
+
+    The group (gloo, or NCCL when learner and workers are on GPUs) is formed on the first push and
+    again whenever the set of workers changes or a broadcast failed. Every collective on it has the
+    `timeouts.weight_sync_s` timeout. A worker that dies during a broadcast makes it fail at once (its
+    connection closes): the group is formed again without it, the version is broadcast again to the
+    others, and it is reported in `lost` for the caller to replace (the replacement loads an
+    object-store export). A worker that stops answering fails the push within the timeout, naming it.
     """
 
-    def __init__(self, bucket_mb: float = 64.0) -> None:
+    def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo") -> None:
         self.bucket_mb = bucket_mb
+        self.backend = backend
         self._members: tuple[str, ...] | None = None
 
-    def _form(self, rank0: Any, workers: list[Any], timeout: float) -> None:
+    def _form(
+        self, rank0: Any, workers: list[Any], names: list[str], timeout: float, deadline: float
+    ) -> None:
+        """(Re)form the group of `rank0` and `workers` (each taking its engine's `weight_receivers`
+        ranks) unless it already is this one; every collective on it times out after `timeout`."""
         members = tuple(a._actor_id.hex() for a in (rank0, *workers))
         if members == self._members:
             return
         self._members = None
-        host, port = ray.get(rank0.node_address.remote(), timeout=timeout)
-        world = len(workers) + 1
-        joins = [rank0.join_weight_group.remote(host, port, world, timeout)]
+        host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
+        counts = ray.get([w.weight_receivers.remote() for w in workers], timeout=_left(deadline))
+        world = 1 + sum(counts)
+        firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
+        joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend)]
         joins += [
-            w.join_weight_group.remote(host, port, i + 1, world, timeout) for i, w in enumerate(workers)
+            w.join_weight_group.remote(host, port, int(first), world, timeout, self.backend)
+            for w, first in zip(workers, firsts, strict=True)
         ]
-        ray.get(joins, timeout=timeout)
+        _, pending = wait_until(joins, len(joins), deadline)
+        if pending:
+            raise WeightSyncError(
+                f"the weight group of learner rank 0 and {names} did not form within the timeout "
+                "(timeouts.weight_sync_s)"
+            )
+        try:
+            ray.get(joins)
+        except ray.exceptions.RayError as err:
+            raise WeightSyncError(f"joining the weight group failed: {err}") from err
         self._members = members
 
     def push(
         self, ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
     ) -> tuple[SyncResult, None]:
-        """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store."""
+        """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store.
+        Workers lost during the broadcast are in the result's `lost`; the rest hold v`version`."""
         t0 = time.perf_counter()
-        self._form(ranks[0], workers, timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            expected = self._broadcast(ranks, workers, names, version, dtype, timeout, deadline)
+            return SyncResult(version, expected, time.perf_counter() - t0), None
+        except _LostMembers as gone:
+            keep = [i for i in range(len(workers)) if i not in gone.indices]
+            if not keep:
+                raise WeightSyncError(
+                    f"every worker {names} was lost during the broadcast of v{version}"
+                ) from None
+            expected = self._broadcast(
+                ranks, [workers[i] for i in keep], [names[i] for i in keep], version, dtype, timeout, deadline
+            )
+            return SyncResult(version, expected, time.perf_counter() - t0, gone.indices), None
+
+    def _broadcast(
+        self,
+        ranks: list[Any],
+        workers: list[Any],
+        names: list[str],
+        version: int,
+        dtype: str,
+        timeout: float,
+        deadline: float,
+    ) -> Fingerprint:
+        self._form(ranks[0], workers, names, timeout, deadline)
         acks = [w.receive_weights.remote() for w in workers]
         refs = [
             r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
         ]
         meta_ref = ranks[0].export_fingerprint.remote()
-        expected = _await_export(refs, meta_ref, version, dtype, timeout)
-        ray.get(refs[0])  # bytes sent: raises if rank 0's broadcast failed
-        lost = _collect_acks(names, acks, version, expected, timeout)
-        if lost:
+        calls = [*refs, meta_ref, *acks]
+        _, pending = wait_until(calls, len(calls), deadline)
+        if pending:
             self._members = None
-            raise WeightSyncError(f"{[names[i] for i in lost]} lost during the broadcast of v{version}")
-        return SyncResult(version, expected, time.perf_counter() - t0), None
+            silent = [n for n, a in zip(names, acks, strict=True) if a in pending]
+            raise WeightSyncError(
+                f"the broadcast of v{version} was not done within the timeout (timeouts.weight_sync_s): "
+                f"{silent or 'the learner'} did not answer"
+            )
+        dead, refused, failed = [], [], []
+        for i, ack in enumerate(acks):
+            try:
+                ray.get(ack)
+            except DEAD_ACTOR_ERRORS:
+                dead.append(i)
+            except ray.exceptions.RayTaskError as err:  # a refusal, or the broadcast failed under it
+                group = type(err.cause).__name__ == "WeightGroupError"
+                (failed if group else refused).append(f"{names[i]} did not load v{version}: {err.cause!r}")
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayTaskError as err:  # names the bucket that failed
+            failed.insert(0, f"the broadcast of v{version} failed on learner rank 0: {err.cause!r}")
+        failed = (refused + failed)[:1]
+        if dead or failed:
+            self._members = None
+        if dead:
+            raise _LostMembers(dead)
+        if failed:
+            raise WeightSyncError(failed[0])
+        expected = expected_fingerprint(ray.get(meta_ref), version, dtype)
+        for name, ack in zip(names, acks, strict=True):
+            verify_ack(name, ray.get(ack), version, expected)
+        return expected
+
+
+def weight_backend(cfg: Any) -> str:
+    """The weight group's backend: NCCL when learner ranks and rollout workers both have GPUs, else gloo
+    (CPU buffers at both ends)."""
+    return "nccl" if cfg.learner.num_gpus_per_rank and cfg.rollout.num_gpus_per_worker else "gloo"
+
+
+def _left(deadline: float) -> float:
+    return max(1.0, deadline - time.monotonic())
 
 
 def export_bundle(ranks: list[Any], dtype: str, timeout: float) -> Any:

@@ -179,13 +179,17 @@ class LearnerRank:
         }
         return out
 
-    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """Rank 0 hosts a weight broadcast group of itself and `world_size - 1` rollout workers."""
+    def join_weight_group(
+        self, host: str, port: int, world_size: int, timeout_s: float, backend: str = "gloo"
+    ) -> None:
+        """Rank 0 hosts a weight group (`learner.weight_broadcast`) of itself and `world_size - 1`
+        processes holding rollout engines' weights; each collective on it fails after `timeout_s`."""
         if self.rank != 0:
             raise RuntimeError(f"learner rank {self.rank}: only rank 0 broadcasts weights")
         from learner.weight_broadcast import open_group
 
-        self._weight_group = open_group(host, port, 0, world_size, timeout_s)
+        self._weight_group = None  # a previous group is left behind
+        self._weight_group = (open_group(host, port, 0, world_size, timeout_s, backend), timeout_s, backend)
 
     def broadcast_weights(
         self,
@@ -195,15 +199,23 @@ class LearnerRank:
         dtype: str | None = None,
     ) -> int:
         """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
-        group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks)."""
-        from learner.weight_broadcast import broadcast_state
+        group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks). A failed
+        broadcast (`WeightBroadcastError`, naming the bucket) also drops the group: its members' own
+        receives then fail at once instead of waiting out their timeout, and the group is formed again."""
+        from learner.weight_broadcast import WeightBroadcastError, broadcast_state
 
         state = self.export_weights(describe, dtype)
         if state is None:
             return 0
         if self._weight_group is None:
-            raise RuntimeError("learner rank 0 has not joined a weight group")
-        return broadcast_state(self._weight_group, state, version, int(bucket_mb * 2**20))
+            raise RuntimeError("learner rank 0 has not joined a weight group (join_weight_group)")
+        group, timeout_s, backend = self._weight_group
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        try:
+            return broadcast_state(group, state, version, int(bucket_mb * 2**20), timeout_s, device)
+        except WeightBroadcastError:
+            self._weight_group = None
+            raise
 
     def export_fingerprint(self) -> dict | None:
         """Rank 0: `{"probe", "dtype", ...describe's facts}` of the last `export_weights` (None before one)."""

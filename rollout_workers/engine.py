@@ -91,6 +91,29 @@ class RolloutEngine(ABC):
         self._load_weights(state)
         self._unknown_weights = None
 
+    # Processes that join the learner's weight group for this engine (`join_weight_group`): the
+    # worker's own for hf, one per tensor-parallel rank for vLLM (its worker processes).
+    weight_receivers: int = 1
+
+    def join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
+    ) -> None:
+        """Join learner rank 0's weight group (`learner.weight_broadcast`) at host:port with group ranks
+        `first_rank .. first_rank + weight_receivers - 1`, in the processes holding the weights."""
+        self._join_weight_group(host, port, first_rank, world_size, timeout_s, backend)
+
+    def receive_weights(self, min_version: int) -> tuple[int, str]:
+        """Load the next broadcast bundle bucket by bucket, straight into the weights; returns (its
+        version, the `sampled_digest` of what arrived). The same contract as `load_weights`: a bundle
+        older than `min_version` or that does not fit is refused (read to its end, nothing changed), a
+        load that fails part-way leaves the weights unknown. A failed broadcast raises
+        `WeightGroupError`; the group must then be joined again."""
+        if self.is_sleeping:
+            raise RuntimeError(f"{self.name} engine is asleep: wake_up() first, then load the weights")
+        version, digest = self._receive_weights(min_version)
+        self._unknown_weights = None
+        return version, digest
+
     # Whether `weights_digest` names tensors as the bundles do (then it equals the bundle's
     # `sampled_digest` after a load); else it is only comparable with the engine's own earlier digests.
     digest_names_match: bool = True
@@ -155,6 +178,14 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
+    ) -> None: ...
+
+    @abstractmethod
+    def _receive_weights(self, min_version: int) -> tuple[int, str]: ...
 
     @abstractmethod
     def _release(self, level: int) -> None:

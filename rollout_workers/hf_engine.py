@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 from learner.sequences import fuse_tanh_gelu, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
+from rollout_workers.weight_receiver import BroadcastStream, open_group
 from rollout_workers.weights import (
     check_state_keys,
     check_tied_copies,
@@ -139,6 +140,24 @@ class HFEngine(RolloutEngine):
         check_tied_copies(state, self._tied)
         for name, target in own.items():
             target.copy_(state[name])  # casts to the engine dtype/device; tied names share storage
+
+    def _join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
+    ) -> None:
+        self._group = (open_group(host, port, first_rank, world_size, timeout_s, backend), timeout_s)
+
+    @torch.no_grad()
+    def _receive_weights(self, min_version: int) -> tuple[int, str]:
+        if getattr(self, "_group", None) is None:
+            raise RuntimeError("this engine has not joined a weight group (join_weight_group)")
+        own = self.model.state_dict()
+        with BroadcastStream(*self._group) as stream:
+            stream.check({k: tuple(v.shape) for k, v in own.items()}, type(self.model).__name__, min_version)
+            self._unknown_weights = "a weight load failed part-way"
+            for name, t in stream.tensors(self.dtype):
+                own[name].copy_(t)  # casts to the engine dtype/device; tied names share storage
+            stream.check_tied(self._tied)
+            return stream.version, stream.digest()
 
     def weights_checksum(self) -> str:
         return state_checksum(self.model.state_dict(), self.dtype)

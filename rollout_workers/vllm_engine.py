@@ -49,6 +49,7 @@ import torch
 
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, derive_seed, read_special_ids
+from rollout_workers.weight_receiver import WeightGroupError
 from rollout_workers.weights import check_state_keys, check_tied_copies, tied_groups, torch_dtype
 
 _LOADER = "rayppo_load_weights"
@@ -91,6 +92,39 @@ class VLLMWeightLoader:
         """Load named tensors (HF names, the engine's dtype) through the worker's own `reload_weights`."""
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
+
+    def rayppo_join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
+    ) -> None:
+        """Join learner rank 0's weight group as group rank `first_rank` + this worker's rank."""
+        from rollout_workers.weight_receiver import open_group
+
+        rank = first_rank + self.rank  # type: ignore[attr-defined]
+        self.rayppo_group = (open_group(host, port, rank, world_size, timeout_s, backend), timeout_s)
+
+    def rayppo_receive_weights(
+        self, expected: dict[str, tuple[int, ...]], tied: list[list[str]], min_version: int, dtype: str
+    ) -> dict:
+        """Receive the next broadcast bundle and load it bucket by bucket through `reload_weights` (each
+        tensor-parallel rank takes its shard of the full tensors). {'refused': why} when the header
+        does not fit (nothing loaded); else the version, the digest of what arrived and the count."""
+        from rollout_workers.weight_receiver import BroadcastStream, WeightGroupError
+        from rollout_workers.weights import torch_dtype
+
+        loading = False
+        try:
+            with BroadcastStream(*self.rayppo_group) as stream:
+                try:
+                    stream.check(expected, "the vLLM engine's model", min_version)
+                except (KeyError, ValueError) as err:
+                    return {"refused": str(err)}
+                loading = True
+                tensors = stream.tensors(torch_dtype(dtype))
+                self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
+                stream.check_tied(tied)
+                return {"version": stream.version, "digest": stream.digest(), "count": len(stream.shapes)}
+        except WeightGroupError as err:  # as facts: vLLM's mp executor would turn it into a RuntimeError
+            return {"group_error": str(err), "partial": loading}
 
     def rayppo_weights_digest(self) -> str:
         """`sampled_digest` of this worker's parameters under vLLM's own names (fused, sharded and, on
@@ -165,7 +199,7 @@ class VLLMEngine(RolloutEngine):
             torch.set_num_threads(config.torch_threads)  # in-process: vLLM turns this into a no-op later
 
         self._path = model_path
-        self.dtype = torch_dtype(config.dtype)
+        self.dtype, self.dtype_name = torch_dtype(config.dtype), config.dtype
         # With the engine core in this process, `collective_rpc` hands tensors to the worker as tensors
         # (by reference with the one-process executor, as pickled out-of-band buffers to `mp` workers);
         # through a separate engine-core process they would arrive as lists, so bytes go there instead.
@@ -183,7 +217,7 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = (
             min(v.max_model_len, limit) if v.max_model_len and limit else v.max_model_len or limit
         )
-        tp = v.tensor_parallel_size
+        tp = self._tp = v.tensor_parallel_size
         kwargs: dict[str, Any] = {}
         if kv_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
@@ -261,6 +295,38 @@ class VLLMEngine(RolloutEngine):
         if any(c != len(state) for c in counts):
             raise RuntimeError(f"vLLM workers read {counts} of the bundle's {len(state)} tensors")
         self._llm.reset_prefix_cache()
+
+    @property
+    def weight_receivers(self) -> int:
+        return self._tp
+
+    def _join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
+    ) -> None:
+        args = (host, port, first_rank, world_size, timeout_s, backend)
+        self._llm.collective_rpc("rayppo_join_weight_group", args=args)
+
+    def _receive_weights(self, min_version: int) -> tuple[int, str]:
+        args = (self._expected, self._tied, min_version, self.dtype_name)
+        self._unknown_weights = "a weight load failed part-way"  # cleared by a full load
+        answers = self._llm.collective_rpc("rayppo_receive_weights", args=args)
+        broken = [a for a in answers if "group_error" in a]
+        if broken:
+            if not any(a["partial"] for a in broken) and all("group_error" in a for a in answers):
+                self._unknown_weights = None  # the broadcast failed before any rank loaded anything
+            raise WeightGroupError(broken[0]["group_error"])
+        refused = [a["refused"] for a in answers if "refused" in a]
+        if refused and len(refused) == len(answers):
+            self._unknown_weights = None  # every rank refused before loading anything
+            raise ValueError(refused[0])
+        facts = {(a.get("version"), a.get("digest"), a.get("count")) for a in answers}
+        if len(facts) != 1 or refused:
+            raise RuntimeError(f"vLLM's tensor-parallel ranks received different bundles: {answers}")
+        version, digest, count = facts.pop()
+        if count != len(self._expected):
+            raise RuntimeError(f"vLLM workers read {count} of the model's {len(self._expected)} tensors")
+        self._llm.reset_prefix_cache()
+        return int(version), str(digest)
 
     def weights_checksum(self) -> None:
         return None

@@ -1,42 +1,154 @@
-"""The receiving end of the learner's weight broadcast (see `learner.weight_broadcast` for the format).
+"""The receiving end of the learner's weight broadcast (format: `learner.weight_broadcast`).
 
-A worker joins a process group of its own with learner rank 0 (group rank 0) and the other
-workers, and rebuilds each broadcast bundle as named tensors that `RolloutWorker.load_weights`
-takes like an object-store bundle (same checks, same acknowledgement).
+Each process holding an engine's weights (a hf worker; every vLLM worker process, one per
+tensor-parallel rank) joins learner rank 0's weight group and reads a bundle as a `BroadcastStream`:
+the header first (version, names, shapes: checked before any weight changes), then the buckets one at
+a time, each tensor a view into its bucket, handed to the engine's own loader as it arrives. The
+peak extra memory is one bucket, not the model.
+
+Leaving the `with` block always consumes the rest of the broadcast (a refused or failed load still
+reads every bucket), so the group stays in step for its other members; only a failure of the
+broadcast itself (a dead or silent peer, `WeightGroupError`) leaves it, and then the group is
+unusable and is formed again. The digest of what arrived (`digest`) is the bundle's
+`sampled_digest`, taken tensor by tensor.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from rollout_workers.weights import check_state_keys, combine_digest, digest_sample
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """Join the gloo group at host:port (hosted by learner rank 0) as `rank`."""
+
+class WeightGroupError(RuntimeError):
+    """A broadcast of the weight group failed or timed out: the sender or another member is gone."""
+
+
+def open_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+) -> dist.ProcessGroup:
+    """Join the `backend` ('gloo' or 'nccl') group at host:port (hosted by learner rank 0) as `rank`;
+    every collective on it fails after `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend != "gloo":
+        raise ValueError(f"weight group backend must be 'gloo' or 'nccl', got {backend!r}")
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def _bcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.Tensor:
-    group.broadcast([tensor], dist.BroadcastOptions()).wait()
-    return tensor
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's buffers live: the current GPU for NCCL, else the CPU."""
+    if group.name().lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def receive_state(group: dist.ProcessGroup) -> tuple[int, dict[str, torch.Tensor]]:
-    """Block until the next bundle arrives; returns (version, named tensors)."""
-    length = int(_bcast(group, torch.zeros(1, dtype=torch.int64)).item())
-    header = json.loads(bytes(_bcast(group, torch.empty(length, dtype=torch.uint8)).numpy()))
-    buckets = [_bcast(group, torch.empty(size, dtype=torch.uint8)) for size in header["sizes"]]
-    state: dict[str, torch.Tensor] = {}
-    for e in header["entries"]:
-        if "same_as" in e:
-            state[e["name"]] = state[e["same_as"]]
-            continue
-        raw = buckets[e["bucket"]][e["offset"] : e["offset"] + e["nbytes"]]
-        # a copy: a view at an offset not aligned to the dtype's size cannot be reinterpreted in place
-        state[e["name"]] = raw.clone().view(getattr(torch, e["dtype"])).reshape(e["shape"])
-    return int(header["version"]), state
+class BroadcastStream:
+    """One bundle as it arrives: `version` and `shapes` from the header, then `tensors()`."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self._group, self._timeout = group, timeout_s
+        self._device = group_device(group)
+        length = self._receive(torch.zeros(1, dtype=torch.int64), "header")
+        header = json.loads(
+            bytes(self._receive(torch.empty(int(length.item()), dtype=torch.uint8), "header").cpu())
+        )
+        self.version: int = int(header["version"])
+        self._sizes: list[int] = header["sizes"]
+        self._entries: list[dict] = header["entries"]
+        source = {e["name"]: e for e in self._entries if "same_as" not in e}
+        self.shapes: dict[str, tuple[int, ...]] = {
+            e["name"]: tuple(source[e.get("same_as", e["name"])]["shape"]) for e in self._entries
+        }
+        self._next = 0  # the next bucket to receive
+        self._samples: dict[str, tuple[tuple[int, ...], bytes]] = {}
+        self.received_bytes = 0
+
+    def _receive(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
+        buffer = buffer.to(self._device)
+        try:
+            work = self._group.broadcast([buffer], dist.BroadcastOptions())
+            if not work.wait(timedelta(seconds=self._timeout)):
+                raise WeightGroupError(f"weight broadcast ({what}) not done within {self._timeout:.0f}s")
+        except WeightGroupError:
+            raise
+        except RuntimeError as err:  # gloo/NCCL: the sender or a peer closed, or the wait timed out
+            raise WeightGroupError(
+                f"weight broadcast ({what}) failed: {str(err).splitlines()[0][:300]}"
+            ) from err
+        return buffer
+
+    def _bucket(self) -> torch.Tensor:
+        k = self._next
+        bucket = self._receive(
+            torch.empty(self._sizes[k], dtype=torch.uint8), f"bucket {k + 1} of {len(self._sizes)}"
+        )
+        self._next += 1
+        self.received_bytes += self._sizes[k]
+        return bucket
+
+    def check(self, expected: Mapping[str, tuple[int, ...]], what: str, min_version: int = 0) -> None:
+        """Raise ValueError for a bundle older than `min_version` (versions never go backwards), and
+        (naming the keys) when the header's names or shapes do not fit `expected`."""
+        if self.version < min_version:
+            raise ValueError(f"this engine holds version {min_version}; refusing older {self.version}")
+        check_state_keys(
+            {k: torch.empty(s, device="meta") for k, s in self.shapes.items()}, expected, what=what
+        )
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the sender's order, receiving each bucket when its first tensor is wanted;
+        an alias (tied weight) follows its source. The digest sample of every tensor is taken at
+        `dtype` as it passes. Tensors are views into their bucket: copy what must outlive the next one."""
+        aliases: dict[str, list[str]] = {}
+        for e in self._entries:
+            if "same_as" in e:
+                aliases.setdefault(e["same_as"], []).append(e["name"])
+        bucket, index = None, -1
+        for e in self._entries:
+            if "same_as" in e:
+                continue
+            while index < e["bucket"]:
+                bucket, index = self._bucket(), index + 1
+            raw = bucket[e["offset"] : e["offset"] + e["nbytes"]]
+            t = raw.view(getattr(torch, e["dtype"])).reshape(e["shape"])
+            for name in (e["name"], *aliases.get(e["name"], ())):
+                self._samples[name] = (tuple(t.shape), digest_sample(t, dtype))
+                yield name, t
+        while self._next < len(self._sizes):  # trailing empty buckets
+            self._bucket()
+
+    def check_tied(self, groups: list[list[str]]) -> None:
+        """Tied names sent as separate tensors must agree (compared on their digest samples; aliases
+        are one tensor): the engine holds one tensor for all of them."""
+        for names in groups:
+            got = {n: self._samples[n] for n in names if n in self._samples}
+            if len(set(got.values())) > 1:
+                raise ValueError(f"tied weights {sorted(got)} differ in the bundle; they must be equal")
+
+    def digest(self) -> str:
+        """`sampled_digest` of the bundle (every tensor must have passed through `tensors()`)."""
+        if len(self._samples) != len(self.shapes):
+            raise RuntimeError(f"digest of {len(self._samples)} of the bundle's {len(self.shapes)} tensors")
+        return combine_digest(self._samples)
+
+    def finish(self) -> None:
+        """Receive whatever buckets are left (the group stays in step after a refused or failed load)."""
+        while self._next < len(self._sizes):
+            self._bucket()
+
+    def __enter__(self) -> BroadcastStream:
+        return self
+
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: object) -> None:
+        if not isinstance(err, WeightGroupError):
+            self.finish()

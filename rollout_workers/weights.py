@@ -100,6 +100,30 @@ def _head(items: list[str], n: int = 8) -> str:
 DIGEST_SAMPLES = 4096  # elements per tensor
 
 
+def digest_sample(t: torch.Tensor, dtype: torch.dtype | None = None) -> bytes:
+    """The bytes `sampled_digest` hashes for one tensor: `DIGEST_SAMPLES` evenly spaced elements (all of
+    a smaller tensor), a floating one cast to `dtype` first."""
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n > DIGEST_SAMPLES:
+        # integer steps: float linspace rounds past the last index for tensors of ~16M+ elements
+        flat = flat[torch.arange(DIGEST_SAMPLES, device=flat.device) * (n - 1) // (DIGEST_SAMPLES - 1)]
+    if dtype is not None and flat.is_floating_point():
+        flat = flat.to(dtype)
+    return flat.to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def combine_digest(samples: Mapping[str, tuple[tuple[int, ...], bytes]]) -> str:
+    """sha256 over names (sorted), shapes and `digest_sample` bytes: what `sampled_digest` returns, from
+    pieces taken one tensor at a time (a bundle that arrives bucket by bucket)."""
+    h = hashlib.sha256()
+    for name in sorted(samples):
+        shape, data = samples[name]
+        h.update(f"{len(name)}:{name}|{tuple(shape)}|".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def sampled_digest(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
     """sha256 over names, shapes and `DIGEST_SAMPLES` evenly spaced elements of every tensor (all of a
     smaller one), floating ones cast to `dtype` first: cheap at any model size (a few MB read) and,
@@ -107,15 +131,4 @@ def sampled_digest(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
     gradient history by about the learning rate, which changes the bf16 rounding of about lr / ulp of
     the elements: at lr 1e-6 and weights ~0.02 (ulp 2^-13) about 1 in 120, so among 4096 samples of
     each of a model's tensors some always change. Names are sorted."""
-    h = hashlib.sha256()
-    for name, t in sorted(dict(tensors).items()):
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
-        if n > DIGEST_SAMPLES:
-            # integer steps: float linspace rounds past the last index for tensors of ~16M+ elements
-            flat = flat[torch.arange(DIGEST_SAMPLES, device=flat.device) * (n - 1) // (DIGEST_SAMPLES - 1)]
-        if dtype is not None and flat.is_floating_point():
-            flat = flat.to(dtype)
-        h.update(f"{len(name)}:{name}|{tuple(t.shape)}|".encode())
-        h.update(flat.to("cpu").contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
+    return combine_digest({name: (tuple(t.shape), digest_sample(t, dtype)) for name, t in tensors})

@@ -46,7 +46,6 @@ class RolloutWorker:
         self._checksum: str | None = None  # of the weights held now; computed lazily
         self._last_received: str | None = None  # digest of the last bundle loaded
         self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
-        self._weight_group = None  # learner rank 0's weight broadcast group (CollectiveWeightSync)
         self._lock = threading.Lock()
         self._stats = {
             "generate_calls": 0,
@@ -120,28 +119,39 @@ class RolloutWorker:
                     f"worker {self.worker_index} holds version {self._version}; refusing older {version}"
                 )
             t0 = time.perf_counter()
-            self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
             engine = self._engine
             received = sampled_digest(state.items(), engine.dtype)
-            before = None if engine.digest_names_match else engine.weights_digest()
-            previous, self._last_received = self._last_received, None  # until this load succeeds
-            engine.load_weights(state)
-            self._version = int(version)
-            self._checksum = engine.weights_checksum()
-            after = engine.weights_digest()
-            ack = WeightAck(
-                self._version,
-                engine.probe_logprobs(self._probe),
-                self._checksum,
-                received=received,
-                held=after if engine.digest_names_match else None,
-                changed=None if before is None else after != before,
-                bundle_changed=None if previous is None else received != previous,
-            )
-            self._last_received = received
-            self._stats["weight_loads"] += 1
-            self._stats["load_s"] += time.perf_counter() - t0
-            return ack
+
+            def load() -> tuple[int, str]:
+                engine.load_weights(state)
+                return int(version), received
+
+            return self._swap(load, t0)
+
+    def _swap(self, load: Callable[[], tuple[int, str]], t0: float) -> WeightAck:
+        """Run `load` (it swaps the engine's weights and returns the version and the digest of the
+        bundle it loaded) and acknowledge it with what the engine computes afterwards (lock held)."""
+        engine = self._engine
+        self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
+        before = None if engine.digest_names_match else engine.weights_digest()
+        previous, self._last_received = self._last_received, None  # until this load succeeds
+        version, received = load()
+        self._version = int(version)
+        self._checksum = engine.weights_checksum()
+        after = engine.weights_digest()
+        ack = WeightAck(
+            self._version,
+            engine.probe_logprobs(self._probe),
+            self._checksum,
+            received=received,
+            held=after if engine.digest_names_match else None,
+            changed=None if before is None else after != before,
+            bundle_changed=None if previous is None else received != previous,
+        )
+        self._last_received = received
+        self._stats["weight_loads"] += 1
+        self._stats["load_s"] += time.perf_counter() - t0
+        return ack
 
     def sleep(self, level: int | None = None) -> dict:
         """Free the engine's device memory at `level` (default `config.sleep_level`; 0 does nothing).
@@ -180,20 +190,23 @@ class RolloutWorker:
             "seconds": seconds,
         }
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Join learner rank 0's weight broadcast group as `rank` (`cluster.weight_sync.CollectiveWeightSync`)."""
-        from rollout_workers.weight_receiver import open_group
+    def weight_receivers(self) -> int:
+        """How many ranks of the learner's weight group this worker's engine takes (`join_weight_group`)."""
+        return self._engine.weight_receivers
 
-        self._weight_group = open_group(host, port, rank, world_size, timeout_s)
+    def join_weight_group(
+        self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+    ) -> None:
+        """Join learner rank 0's weight group (`cluster.weight_sync.CollectiveWeightSync`) with ranks
+        `first_rank ..` (one per process holding the engine's weights)."""
+        with self._lock:
+            self._engine.join_weight_group(host, port, first_rank, world_size, timeout_s, backend)
 
     def receive_weights(self) -> WeightAck:
-        """Receive the next broadcast bundle and load it like `load_weights` (same checks and ack)."""
-        from rollout_workers.weight_receiver import receive_state
-
-        if self._weight_group is None:
-            raise RuntimeError(f"worker {self.worker_index} has not joined a weight group")
-        version, state = receive_state(self._weight_group)
-        return self.load_weights(state, version)
+        """Load the next broadcast bundle bucket by bucket (`RolloutEngine.receive_weights`) and
+        acknowledge it as `load_weights` does."""
+        with self._lock:
+            return self._swap(lambda: self._engine.receive_weights(self._version), time.perf_counter())
 
     def fingerprint(self) -> WeightAck:
         """The same acknowledgement for the weights held now, without loading anything."""

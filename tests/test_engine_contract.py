@@ -392,3 +392,74 @@ def test_one_optimizer_step_is_told_apart_and_a_stale_engine_refused(policies, e
     ack = worker.load_weights(v3, 3)
     with pytest.raises(WeightSyncError, match="w (holds weights that are not v3|kept its previous weights)"):
         verify_ack("w", ack, 3, expect(3, v3, ack))
+
+
+def _send_in_thread(state: dict, world: int, version: int, timeout: float = 60.0, hold: bool = False):
+    """Learner rank 0's side of the weight group, in a thread of this process: open the group on a free
+    port, broadcast `state` tagged `version` in ~8 kB buckets (unless `hold`: then send nothing).
+    Returns (port, thread, result list: bytes sent or the exception)."""
+    import socket
+    import threading
+
+    from learner.weight_broadcast import broadcast_state, open_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out: list = []
+
+    def run() -> None:
+        try:
+            group = open_group("127.0.0.1", port, 0, world, timeout)
+            out.append(0 if hold else broadcast_state(group, state, version, 8192, timeout))
+            if hold:
+                out.append(group)  # keep it open, silent
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            out.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return port, thread, out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_broadcast_swap_loads_bucket_by_bucket_like_a_bundle(policies, engine):
+    """The collective path: the engine's weight-holding processes (vLLM: inside vLLM, both
+    tensor-parallel ranks) join a weight group and load a broadcast bucket by bucket. The ack equals
+    the object-store load of the same bundle; a bundle that does not fit is refused with nothing
+    changed and the group stays in step for the next one; a silent sender times out, named."""
+    from rollout_workers.config import VLLMConfig
+    from rollout_workers.weight_receiver import WeightGroupError
+    from rollout_workers.weights import sampled_digest
+
+    a, b = policies
+    tp = 2 if engine == "vllm" else 1
+    worker = RolloutWorker(a, RolloutConfig(engine=engine, vllm=VLLMConfig(tensor_parallel_size=tp)))
+    world = 1 + worker.weight_receivers()
+    assert world == 1 + tp
+    state_b = _bundle(b)
+    port, thread, out = _send_in_thread(state_b, world, 3)
+    worker.join_weight_group("127.0.0.1", port, 1, world, 60.0)
+    ack = worker.receive_weights()
+    thread.join(60)
+    assert out[0] > 0 and ack.version == 3
+    assert ack.received == sampled_digest(state_b.items(), torch.float32)
+    assert _gap(ack.probe, _probe_reference(b)) < TOL
+    assert ack.bundle_changed is None and (ack.changed is None or ack.changed)
+    same = worker.load_weights(state_b, 4)  # the object-store path, same bundle: the same weights
+    assert same.received == ack.received and _gap(same.probe, ack.probe) == 0.0
+
+    wrong = {k: (v[:-1] if k.endswith("wpe.weight") else v) for k, v in _bundle(a).items()}
+    port, thread, out = _send_in_thread(wrong, world, 5)
+    worker.join_weight_group("127.0.0.1", port, 1, world, 60.0)
+    with pytest.raises((KeyError, ValueError), match="shapes do not match"):
+        worker.receive_weights()
+    thread.join(60)
+    assert worker.version() == 4 and _gap(worker.fingerprint().probe, ack.probe) == 0.0
+    assert len(worker.generate(INDICES, PROMPTS, seed=0, sampling=SamplingConfig(max_new_tokens=4))) == 3
+
+    port, thread, out = _send_in_thread(state_b, world, 6, timeout=3.0, hold=True)
+    worker.join_weight_group("127.0.0.1", port, 1, world, 3.0)
+    with pytest.raises(WeightGroupError, match="weight broadcast \\(header\\)"):
+        worker.receive_weights()
+    assert worker.version() == 4  # nothing arrived: the weights are those of v4
