@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-scale clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,12 @@ bench-algos: $(STAMP)
 # balanced, 2 ranks on a Qwen2-shaped model (bench/bench_learner.py).
 bench-learner: $(STAMP)
 	$(BIN)/python bench/bench_learner.py $(ARGS)
+
+# Learner step memory and the weight push (object store vs collective, to hf and to vLLM) at 75M, 124M and
+# 0.5B parameters in one run, with the driver's peak RSS and this machine's memcpy bandwidth
+# (bench/bench_scale.py; ARGS="--smoke" for tiny models).
+bench-scale: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/bench_scale.py $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

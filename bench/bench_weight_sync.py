@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,39 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
+from machine import PeakRSS  # noqa: E402
 
 from cluster.weight_sync import CollectiveWeightSync, push_weights  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.rank import LearnerRank  # noqa: E402
 from rollout_workers.config import RolloutConfig  # noqa: E402
 from rollout_workers.worker import RolloutWorker  # noqa: E402
-
-
-class PeakRSS:
-    """Peak RSS of one process (a rollout worker actor) over its RSS at `reset`, sampled every 5 ms."""
-
-    def __init__(self, pid: int) -> None:
-        import psutil
-
-        self._proc, self._base, self._peak = psutil.Process(pid), 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def reset(self) -> None:
-        self._base = self._peak = self._proc.memory_info().rss
-
-    def extra(self) -> int:
-        return self._peak - self._base
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._peak = max(self._peak, self._proc.memory_info().rss)
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def bundle_bytes(policy: str, dtype: str) -> int:

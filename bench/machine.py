@@ -1,4 +1,5 @@
-"""Watching the machine during a benchmark: CPU used by others, peak memory of a process tree."""
+"""Watching the machine during a benchmark: CPU used by others, peak memory of a process tree or of
+one process, what the machine is (cores, memory, memory-copy bandwidth)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 
 def log(msg: str) -> None:
-    print(f"[compare_trl] {msg}", file=sys.stderr, flush=True)
+    print(f"[{Path(sys.argv[0]).stem}] {msg}", file=sys.stderr, flush=True)
 
 
 def machine_busy_s() -> float:
@@ -81,3 +82,82 @@ def wait_for_idle(max_wait_s: float, threshold: float = 0.1, window_s: float = 2
         if share < threshold:
             return
         log(f"machine busy ({share:.0%} of the CPUs used by other processes); waiting")
+
+
+class PeakRSS:
+    """Peak RSS of one process (default this one) since `reset`, sampled every `interval_s` on a thread;
+    `extra()` is the peak over the RSS at `reset`."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.005) -> None:
+        import psutil
+
+        self._proc, self._interval = psutil.Process(pid), interval_s
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def rss(self) -> int:
+        return self._proc.memory_info().rss
+
+    def reset(self) -> None:
+        self.base = self.peak = self.rss()
+
+    def extra(self) -> int:
+        return max(self.peak, self.rss()) - self.base
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.rss())
+            except psutil.Error:  # the process is gone
+                return
+            time.sleep(self._interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def describe() -> dict:
+    """Cores (logical, physical), CPU model, total and available memory of this machine."""
+    import psutil
+
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "unknown",
+    )
+    mem = psutil.virtual_memory()
+    return {
+        "cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "cpu": model,
+        "ram_gib": mem.total / 2**30,
+        "available_gib": mem.available / 2**30,
+    }
+
+
+def memcpy_gbps(nbytes: int, threads: int, reps: int = 5) -> float:
+    """Median bytes copied per second (1e9) by torch `copy_` between two `nbytes` buffers with `threads`
+    torch threads (pages touched by a first copy, not timed). Run it in a process of its own: it
+    holds 2 x nbytes while it runs."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
