@@ -231,7 +231,8 @@ class CollectiveWeightSync:
             silent = [n for n, a in zip(names, acks, strict=True) if a in pending]
             raise WeightSyncError(
                 f"the broadcast of v{version} was not done within the timeout (timeouts.weight_sync_s): "
-                f"{silent or 'the learner'} did not answer"
+                f"{silent or 'the learner'} did not answer (a member that stops answering stalls the "
+                "broadcast for every member after it)"
             )
         dead, refused, failed = [], [], []
         for i, ack in enumerate(acks):

@@ -202,7 +202,7 @@ class LearnerRank:
         group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks). A failed
         broadcast (`WeightBroadcastError`, naming the bucket) also drops the group: its members' own
         receives then fail at once instead of waiting out their timeout, and the group is formed again."""
-        from learner.weight_broadcast import WeightBroadcastError, broadcast_state
+        from learner.weight_broadcast import WeightBroadcastError, broadcast_state, close_group
 
         state = self.export_weights(describe, dtype)
         if state is None:
@@ -213,9 +213,12 @@ class LearnerRank:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         try:
             return broadcast_state(group, state, version, int(bucket_mb * 2**20), timeout_s, device)
-        except WeightBroadcastError:
-            self._weight_group = None
-            raise
+        except WeightBroadcastError as err:
+            failure = str(err)  # raised below without this traceback, whose frames hold the group
+        self._weight_group = None
+        close_group(group)
+        del group
+        raise WeightBroadcastError(failure)
 
     def export_fingerprint(self) -> dict | None:
         """Rank 0: `{"probe", "dtype", ...describe's facts}` of the last `export_weights` (None before one)."""

@@ -19,6 +19,8 @@ broadcast raise `WeightBroadcastError` naming the bucket, never hang.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -102,6 +104,16 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float, 
         raise
     except RuntimeError as err:  # gloo/NCCL: a peer closed the connection, or the wait timed out
         raise WeightBroadcastError(f"{what}: {str(err).splitlines()[0][:300]}") from err
+
+
+def close_group(group: dist.ProcessGroup) -> None:
+    """Close the group's connections after a failed broadcast, so members still waiting on rank 0 fail
+    at once instead of waiting out the timeout: abort it, then drop the last references (the caller
+    holds none after this) so its connections close."""
+    with contextlib.suppress(RuntimeError):  # already broken beyond closing
+        group.abort()
+    del group
+    gc.collect()
 
 
 def broadcast_state(

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 from learner.sequences import fuse_tanh_gelu, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
-from rollout_workers.weight_receiver import BroadcastStream, open_group
+from rollout_workers.weight_receiver import WeightGroupMember
 from rollout_workers.weights import (
     check_state_keys,
     check_tied_copies,
@@ -144,14 +144,16 @@ class HFEngine(RolloutEngine):
     def _join_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
     ) -> None:
-        self._group = (open_group(host, port, first_rank, world_size, timeout_s, backend), timeout_s)
+        if getattr(self, "_group", None) is not None:
+            self._group.close()
+        self._group = WeightGroupMember(host, port, first_rank, world_size, timeout_s, backend)
 
     @torch.no_grad()
     def _receive_weights(self, min_version: int) -> tuple[int, str]:
         if getattr(self, "_group", None) is None:
             raise RuntimeError("this engine has not joined a weight group (join_weight_group)")
         own = self.model.state_dict()
-        with BroadcastStream(*self._group) as stream:
+        with self._group.stream() as stream:
             stream.check({k: tuple(v.shape) for k, v in own.items()}, type(self.model).__name__, min_version)
             self._unknown_weights = "a weight load failed part-way"
             for name, t in stream.tensors(self.dtype):

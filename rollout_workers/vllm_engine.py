@@ -97,10 +97,12 @@ class VLLMWeightLoader:
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
     ) -> None:
         """Join learner rank 0's weight group as group rank `first_rank` + this worker's rank."""
-        from rollout_workers.weight_receiver import open_group
+        from rollout_workers.weight_receiver import WeightGroupMember
 
+        if getattr(self, "rayppo_group", None) is not None:
+            self.rayppo_group.close()
         rank = first_rank + self.rank  # type: ignore[attr-defined]
-        self.rayppo_group = (open_group(host, port, rank, world_size, timeout_s, backend), timeout_s)
+        self.rayppo_group = WeightGroupMember(host, port, rank, world_size, timeout_s, backend)
 
     def rayppo_receive_weights(
         self, expected: dict[str, tuple[int, ...]], tied: list[list[str]], min_version: int, dtype: str
@@ -108,12 +110,12 @@ class VLLMWeightLoader:
         """Receive the next broadcast bundle and load it bucket by bucket through `reload_weights` (each
         tensor-parallel rank takes its shard of the full tensors). {'refused': why} when the header
         does not fit (nothing loaded); else the version, the digest of what arrived and the count."""
-        from rollout_workers.weight_receiver import BroadcastStream, WeightGroupError
+        from rollout_workers.weight_receiver import WeightGroupError
         from rollout_workers.weights import torch_dtype
 
         loading = False
         try:
-            with BroadcastStream(*self.rayppo_group) as stream:
+            with self.rayppo_group.stream() as stream:
                 try:
                     stream.check(expected, "the vLLM engine's model", min_version)
                 except (KeyError, ValueError) as err:

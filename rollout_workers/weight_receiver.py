@@ -15,6 +15,8 @@ unusable and is formed again. The digest of what arrived (`digest`) is the bundl
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -52,16 +54,65 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+class WeightGroupMember:
+    """This process's place in learner rank 0's weight group; `stream()` reads the next bundle.
+
+    A failed broadcast closes the membership at once (abort, last references dropped): members
+    downstream of this one in the collective's tree then fail at once too instead of waiting out
+    their timeout, and the group must be joined again."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._group: dist.ProcessGroup | None = open_group(host, port, rank, world_size, timeout_s, backend)
+        self.device = group_device(self._group)
+
+    def stream(self) -> BroadcastStream:
+        if self._group is None:
+            raise WeightGroupError("this weight group failed earlier: it must be joined again")
+        return BroadcastStream(self)
+
+    def receive(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
+        """Fill `buffer` (moved to the group's device) from group rank 0's broadcast."""
+        buffer = buffer.to(self.device)
+        failure = _broadcast_or_failure(self._group, buffer, self.timeout_s)
+        if failure is not None:  # outside the except block: no traceback keeps the group alive
+            self.close()
+            raise WeightGroupError(f"weight broadcast ({what}) failed: {failure}")
+        return buffer
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(RuntimeError):
+                group.abort()
+            del group
+            gc.collect()
+
+
+def _broadcast_or_failure(
+    group: dist.ProcessGroup | None, buffer: torch.Tensor, timeout_s: float
+) -> str | None:
+    """Run one broadcast into `buffer`; None when it completed, else why not."""
+    if group is None:
+        return "the group was closed"
+    try:
+        if not group.broadcast([buffer], dist.BroadcastOptions()).wait(timedelta(seconds=timeout_s)):
+            return f"not done within {timeout_s:.0f}s"
+    except RuntimeError as err:  # gloo/NCCL: the sender or a peer closed, or the wait timed out
+        return str(err).splitlines()[0][:300]
+    return None
+
+
 class BroadcastStream:
     """One bundle as it arrives: `version` and `shapes` from the header, then `tensors()`."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self._group, self._timeout = group, timeout_s
-        self._device = group_device(group)
-        length = self._receive(torch.zeros(1, dtype=torch.int64), "header")
-        header = json.loads(
-            bytes(self._receive(torch.empty(int(length.item()), dtype=torch.uint8), "header").cpu())
-        )
+    def __init__(self, member: WeightGroupMember) -> None:
+        self._member = member
+        length = member.receive(torch.zeros(1, dtype=torch.int64), "header")
+        raw = member.receive(torch.empty(int(length.item()), dtype=torch.uint8), "header")
+        header = json.loads(bytes(raw.cpu()))
         self.version: int = int(header["version"])
         self._sizes: list[int] = header["sizes"]
         self._entries: list[dict] = header["entries"]
@@ -73,23 +124,9 @@ class BroadcastStream:
         self._samples: dict[str, tuple[tuple[int, ...], bytes]] = {}
         self.received_bytes = 0
 
-    def _receive(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
-        buffer = buffer.to(self._device)
-        try:
-            work = self._group.broadcast([buffer], dist.BroadcastOptions())
-            if not work.wait(timedelta(seconds=self._timeout)):
-                raise WeightGroupError(f"weight broadcast ({what}) not done within {self._timeout:.0f}s")
-        except WeightGroupError:
-            raise
-        except RuntimeError as err:  # gloo/NCCL: the sender or a peer closed, or the wait timed out
-            raise WeightGroupError(
-                f"weight broadcast ({what}) failed: {str(err).splitlines()[0][:300]}"
-            ) from err
-        return buffer
-
     def _bucket(self) -> torch.Tensor:
         k = self._next
-        bucket = self._receive(
+        bucket = self._member.receive(
             torch.empty(self._sizes[k], dtype=torch.uint8), f"bucket {k + 1} of {len(self._sizes)}"
         )
         self._next += 1

@@ -153,6 +153,61 @@ def test_collective_broadcast_in_buckets_reaches_every_worker_and_regroups(
 
 
 @pytest.mark.slow
+def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_silent_one(
+    ray_local, learner_rank, tiny_policy_dir
+):
+    """A receiver that dies after the first of many buckets: the broadcast fails at once (its
+    connection closes), the group forms again without it, the others get the version, and it is
+    reported lost for the caller to replace. A receiver that stops answering mid-broadcast: the push
+    fails within the timeout naming it, instead of hanging (the failure mode of raw NCCL broadcasts)."""
+    import time
+
+    def _die_after_first_bucket(worker, stop: bool = False) -> None:  # here: Ray ships it by value
+        """Run inside a rollout worker's process: from now on it dies (or, with `stop`, stops answering
+        forever) right after receiving the first bucket of a broadcast: a peer lost mid-broadcast."""
+        import os
+
+        from rollout_workers import weight_receiver
+
+        original = weight_receiver.BroadcastStream._bucket
+
+        def bucket(stream):
+            if stream._next == 1:
+                if stop:
+                    time.sleep(3600)
+                os._exit(1)
+            return original(stream)
+
+        weight_receiver.BroadcastStream._bucket = bucket
+
+    ray, rank = ray_local, learner_rank
+    workers = [_worker(ray, tiny_policy_dir) for _ in range(3)]
+    names = ["w0", "w1", "w2"]
+    sync = CollectiveWeightSync(bucket_mb=0.01)  # ~10 kB buckets: dozens per push
+    try:
+        sync.push([rank], workers, names, 1, "float32", 120)
+        ray.get(workers[1].__ray_call__.remote(_die_after_first_bucket), timeout=60)
+        result, _ = sync.push([rank], workers, names, 2, "float32", 120)
+        assert result.lost == [1] and result.version == 2
+        assert ray.get([workers[0].version.remote(), workers[2].version.remote()], timeout=60) == [2, 2]
+
+        ray.get(workers[2].__ray_call__.remote(lambda w: _die_after_first_bucket(w, stop=True)), timeout=60)
+        t0 = time.monotonic()
+        with pytest.raises(
+            WeightSyncError, match=r"broadcast of v3 was not done within the timeout.*'w2'.* did not answer"
+        ):
+            sync.push([rank], [workers[0], workers[2]], ["w0", "w2"], 3, "float32", 15)
+        assert time.monotonic() - t0 < 120  # bounded by the timeout (15 s), not by the silent peer
+        ray.kill(workers[2])
+        # learner rank 0's own broadcast times out too and it leaves the group: the next push regroups
+        result, _ = sync.push([rank], [workers[0]], ["w0"], 4, "float32", 120)
+        assert result.lost == [] and ray.get(workers[0].version.remote(), timeout=60) == 4
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+@pytest.mark.slow
 def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
     ray_local, demo_assets, tmp_path
 ):
