@@ -8,12 +8,14 @@ They share the rank's devices and take turns, as the synchronous pipeline does a
 score, (rollout engine sleeps), train, (engine wakes), new weights. verl's hybrid engine and
 OpenRLHF's `--colocate_all_models` make the same trade.
 
-The roles stay the plain classes of their packages, built here as they are in their own actors.
+The roles are the classes the separate placement runs as actors (`cluster.role_actors`: each role's
+plain class with the adapters that keep samples out of the driver), built here as they are there.
 The host only runs each call with that role's torch thread count (one process has one thread
 setting; as the roles take turns, each may use the learner rank's threads), and moves a new version from the learner to its own worker in memory (`push_local`):
 no bundle passes through the object store unless a worker on another host needs it. The driver
 reaches every role through a `RoleView`, which the pools, the rollout collector and the weight
-push use exactly as an actor handle (`view.generate.remote(...)`).
+push use exactly as an actor handle (`view.generate_chunk.remote(...)`, two references back as from
+the actor: the driver reads the facts, the other roles read the samples).
 
 This module imports no role: the host imports them in its own process, so the driver never
 imports torch, transformers or DeepSpeed for them.
@@ -61,10 +63,12 @@ class ColocatedHost:
         t0 = time.perf_counter()
         import torch
 
-        from learner.rank import LearnerRank
-        from reward_service.reference import ReferencePolicy
-        from reward_service.scorer import RewardScorer
-        from rollout_workers.worker import RolloutWorker
+        from .role_actors import (
+            StreamingLearnerRank,
+            StreamingReference,
+            StreamingRolloutWorker,
+            StreamingScorer,
+        )
 
         self.timings = {"import_s": time.perf_counter() - t0}
         self._torch = torch
@@ -84,12 +88,12 @@ class ColocatedHost:
             "reward": lc.torch_threads,
         }
         builders = {
-            "learner": lambda: LearnerRank(
+            "learner": lambda: StreamingLearnerRank(
                 rank, lc.num_ranks, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id, temperature
             ),
-            "rollout": lambda: RolloutWorker(cfg.model.policy_path, worker_config, rank, 0),
-            "reference": lambda: ReferencePolicy(cfg.reference_path, cfg.reference, temperature),
-            "reward": lambda: RewardScorer(cfg.reward, cfg.tokenizer_path),
+            "rollout": lambda: StreamingRolloutWorker(cfg.model.policy_path, worker_config, rank, 0),
+            "reference": lambda: StreamingReference(cfg.reference_path, cfg.reference, temperature),
+            "reward": lambda: StreamingScorer(cfg.reward, cfg.tokenizer_path),
         }
         self._builders = builders
         self.roles: dict[str, Any] = {}
@@ -157,6 +161,12 @@ class ColocatedHost:
         return self.call("rollout", "wake_up") if "rollout" in self.roles else None
 
 
+# The roles' methods that return two objects (`@ray.method(num_returns=2)` in `cluster.role_actors`:
+# a payload and a small fact about it, so the driver can read the fact alone). Named here because
+# the driver never imports the roles' module; tests/test_colocated.py checks the two agree.
+TWO_RETURNS = frozenset({"generate_chunk", "sample_logprobs", "export_split"})
+
+
 @dataclass(frozen=True)
 class _Method:
     host: Any
@@ -164,7 +174,8 @@ class _Method:
     name: str
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.host.call.remote(self.role, self.name, *args, **kwargs)
+        call = self.host.call.options(num_returns=2) if self.name in TWO_RETURNS else self.host.call
+        return call.remote(self.role, self.name, *args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,16 @@ import yaml
 
 from .actors import Roles, launch_colocated, start_roles, stop_roles
 from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
+from .chunks import Parts, RolloutBatch
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
-from .groups import shard_batch
+from .groups import shard_parts
 from .metrics import MetricsWriter, StepMetrics, truncate_metrics
 from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
-from .rollout import RolloutBatch, RolloutCollector
+from .rollout import RolloutCollector
 from .run_folder import check_ranks_see_run_folder
 from .startup import StartupClock
 from .stopping import StopRequest
@@ -263,22 +264,39 @@ class Trainer(HeldOutEval, StepMetrics):
         self.sync_replacements = len(result.lost)
         return result.seconds
 
+    def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
+        """Start a learner step on `parts` (both pipelines): each rank gets its shard as object
+        references with (position, score, group) triples and assembles its trajectories itself
+        (`train_parts`), so no sample passes through the driver. Returns per rank (its name, the
+        call's reference, the chunk of each of its parts)."""
+        shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)
+        return [
+            (f"learner-rank-{i}", rank.train_parts.remote(args), chunks)
+            for i, (rank, (args, chunks)) in enumerate(zip(self.roles.ranks, shards, strict=True))
+        ]
+
     def learn(self, batch: RolloutBatch) -> dict[str, float]:
-        ranks = self.roles.ranks
+        """Train every rank on `batch`. An input lost with its node (the ranks agree on it before
+        their first collective, so none trained) is generated and scored again, same seeds, and the
+        step retried, as the async pipeline does; that time counts as training time."""
         # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
         # so it runs first); a no-op unless rollout.sleep_level > 0
         sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
-        trajs = batch.trajectories
-        groups = shard_batch(  # groups stay whole
-            [t.group for t in trajs],
-            [len(t.prompt_ids) + len(t.response_ids) for t in trajs],
-            len(ranks),
-            self.cfg.learner.balance_ranks,
-        )
-        shards = [[batch.trajectories[k] for k in idx] for idx in groups]
-        refs = [r.train_step.remote(shard) for r, shard in zip(ranks, shards, strict=True)]
-        names = {ref: f"learner-rank-{i}" for i, ref in enumerate(refs)}
-        pending, results = list(refs), {}
+        while True:
+            calls = self.train_calls(batch.parts)
+            results = self._rank_results({ref: name for name, ref, _chunks in calls})
+            lost = {chunks[k].index for _n, ref, chunks in calls for k in results[ref].get("lost_parts", ())}
+            if not lost:
+                break
+            self.collector.regather(batch, lost)
+        # done before the steps (same actors): raises if an engine failed to sleep
+        ray.get(sleeps, timeout=self.cfg.timeouts.train_s)
+        return results[calls[0][1]]
+
+    def _rank_results(self, names: dict[Any, str]) -> dict[Any, dict]:
+        """The value of each rank's call (`names`: reference -> rank name) within timeouts.train_s;
+        a rank that fails, dies or runs late stops the run."""
+        pending, results = list(names), {}
         deadline = time.monotonic() + self.cfg.timeouts.train_s
         resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
         while pending:
@@ -293,9 +311,7 @@ class Trainer(HeldOutEval, StepMetrics):
                 raise LearnerStepError(f"{names[ready[0]]} died during step {self.step + 1}{resume}") from err
             except ray.exceptions.RayTaskError as err:
                 raise LearnerStepError(f"{names[ready[0]]} failed: {err.cause!r}{resume}") from err
-        # done before the steps (same actors): raises if an engine failed to sleep
-        ray.get(sleeps, timeout=self.cfg.timeouts.train_s)
-        return results[refs[0]]
+        return results
 
     def iteration(self) -> dict[str, float]:
         cfg = self.cfg
@@ -304,14 +320,15 @@ class Trainer(HeldOutEval, StepMetrics):
         scaling = self.apply_scaling()
         prompts = self.stream.next_batch(cfg.data.prompts_per_step)
         batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-        self.check_reward_failures(step, batch.reward_errors, len(batch.samples) + batch.dropped)
+        self.check_reward_failures(step, batch.reward_errors, batch.total)
         t1 = time.perf_counter()
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights(step)
         self.step = step
-        self.samples_seen += len(batch.samples)
-        self.trained_prompts.update({s.prompt_index for s in batch.samples})
+        kept = batch.kept
+        self.samples_seen += len(kept)
+        self.trained_prompts.update({chunk.facts[j][0] for chunk, j in kept})
         wall = time.perf_counter() - t0
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))

@@ -4,6 +4,8 @@ Evaluation goes through the rollout path of training (the same workers, `generat
 scorers) with its own sampling (n = eval.samples_per_prompt; greedy or the rollouts' temperature) and
 no reference pass; its samples never reach the learner. Every evaluation of a run uses the same
 chunk seeds, so the before/after comparison draws with the same random numbers (common random numbers).
+The metrics come from the chunks' facts and scores; only the few samples printed before and after
+training are fetched to the driver.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import ray
 
 from rollout_workers.config import SamplingConfig
 
+from .chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from .config import RunConfig
 from .data import Prompt, read_prompts, tokenize_prompts
-from .rollout import RolloutBatch, RolloutCollector, chunk_seed
-from .stream_buffer import StreamChunk
+from .rollout import RolloutCollector
 from .summary import reward_to_prob
 
 # The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.
@@ -42,14 +45,20 @@ def eval_sampling(cfg: RunConfig) -> SamplingConfig:
     return cfg.rollout.sampling.model_copy(update=update)
 
 
-def eval_metrics(cfg: RunConfig, scores: np.ndarray, lengths: np.ndarray, versions: list[int]) -> dict:
+def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
     """eval/reward_mean and eval/response_length; eval/accuracy for rule rewards (reward >= eval.correct_at);
-    eval/reward_prob_mean for classifier rewards; eval/policy_version: the oldest weights that answered."""
+    eval/reward_prob_mean for classifier rewards; eval/policy_version: the oldest weights that answered;
+    eval/reward_failures: samples whose reward failed (not counted in the others)."""
+    scored = kept(parts)
+    scores = np.array([float(c.scores.scores[j]) for c, j in scored])
+    lengths = np.array([c.facts[j][2] for c, j in scored])
+    versions = [c.facts[j][1] for c, j in scored]
     m = {
         "eval/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
         "eval/response_length": float(lengths.mean()) if len(lengths) else float("nan"),
         "eval/samples": float(len(scores)),
         "eval/policy_version": float(min(versions)) if versions else float("nan"),
+        "eval/reward_failures": float(sum(len(pos) for _c, pos in parts) - len(scored)),
     }
     if cfg.reward.kind == "rule":
         m["eval/accuracy"] = float(np.mean(scores >= cfg.eval.correct_at)) if len(scores) else float("nan")
@@ -73,9 +82,7 @@ def evaluate(
         sampling=sampling or eval_sampling(cfg),
         reference=False,
     )
-    lengths = np.array([len(s.response_ids) for s in batch.samples])
-    m = eval_metrics(cfg, batch.scores, lengths, [s.policy_version for s in batch.samples])
-    m["eval/reward_failures"] = float(batch.dropped)
+    m = eval_metrics(cfg, batch.parts)
     m["time/eval"] = time.perf_counter() - t0
     return m, batch
 
@@ -88,7 +95,7 @@ class EvalRound:
         self.step, self.cfg, self.t0, self.done = step, cfg, time.perf_counter(), 0
         size, sampling = cfg.rollout.chunk_size, eval_sampling(cfg)
         self.chunks = [
-            StreamChunk(
+            Chunk(
                 -1 - ci,
                 prompts[s : s + size],
                 chunk_seed(cfg.run.seed, EVAL_SEED_STEP, ci),
@@ -98,18 +105,14 @@ class EvalRound:
             for ci, s in enumerate(range(0, len(prompts), size))
         ]
 
-    def scored(self, chunk: StreamChunk) -> dict[str, float] | None:
+    def scored(self, chunk: Chunk) -> dict[str, float] | None:
         """Count a scored chunk of this round; the round's metrics when it was the last one."""
         if all(c is not chunk for c in self.chunks):
             return None  # a chunk of an abandoned round
         self.done += 1
         if self.done < len(self.chunks):
             return None
-        kept = [(c, j) for c in self.chunks for j in range(len(c.facts)) if c.scores.ok[j]]
-        scores = np.array([float(c.scores.scores[j]) for c, j in kept])
-        lengths = np.array([c.facts[j][2] for c, j in kept])
-        m = eval_metrics(self.cfg, scores, lengths, [c.facts[j][1] for c, j in kept])
-        m["eval/reward_failures"] = float(sum(len(c.facts) for c in self.chunks) - len(kept))
+        m = eval_metrics(self.cfg, every_sample(self.chunks))
         m["eval/requested_at_step"] = float(self.step)
         m["time/eval"] = time.perf_counter() - self.t0
         return m
@@ -121,14 +124,21 @@ def print_eval(title: str, metrics: dict | None, batch: RolloutBatch, tokenizer,
     print(f"\n--- {title} ---", flush=True)
     if metrics is not None:
         print(headline(metrics), flush=True)
-    probs = reward_to_prob(batch.scores, cfg.reward.kind, cfg.reward.score)
-    firsts = [i for i, s in enumerate(batch.samples) if s.sample_index == 0][: cfg.run.sample_log_count]
+    scored, scores = batch.kept, batch.scores
+    probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
+    # each prompt's first sample (a prompt's samples are consecutive in its chunk), when it was scored
+    firsts = [i for i, (c, j) in enumerate(scored) if j == 0 or c.facts[j - 1][0] != c.facts[j][0]]
+    firsts = firsts[: cfg.run.sample_log_count]
+    # only the chunks printed from come to the driver
+    chunks = list({id(scored[i][0]): scored[i][0] for i in firsts}.values())
+    samples = dict(zip(map(id, chunks), ray.get([c.samples_ref for c in chunks]), strict=True))
     for i in firsts:
-        s = batch.samples[i]
+        chunk, j = scored[i]
+        s = samples[id(chunk)][j]
         prompt = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
         response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
         extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""
-        print(f"[reward {batch.scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
+        print(f"[reward {scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
 
 
 def headline(m: dict) -> str:

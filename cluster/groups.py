@@ -9,7 +9,9 @@ is a boundary and the shards are exactly `numpy.array_split`'s.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +79,36 @@ def shard_batch(groups: Sequence[int], tokens: Sequence[int], num_shards: int, h
     if how == "count":
         return shard_by_group(groups, num_shards)
     raise ValueError(f"learner.balance_ranks={how!r}; allowed: 'tokens', 'count'")
+
+
+def shard_parts(
+    parts: Sequence[tuple[Any, Sequence[int]]], num_shards: int, how: str
+) -> list[tuple[list, list]]:
+    """A learner batch split over `num_shards` ranks as each rank's `train_parts` argument.
+
+    `parts` is the batch as both pipelines hand it over: (chunk, sample positions) in chunk order,
+    the chunks as `cluster.rollout.Chunk` (facts, scores, prompts and the two object references).
+    Samples whose reward failed are left out; groups (a prompt's run of samples in one chunk) stay
+    whole and shards balance tokens (`shard_batch`). Consecutive samples of one chunk travel as one
+    part: (samples ref, reference-logprobs ref, [(position, score, group id), ...]). Returns per rank
+    (its parts, the chunk of each part: a rank names a lost input by its part's position)."""
+    items = [(chunk, j) for chunk, pos in parts for j in pos if chunk.scores.ok[j]]
+    group = group_runs([(chunk.index, chunk.facts[j][0]) for chunk, j in items])
+    prompt_len = {(c.index, p.index): len(p.ids) for c, _ in parts for p in c.prompts}
+    tokens = [prompt_len[chunk.index, chunk.facts[j][0]] + chunk.facts[j][2] for chunk, j in items]
+    out = []
+    for shard in shard_batch(group, tokens, num_shards, how):
+        runs = [
+            (chunk, list(run))
+            for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
+        ]
+        args = [
+            (
+                chunk.samples_ref,
+                chunk.ref_logprobs_ref,
+                [(j, float(chunk.scores.scores[j]), group[k]) for k, (_, j) in run],
+            )
+            for chunk, run in runs
+        ]
+        out.append((args, [chunk for chunk, _run in runs]))
+    return out

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .chunks import Parts, RolloutBatch, kept
 from .summary import reward_to_prob
-
-if TYPE_CHECKING:
-    from .rollout import RolloutBatch
 
 
 class MetricsWriter:
@@ -67,10 +65,14 @@ class StepMetrics:
     """The metrics of a trained step, the same in both pipelines (a mixin of
     `cluster.controller.Trainer`, which provides cfg, data_stats, version and roles)."""
 
-    def sample_metrics(
-        self, scores: np.ndarray, lengths: np.ndarray, finish: list[str], failures: int, wall: float
-    ) -> dict[str, float]:
-        """The metrics of a step's trained samples and of the data, the same in both modes."""
+    def sample_metrics(self, parts: Parts, wall: float) -> dict[str, float]:
+        """The metrics of a step's samples (`parts`, as the learner took them) and of the data, the
+        same in both modes: from the chunks' facts and scores, never the samples themselves."""
+        trained = kept(parts)
+        scores = np.array([float(c.scores.scores[j]) for c, j in trained])
+        lengths = np.array([c.facts[j][2] for c, j in trained])
+        finish = [c.facts[j][3] for c, j in trained]
+        failures = sum(len(pos) for _c, pos in parts) - len(trained)
         stats = self.data_stats
         m = {
             "rollout/reward_mean": float(scores.mean()),
@@ -93,11 +95,9 @@ class StepMetrics:
     def step_metrics(
         self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
     ) -> dict:
-        lengths = np.array([len(s.response_ids) for s in batch.samples])
-        finish = [s.finish_reason for s in batch.samples]
-        staleness = [self.version - 1 - s.policy_version for s in batch.samples]
+        staleness = [self.version - 1 - c.facts[j][1] for c, j in batch.kept]
         return {
-            **self.sample_metrics(batch.scores, lengths, finish, batch.dropped, wall),
+            **self.sample_metrics(batch.parts, wall),
             "rollout/queue_depth": float(batch.queue_depth),
             "rollout/staleness_mean": float(np.mean(staleness)),
             **learner,
@@ -110,4 +110,5 @@ class StepMetrics:
             "scale/rollout_workers": float(len(self.roles.workers)),
             "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
             "faults/redispatched_chunks": float(batch.redispatched),
+            "faults/lost_chunks": float(batch.lost),
         }

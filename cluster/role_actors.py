@@ -1,11 +1,10 @@
-"""The Ray actor classes of the separate placement: each role's plain class with the streaming
-adapters of cluster/ added.
+"""The role classes the cluster runs: each role's plain class with the streaming adapters of
+cluster/ added (the Ray actor classes of the separate placement; a colocated host builds them too).
 
-In async mode samples travel between actors as object references, never through the driver: a
+In both pipelines samples travel between actors as object references, never through the driver: a
 worker returns (small per-sample facts, samples) as two objects, and the reference, the scorer and
 the learner read the samples object themselves. The roles keep their own interfaces; converting one
-role's records into the next one's input is cluster/'s job, so it lives in these thin subclasses
-(the Ray actor classes of every mode). This module imports torch, transformers and DeepSpeed (the
+role's records into the next one's input is cluster/'s job, so it lives in these thin subclasses. This module imports torch, transformers and DeepSpeed (the
 roles' own modules): `cluster.actors` imports it only when it starts actors, so a driver that
 starts none of them (the colocated placement) never pays for those imports.
 """

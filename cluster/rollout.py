@@ -4,27 +4,26 @@ Scoring (reference logprobs and reward) of finished chunks overlaps the generati
 Every call has a deadline. A worker, reference or scorer that dies or is stuck past its timeout
 is replaced and its chunk handed out again with the same seed, so each prompt is trained on
 exactly once per epoch. A sample whose reward failed is dropped and counted, never scored 0.
+
+Samples never pass through the driver, in either pipeline: a worker returns (small facts per
+sample, the samples) as two objects and the driver reads only the facts; the reference and the
+scorer read the samples object themselves, the reference returns (count, logprobs) and the driver
+waits on the count; the learner ranks assemble their trajectories from the references
+(`StreamingLearnerRank.train_parts`). The driver holds facts and scores, never a token.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 
-from learner.trajectory import Trajectory
-from rollout_workers.types import Sample
-
-from .actors import to_trajectory
 from .calls import Call, CallTracker
+from .chunks import Chunk, RolloutBatch, chunk_seed
 from .data import Prompt
-from .groups import group_runs
 from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 
 
@@ -34,47 +33,6 @@ class RolloutError(RuntimeError):
 
 class RolloutTimeout(RolloutError, TimeoutError):
     """A chunk kept timing out after its replacements."""
-
-
-@dataclass
-class RolloutBatch:
-    samples: list[Sample]
-    trajectories: list[Trajectory]
-    scores: np.ndarray  # of kept samples
-    dropped: int = 0
-    reward_errors: list[str] = field(default_factory=list)
-    time_generate: float = 0.0
-    time_score: float = 0.0
-    queue_depth: int = 0  # most chunks generated and waiting for their scores at once
-    replacements: int = 0
-    redispatched: int = 0
-    lost: int = 0  # chunks generated again because their samples' object was lost with its node
-    events: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Chunk:
-    index: int
-    prompts: list[Prompt]
-    seed: int
-    samples: list[Sample] | None = None
-    ref_logprobs: list[np.ndarray] | None = None
-    scores: Any = None
-    # failures per kind of work ("generate", "reference", "reward", "lost"): a chunk that keeps
-    # failing one kind of work is given up; faults of different roles do not add up
-    attempts: collections.Counter = field(default_factory=collections.Counter)
-    sampling: Any = None  # a SamplingConfig overriding the workers' own (evaluation)
-    round: int = 0  # bumped when the samples are lost: results of an older round are ignored
-
-    def lost(self) -> None:
-        """The samples are gone: forget every result and start a new round."""
-        self.samples = self.ref_logprobs = self.scores = None
-        self.round += 1
-
-
-def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
-    """Sampling seed that depends only on (run, step, chunk), not on which worker runs it."""
-    return int(np.random.SeedSequence([run_seed, step, chunk]).generate_state(1)[0])
 
 
 # A prepare hook: for a freshly started member of a pool, the calls that must run before its first
@@ -109,28 +67,49 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------ submission
 
-    def _member(self, kind: str, index: int | None) -> Member:
+    def pick(self, kind: str) -> Member:
+        """The member of `kind`'s pool that gets the next piece of work (round-robin)."""
         pool = self.pools[kind]
-        return pool.members[pool.next() if index is None else index]
+        return pool.members[pool.next()]
 
-    def submit(self, tracker: CallTracker, kind: str, chunk: _Chunk, member: Member | None = None) -> Call:
-        """Send `kind` work for `chunk` to `member` (round-robin when None) and track it."""
-        member = member or self._member(kind, None)
+    def submit(self, tracker: CallTracker, kind: str, chunk: Chunk, member: Member | None = None) -> Call:
+        """Send `kind` work for `chunk` to `member` (`pick`'s when None) and track it.
+
+        Tracked is the small value the driver reads: the facts (generate), the count (reference),
+        the scores (reward). Kept with the call are the payload's references, which only actors read:
+        the samples (generate) and the reference logprobs."""
+        member = member or self.pick(kind)
         h = member.handle
         if kind == "generate":
             extra = () if chunk.sampling is None else (chunk.sampling,)
-            ref = h.generate.remote(
+            ref, samples = h.generate_chunk.remote(
                 [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
             )
+            keep = {"samples": samples}
+        elif kind == "reference":
+            ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
+            keep = {"logprobs": logprobs}
         else:
-            p_ids = [s.prompt_ids for s in chunk.samples]
-            r_ids = [s.response_ids for s in chunk.samples]
-            if kind == "reference":
-                ref = h.logprobs.remote(p_ids, r_ids)
-            else:
-                by_index = {p.index: p.meta for p in chunk.prompts}
-                ref = h.score.remote(p_ids, r_ids, [by_index[s.prompt_index] for s in chunk.samples])
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round)
+            ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
+            keep = {}
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round, **keep)
+
+    def record(self, tracker: CallTracker, call: Call, stats: Any) -> Chunk | None:
+        """Settle a finished call and file its result on its chunk: the facts and the samples'
+        reference (generate), the reference logprobs' reference, or the scores. Returns the chunk, or
+        None when there is nothing to file (a start or prepare call, a failed call handed out again,
+        a result of a round whose samples were lost)."""
+        ok, value = self.settle(tracker, call, stats)
+        if not ok or call.kind not in self.pools or not self.current(call):
+            return None
+        chunk = call.payload
+        if call.kind == "generate":
+            chunk.facts, chunk.samples_ref = value, call.extra["samples"]
+        elif call.kind == "reference":
+            chunk.ref_logprobs_ref = call.extra["logprobs"]
+        else:
+            chunk.scores = value
+        return chunk
 
     @staticmethod
     def current(call: Call) -> bool:
@@ -138,7 +117,7 @@ class RolloutCollector:
         return call.extra.get("round", 0) == call.payload.round
 
     def resubmit(self, tracker: CallTracker, call: Call, member: Member | None) -> bool:
-        """Hand `call`'s work out again (same chunk, same seed) to `member` or the next in line;
+        """Hand `call`'s work out again (same chunk, same seed) to `member` or `pick`'s;
         False for work of a round whose samples were lost (that chunk is being generated again)."""
         if not self.current(call):
             return False
@@ -149,16 +128,20 @@ class RolloutCollector:
         """A call's input samples (scoring) or its own result (generate) were lost with the node that
         held the only copy: generate the chunk again, same seed, and ignore whatever its old round
         still returns."""
-        chunk = call.payload
         if not self.current(call):
             return  # another call of that round already started the new one
+        self.lose(call.payload, stats)
+        self.submit(tracker, "generate", call.payload)
+
+    def lose(self, chunk: Chunk, stats: Any, what: str = "samples") -> None:
+        """Count a loss of `chunk`'s objects (`what`) and forget its results, so it is generated again;
+        a chunk lost max_attempts times is given up."""
         chunk.attempts["lost"] += 1
         if chunk.attempts["lost"] >= self.max_attempts:
-            raise RolloutError(f"the samples of chunk {chunk.index} were lost {chunk.attempts['lost']} times")
+            raise RolloutError(f"the {what} of chunk {chunk.index} were lost {chunk.attempts['lost']} times")
         chunk.lost()
         stats.lost += 1
-        stats.events.append(f"chunk {chunk.index}: samples lost with their node; generating it again")
-        self.submit(tracker, "generate", chunk)
+        stats.events.append(f"chunk {chunk.index}: {what} lost with their node; generating it again")
 
     # ------------------------------------------------------------------ faults
 
@@ -265,15 +248,33 @@ class RolloutCollector:
         reference: bool = True,
     ) -> RolloutBatch:
         """Generate and score `prompts`. `sampling` overrides the workers' sampling; without `reference`
-        no reference logprobs are computed and the batch holds no trajectories (evaluation)."""
+        no reference logprobs are computed and the batch cannot be trained on (evaluation)."""
         t0 = time.perf_counter()
-        batch = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
         if self.one_chunk_per_worker:
             chunk_size = max(1, math.ceil(len(prompts) / len(self.pools["generate"])))
-        chunks = [
-            _Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
-            for ci, s in enumerate(range(0, len(prompts), chunk_size))
-        ]
+        batch = RolloutBatch(
+            [
+                Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
+                for ci, s in enumerate(range(0, len(prompts), chunk_size))
+            ]
+        )
+        batch.time_generate = self._gather(batch, batch.chunks, reference)
+        batch.time_score = time.perf_counter() - t0 - batch.time_generate
+        return batch
+
+    def regather(self, batch: RolloutBatch, lost: set[int]) -> None:
+        """The learner could not read the objects of the chunks `lost` (indices; their node died with
+        the only copy) and trained nothing: generate and score those chunks again with the same seeds
+        (on the same weights, so the same samples where the engine is deterministic)."""
+        chunks = [c for c in batch.chunks if c.index in lost]
+        for chunk in chunks:
+            self.lose(chunk, batch, "learner inputs")
+        self._gather(batch, chunks, reference=True)
+
+    def _gather(self, batch: RolloutBatch, chunks: list[Chunk], reference: bool) -> float:
+        """Generate `chunks`, scoring each as soon as it lands, until all are scored; faults are
+        counted on `batch`. Returns the seconds until the last chunk was generated."""
+        t0 = time.perf_counter()
         scoring = ("reference", "reward") if reference else ("reward",)
         tracker = CallTracker()
         for c in chunks:
@@ -285,49 +286,18 @@ class RolloutCollector:
                 self.expire(tracker, batch)
                 continue
             for call in done:
-                ok, value = self.settle(tracker, call, batch)
-                if not ok or call.kind not in self.pools or not self.current(call):
+                chunk = self.record(tracker, call, batch)
+                if chunk is None or call.kind != "generate":
                     continue
-                chunk = call.payload
-                if call.kind == "generate":
-                    chunk.samples = value
-                    for kind in scoring:
-                        self.submit(tracker, kind, chunk)
-                    waiting = sum(
-                        1
-                        for c in chunks
-                        if c.samples is not None
-                        and (c.scores is None or (reference and c.ref_logprobs is None))
-                    )
-                    batch.queue_depth = max(batch.queue_depth, waiting)
-                    if all(c.samples is not None for c in chunks) and t_gen is None:
-                        t_gen = time.perf_counter() - t0
-                elif call.kind == "reference":
-                    chunk.ref_logprobs = value
-                else:
-                    chunk.scores = value
-        batch.time_generate = t_gen or 0.0
-        batch.time_score = time.perf_counter() - t0 - batch.time_generate
-        self._assemble(chunks, batch)
-        return batch
-
-    @staticmethod
-    def _assemble(chunks: list[_Chunk], batch: RolloutBatch) -> None:
-        scores: list[float] = []
-        keys: list[tuple[int, int]] = []
-        for chunk in chunks:
-            sb = chunk.scores
-            for j, s in enumerate(chunk.samples):
-                if not sb.ok[j]:
-                    batch.dropped += 1
-                    batch.reward_errors.append(sb.errors[j] or "unknown reward error")
-                    continue
-                batch.samples.append(s)
-                scores.append(float(sb.scores[j]))
-                keys.append((chunk.index, s.prompt_index))
-                if chunk.ref_logprobs is not None:
-                    batch.trajectories.append(to_trajectory(s, chunk.ref_logprobs[j], sb.scores[j]))
-        if batch.trajectories:  # none in an evaluation (it skips the reference pass)
-            for t, g in zip(batch.trajectories, group_runs(keys), strict=True):
-                t.group = g
-        batch.scores = np.asarray(scores, dtype=np.float64)
+                for kind in scoring:
+                    self.submit(tracker, kind, chunk)
+                waiting = sum(
+                    1
+                    for c in chunks
+                    if c.facts is not None
+                    and (c.scores is None or (reference and c.ref_logprobs_ref is None))
+                )
+                batch.queue_depth = max(batch.queue_depth, waiting)
+                if t_gen is None and all(c.facts is not None for c in chunks):
+                    t_gen = time.perf_counter() - t0
+        return t_gen or 0.0

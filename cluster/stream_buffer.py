@@ -1,4 +1,5 @@
-"""The streaming data plane's bookkeeping: chunks, the admission rule, the trajectory buffer.
+"""The streaming data plane's bookkeeping: the admission rule and the trajectory buffer of chunks
+(`cluster.rollout.Chunk`, the record of a chunk in both pipelines).
 
 Pure Python, no Ray: the controller feeds it events and asks it what to do next, and the tests
 drive it directly.
@@ -18,49 +19,17 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
+from .chunks import Chunk, Parts, chunk_seed
 from .data import Prompt, PromptStream
-from .rollout import chunk_seed
-
-
-@dataclass(eq=False)
-class StreamChunk:
-    """Prompts handed to one worker in one generate call; `index` is the global chunk counter."""
-
-    index: int
-    prompts: list[Prompt]
-    seed: int
-    attempts: collections.Counter = field(default_factory=collections.Counter)  # failures per kind of work
-    # filled as the chunk moves through the pipeline
-    facts: list[tuple] | None = None  # per sample: (prompt index, version, length, finish reason)
-    samples_ref: Any = None
-    ref_logprobs_ref: Any = None
-    scores: Any = None  # ScoreBatch (small: fetched by the driver)
-    sampling: Any = None  # a SamplingConfig overriding the worker's own (evaluation chunks)
-    eval: bool = False  # a held-out evaluation chunk: scored by the reward only, never buffered or trained
-    round: int = 0  # bumped when the samples are lost: results of an older round are ignored
-
-    def lost(self) -> None:
-        """The samples are gone: forget every result and start a new round."""
-        self.facts = self.samples_ref = self.ref_logprobs_ref = self.scores = None
-        self.round += 1
-
-    @property
-    def version(self) -> int:
-        return min(f[1] for f in self.facts) if self.facts else -1
-
-    @property
-    def scored(self) -> bool:
-        return self.facts is not None and self.scores is not None and self.ref_logprobs_ref is not None
 
 
 @dataclass
 class Taken:
     """One learner batch: (chunk, sample positions) in chunk order, plus what was dropped on the way."""
 
-    parts: list[tuple[StreamChunk, list[int]]]
-    items: list[tuple[StreamChunk, Prompt, list[int]]]  # the buffer entries taken (give_back returns them)
+    parts: Parts
+    items: list[tuple[Chunk, Prompt, list[int]]]  # the buffer entries taken (give_back returns them)
     stale_samples: int = 0
     stale_prompts: int = 0
     staleness: list[int] = field(default_factory=list)  # per trained sample
@@ -80,8 +49,8 @@ class StreamBuffer:
         self.eta = max_staleness
         self.run_seed = run_seed
         self.requeued: collections.deque[Prompt] = collections.deque()
-        self.ready: collections.deque[tuple[StreamChunk, Prompt, list[int]]] = collections.deque()
-        self.inflight: dict[int, StreamChunk] = {}  # chunks not yet scored, by index
+        self.ready: collections.deque[tuple[Chunk, Prompt, list[int]]] = collections.deque()
+        self.inflight: dict[int, Chunk] = {}  # chunks not yet scored, by index
         self.admitted = 0  # prompts admitted since version 0 (minus those given back)
         self.chunks = 0  # global chunk counter (seeds)
         self.pulled = 0  # prompts taken from the stream (batch-aligned chunking)
@@ -92,7 +61,7 @@ class StreamBuffer:
         """Prompts that may still be admitted at learner version `version`."""
         return (self.eta + version + 1) * self.P - self.admitted
 
-    def next_chunk(self, version: int) -> StreamChunk | None:
+    def next_chunk(self, version: int) -> Chunk | None:
         """The next chunk to generate, or None when the admission rule says wait."""
         room = min(self.capacity(version), self.chunk_size)
         if room <= 0:
@@ -107,7 +76,7 @@ class StreamBuffer:
         per_step = math.ceil(self.P / self.chunk_size)
         g = self.chunks
         # Chunk g gets the seed sync mode gives the chunk at the same position of the same step.
-        chunk = StreamChunk(g, prompts, chunk_seed(self.run_seed, 1 + g // per_step, g % per_step))
+        chunk = Chunk(g, prompts, chunk_seed(self.run_seed, 1 + g // per_step, g % per_step))
         self.chunks += 1
         self.admitted += len(prompts)
         self.inflight[g] = chunk
@@ -115,7 +84,7 @@ class StreamBuffer:
 
     # ------------------------------------------------------------------ scored chunks
 
-    def add_scored(self, chunk: StreamChunk) -> None:
+    def add_scored(self, chunk: Chunk) -> None:
         """A chunk whose samples, reference logprobs and scores are all in: its prompts become ready.
 
         Idempotent: only a chunk still in flight is added (a late duplicate result of a re-dispatched
@@ -158,7 +127,7 @@ class StreamBuffer:
             )
         items = [self.ready.popleft() for _ in range(self.P)]
         items.sort(key=lambda it: (it[0].index, it[2][0] if it[2] else -1))  # chunk order, as sync mode
-        parts: list[tuple[StreamChunk, list[int]]] = []
+        parts: Parts = []
         for chunk, _prompt, positions in items:
             if parts and parts[-1][0] is chunk:
                 parts[-1][1].extend(positions)

@@ -15,7 +15,6 @@ One event loop on the driver moves small facts; samples travel between actors as
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,11 @@ import numpy as np
 import ray
 
 from .calls import Call, CallTracker
+from .chunks import Chunk, RolloutBatch, kept, reward_errors
 from .controller import LearnerStepError, Trainer
 from .evaluation import EvalRound
-from .groups import group_runs, shard_batch
-from .rollout import RolloutBatch, RolloutCollector
-from .stream_buffer import StreamBuffer, StreamChunk, Taken
+from .rollout import RolloutCollector
+from .stream_buffer import StreamBuffer, Taken
 from .weight_sync import bundle_facts, expected_fingerprint, load_into
 
 LEARNER_KINDS = ("train", "export")
@@ -41,34 +40,19 @@ def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Tr
 
 
 class StreamCollector(RolloutCollector):
-    """Submission for async mode: object refs between actors, least-loaded members, drained members."""
+    """Submission for async mode (the sync collector's, object refs between actors): least-loaded
+    members, drained members."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tracker = CallTracker()
         self.draining: set[str] = set()
 
-    def least_loaded(self, kind: str) -> Any:
+    def pick(self, kind: str) -> Any:
+        """The live member of `kind`'s pool with the fewest calls outstanding."""
         pool = self.pools[kind]
         live = [m for m in pool.members if m.name not in self.draining]
         return min(live, key=lambda m: self.tracker.pending(m.name))
-
-    def submit(self, tracker: CallTracker, kind: str, chunk: StreamChunk, member: Any = None) -> Call:
-        member = member or self.least_loaded(kind)
-        h = member.handle
-        if kind == "generate":  # tracked: the facts; kept: the samples' ref
-            extra = () if chunk.sampling is None else (chunk.sampling,)
-            ref, samples = h.generate_chunk.remote(
-                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
-            )
-            keep = {"samples": samples}
-        elif kind == "reference":  # tracked: the count; kept: the logprobs' ref
-            ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
-            keep = {"logprobs": logprobs}
-        else:
-            ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
-            keep = {}
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round, **keep)
 
 
 class AsyncTrainer(Trainer):
@@ -90,7 +74,7 @@ class AsyncTrainer(Trainer):
         self.worker_versions = {n: self.version for n in self.roles.workers.names}
         self.busy = {"generate": 0.0, "score": 0.0}
         self.t_last = time.perf_counter()
-        self.eval_queue: collections.deque[StreamChunk] = collections.deque()  # dispatched first
+        self.eval_queue: collections.deque[Chunk] = collections.deque()  # dispatched first
         self.eval_round: EvalRound | None = None
         self.eval_ready: dict[str, float] | None = None  # a finished round's metrics, for the next row
 
@@ -182,18 +166,12 @@ class AsyncTrainer(Trainer):
         now = time.monotonic()
         if call.started is not None and call.kind in c.pools:
             self.busy["generate" if call.kind == "generate" else "score"] += now - call.started
-        ok, value = c.settle(c.tracker, call, self._faults)
-        if not ok or call.kind not in c.pools or not c.current(call):
+        chunk = c.record(c.tracker, call, self._faults)
+        if chunk is None:
             return None
-        chunk: StreamChunk = call.payload
         if call.kind == "generate":
-            chunk.facts, chunk.samples_ref = value, call.extra["samples"]
             for kind in ("reward",) if chunk.eval else ("reference", "reward"):
                 c.submit(c.tracker, kind, chunk)
-        elif call.kind == "reference":
-            chunk.ref_logprobs_ref = call.extra["logprobs"]
-        else:
-            chunk.scores = value
         if chunk.eval:
             if chunk.scores is not None:
                 self._eval_chunk_scored(chunk)
@@ -211,7 +189,7 @@ class AsyncTrainer(Trainer):
             self.eval_round = EvalRound(step, self.eval_prompts, self.cfg)
             self.eval_queue.extend(self.eval_round.chunks)
 
-    def _eval_chunk_scored(self, chunk: StreamChunk) -> None:
+    def _eval_chunk_scored(self, chunk: Chunk) -> None:
         if self.eval_round is not None and (m := self.eval_round.scored(chunk)) is not None:
             self.eval_ready, self.eval_round = m, None
 
@@ -233,34 +211,12 @@ class AsyncTrainer(Trainer):
             raise LearnerStepError(f"{call.extra['name']} died during step {self.step + 1}{resume}") from err
 
     def _start_train(self, taken: Taken) -> list[Call]:
-        ranks = self.roles.ranks
-        items = [(chunk, j) for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]]
-        group = group_runs([(chunk.index, chunk.facts[j][0]) for chunk, j in items])
-        prompt_len = {(c.index, p.index): len(p.ids) for c, _ in taken.parts for p in c.prompts}
-        tokens = [prompt_len[chunk.index, chunk.facts[j][0]] + chunk.facts[j][2] for chunk, j in items]
-        # the samples of one prompt stay on one rank
-        shards = shard_batch(group, tokens, len(ranks), self.cfg.learner.balance_ranks)
-        calls = []
-        for i, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
-            # consecutive samples of one chunk travel as one (samples, ref logprobs) pair
-            runs = [
-                (chunk, list(run))
-                for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
-            ]
-            parts = [
-                (
-                    chunk.samples_ref,
-                    chunk.ref_logprobs_ref,
-                    [(j, float(chunk.scores.scores[j]), group[k]) for k, (_, j) in run],
-                )
-                for chunk, run in runs
-            ]
-            ref = rank.train_parts.remote(parts)
-            name = f"learner-rank-{i}"
-            add = self.collector.tracker.add
-            chunks = [chunk for chunk, _run in runs]  # per part: a rank names lost inputs by position
-            calls.append(add(name, ref, "train", self.cfg.timeouts.train_s, name=name, chunks=chunks))
-        return calls
+        """Every rank trains on its shard of `taken` (as in sync mode), tracked like any call."""
+        add, limit = self.collector.tracker.add, self.cfg.timeouts.train_s
+        return [
+            add(name, ref, "train", limit, name=name, chunks=chunks)
+            for name, ref, chunks in self.train_calls(taken.parts)
+        ]
 
     def _start_export(self) -> tuple[list[Call], Any]:
         """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
@@ -289,7 +245,7 @@ class AsyncTrainer(Trainer):
     def iteration(self) -> dict[str, float]:
         c = self.collector
         step = self.step + 1
-        self._faults = RolloutBatch(samples=[], trajectories=[], scores=np.zeros(0))
+        self._faults = RolloutBatch()
         scaling = self.apply_scaling()
         busy0 = dict(self.busy)
         learner = _LearnerStep(self, step)
@@ -318,8 +274,8 @@ class AsyncTrainer(Trainer):
         self.samples_seen += int(metrics["rollout/samples"])
         # One count per buffer entry trained (a prompt with at least one sample kept), so a prompt
         # that entered the buffer twice would show as trained twice.
-        kept = {chunk.facts[j][0] for chunk, pos in taken.parts for j in pos if chunk.scores.ok[j]}
-        self.trained_prompts.update(p.index for p in taken.prompts if p.index in kept)
+        trained = {chunk.facts[j][0] for chunk, j in kept(taken.parts)}
+        self.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
         metrics["scale/events"] = float(len(scaling))
         if self.eval_ready is not None:  # a held-out round that finished during this step
             metrics.update(self.eval_ready)
@@ -331,17 +287,12 @@ class AsyncTrainer(Trainer):
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
-        failed = [c.scores.errors[j] for c, pos in taken.parts for j in pos if not c.scores.ok[j]]
-        self.check_reward_failures(step, failed, total)
+        self.check_reward_failures(step, reward_errors(taken.parts), total)
 
     def _metrics(self, step: _LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
         taken, depth = step.taken, step.depth
         now = time.perf_counter()
         wall, self.t_last = now - self.t_last, now
-        kept = [(c, j) for c, pos in taken.parts for j in pos if c.scores.ok[j]]
-        scores = np.array([float(c.scores.scores[j]) for c, j in kept])
-        lengths = np.array([c.facts[j][2] for c, j in kept])
-        finish = [c.facts[j][3] for c, j in kept]
         staleness = np.array(taken.staleness)
         n_workers = max(len(self.roles.workers), 1)
         gen_busy = self.busy["generate"] - busy0["generate"]
@@ -350,7 +301,7 @@ class AsyncTrainer(Trainer):
         lags = [self.version - self.worker_versions.get(n, 0) for n in live]
         self._worker_lags = dict(zip(live, lags, strict=True))
         return {
-            **self.sample_metrics(scores, lengths, finish, len(staleness) - len(kept), wall),
+            **self.sample_metrics(taken.parts, wall),
             "rollout/queue_depth": float(depth),
             "rollout/staleness_mean": float(staleness.mean()),
             **step.metrics,

@@ -113,6 +113,29 @@ def test_colocated_config_errors_name_the_fields(demo_assets):
         load_config(CONFIG, [*demo_overrides(demo_assets, 1), "cluster.placement=shared"])
 
 
+def test_views_ask_for_two_returns_where_the_roles_return_two():
+    """A `RoleView` returns what the role's own actor would: two references for the methods that
+    return (facts, payload) (the driver reads the first only), one for every other method."""
+    import inspect
+
+    from cluster import role_actors
+    from cluster.colocated import TWO_RETURNS
+
+    classes = (
+        role_actors.StreamingRolloutWorker,
+        role_actors.StreamingReference,
+        role_actors.StreamingScorer,
+        role_actors.StreamingLearnerRank,
+    )
+    two = {
+        name
+        for cls in classes
+        for name, fn in inspect.getmembers(cls, inspect.isfunction)
+        if getattr(fn, "__ray_num_returns__", 1) == 2
+    }
+    assert two == TWO_RETURNS
+
+
 def test_the_driver_imports_no_framework():
     """The driver starts actors and moves records: torch, transformers and DeepSpeed load in the
     processes that compute (its tokenizer loads transformers later, while the actors start)."""

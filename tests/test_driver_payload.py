@@ -1,6 +1,6 @@
-"""No payload through the driver: weight bundles and (async) samples and reference logprobs go from
-the actor that made them to the actors that use them as object references; the driver reads only
-small facts (versions, fingerprints, counts, scores).
+"""No payload through the driver: weight bundles, samples and reference logprobs go from the actor
+that made them to the actors that use them as object references, in both pipelines; the driver reads
+only small facts (versions, fingerprints, counts, per-sample facts, scores).
 
 Tested the way it fails: the demo trains with a policy 50x the demo's (a 4-layer GPT-2 of width
 1024 built from the demo's config, random weights: a ~200 MB float32 bundle, far above Ray's
@@ -8,12 +8,18 @@ Tested the way it fails: the demo trains with a policy 50x the demo's (a 4-layer
 small (1 MB, against a 200 MB bundle), in both pipelines; and in async mode the driver's peak RSS
 over its resting RSS must not grow with the model (the demo's 1M-parameter policy against the
 50M one, in one test, within 100 MB: the issue's target; the bundle is twice that).
+
+Samples are small at the demo's size, so bytes cannot tell them from facts: what the driver gets is
+also inspected for sample records (a worker's `Sample`s) and per-sample arrays (the reference's
+logprobs, a list of arrays), which must never come; the per-sample facts must (the measurement sees
+the data plane). Sync mode is checked so in both placements, a held-out evaluation every step included.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -62,6 +68,43 @@ def big_policy(demo_assets, tmp_path_factory):
     return folder, sum(p.numel() for p in model.parameters()) * 4
 
 
+def _records(value, name: str) -> int:
+    """How many instances of the class `name` a value holds (nested containers and records)."""
+    if type(value).__name__ == name:
+        return 1
+    if isinstance(value, dict):
+        return sum(_records(v, name) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_records(v, name) for v in value)
+    if hasattr(value, "__dict__"):
+        return sum(_records(v, name) for v in vars(value).values())
+    return 0
+
+
+def _list_of(value, kind) -> int:
+    """len(value) when `value` is a non-empty list whose items all are `kind`, else 0."""
+    ok = isinstance(value, list) and value and all(kind(v) for v in value)
+    return len(value) if ok else 0
+
+
+@dataclass
+class Fetched:
+    """What the driver took out of Ray (`ray.get`) while measured."""
+
+    largest: int = 0  # bytes of array data in the largest value
+    samples: int = 0  # `Sample` records: a rollout worker's output
+    sample_arrays: int = 0  # arrays in a value that is a list of arrays: the reference's logprobs
+    facts: int = 0  # per-sample facts: (prompt index, version, length, finish reason)
+    grew: int = 0  # peak RSS over the RSS at the end of step 1, in bytes
+
+    def add(self, value, many: bool) -> None:
+        self.largest = max(self.largest, _nbytes(value))
+        for v in value if many else [value]:
+            self.samples += _records(v, "Sample")
+            self.sample_arrays += _list_of(v, lambda x: isinstance(x, np.ndarray))
+            self.facts += _list_of(v, lambda x: isinstance(x, tuple) and len(x) == 4)
+
+
 class PeakRSS(threading.Thread):
     """This process's peak RSS while running, sampled every 2 ms."""
 
@@ -77,15 +120,14 @@ class PeakRSS(threading.Thread):
             time.sleep(0.002)
 
 
-def _run(cfg, run_dir, steps, monkeypatch) -> tuple[int, int]:
-    """Train `steps` steps; returns (the largest value the driver got from Ray, peak RSS over the
-    RSS at the end of step 1, in bytes)."""
-    largest = [0]
+def _run(cfg, run_dir, steps, monkeypatch) -> Fetched:
+    """Train `steps` steps; returns what the driver got from Ray after step 1, and how its RSS grew."""
+    fetched = Fetched()
     real_get = ray.get
 
     def measured_get(refs, *args, **kwargs):
         value = real_get(refs, *args, **kwargs)
-        largest[0] = max(largest[0], _nbytes(value))
+        fetched.add(value, many=isinstance(refs, list))
         return value
 
     trainer = make_trainer(cfg, run_dir)
@@ -104,11 +146,13 @@ def _run(cfg, run_dir, steps, monkeypatch) -> tuple[int, int]:
     finally:
         monkeypatch.setattr(ray, "get", real_get)
         trainer.close()
-    return largest[0], rest.peak - resting
+    fetched.grew = rest.peak - resting
+    return fetched
 
 
-def _cfg(assets, tmp_path, mode, policy=None):
+def _cfg(assets, tmp_path, mode, policy=None, **more):
     extra = {
+        **more,
         "pipeline.mode": mode,
         "data.prompts_per_step": 8,
         "data.prompts_path": prompt_file(assets, tmp_path, 32),
@@ -126,8 +170,25 @@ def test_the_driver_never_holds_weights_or_samples(
 ):
     folder, bundle_bytes = big_policy
     assert bundle_bytes > 150 * MAX_DRIVER_VALUE  # the model would be unmistakable
-    got, grew_big = _run(_cfg(demo_assets, tmp_path, mode, folder), tmp_path / "big", 3, monkeypatch)
+    big = _run(_cfg(demo_assets, tmp_path, mode, folder), tmp_path / "big", 3, monkeypatch)
+    got = big.largest
     assert got < MAX_DRIVER_VALUE, f"the driver got a {got / 2**20:.1f} MB value from Ray ({mode})"
+    assert big.samples == big.sample_arrays == 0 and big.facts > 0, big
     if mode == "async":  # the driver's memory does not follow the model
-        _, grew_small = _run(_cfg(demo_assets, tmp_path, mode), tmp_path / "small", 3, monkeypatch)
-        assert grew_big - grew_small < 100 * 2**20, (grew_small, grew_big, bundle_bytes)
+        small = _run(_cfg(demo_assets, tmp_path, mode), tmp_path / "small", 3, monkeypatch)
+        assert big.grew - small.grew < 100 * 2**20, (small.grew, big.grew, bundle_bytes)
+
+
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_sync_mode_driver_reads_facts_never_samples(ray_local, demo_assets, tmp_path, placement, monkeypatch):
+    """The lock-step pipeline with a held-out evaluation after every step: the driver gets each
+    chunk's facts and scores, never its samples or reference logprobs (before, sync mode fetched
+    both for every chunk and sent the token ids on itself), in either placement."""
+    held_out = {"eval.prompts_path": demo_assets.eval_prompts, "eval.every_steps": 1, "eval.max_prompts": 8}
+    cfg = _cfg(demo_assets, tmp_path, "sync", **{"cluster.placement": placement}, **held_out)
+    fetched = _run(cfg, tmp_path / "run", 3, monkeypatch)
+    print(f"sync, {placement}, steps 2-3: the driver got {fetched}")
+    assert fetched.samples == fetched.sample_arrays == 0, fetched
+    # 8 prompts x 1 sample per step, 8 held-out prompts x 2 samples per evaluation (2 steps; the last
+    # step's evaluation is the run's 'after' one, not in iteration)
+    assert fetched.facts >= 2 * 8, fetched

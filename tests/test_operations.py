@@ -118,6 +118,40 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
     assert set(trainer.trained_prompts.values()) == {1}
 
 
+def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, demo_assets, tmp_path):
+    """Sync mode: the ranks report an input whose object is gone (`lost_parts`: its only copy died
+    with its node, as tests/test_multinode.py does for real in async mode), so no rank trained; the
+    driver generates and scores that chunk again, same seed and weights, and retries the step: the
+    numbers of a run that lost nothing, the loss counted."""
+    straight = Trainer(small(demo_assets, 1), tmp_path / "straight")
+    try:
+        straight.setup()
+        want = straight.iteration()
+    finally:
+        straight.close()
+    trainer = Trainer(small(demo_assets, 1), tmp_path / "lossy")
+    real, lost = trainer.train_calls, []
+
+    def lose_first_chunk_once(parts):
+        if lost:
+            return real(parts)
+        lost.append((parts[0][0], parts[0][0].samples_ref))
+        return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
+
+    trainer.train_calls = lose_first_chunk_once
+    try:
+        trainer.setup()
+        got = trainer.iteration()
+    finally:
+        trainer.close()
+    ((chunk, old_samples),) = lost
+    assert chunk.round == 1 and chunk.samples_ref != old_samples  # generated again
+    assert got["faults/lost_chunks"] == 1 and want["faults/lost_chunks"] == 0
+    for key in [*COMPARED, "rollout/samples"]:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    assert set(trainer.trained_prompts.values()) == {1} and len(trainer.trained_prompts) == 8
+
+
 def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):
     trainer = Trainer(small(demo_assets, 5), tmp_path / "run")
     try:

@@ -1,0 +1,118 @@
+"""The records of generated chunks, the same in both pipelines: pure bookkeeping, no Ray.
+
+A `Chunk` is the prompts of one generate call and what became of them. The driver holds only small
+facts per sample (prompt index, policy version, response length, finish reason) and the scores;
+the samples and their reference logprobs stay object references that only actors read. Metrics,
+reward-failure checks and the learner's shards are all computed from the facts (`Parts`: a batch
+as (chunk, sample positions) in chunk order).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .data import Prompt
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Prompts handed to one worker in one generate call, and what became of them: the one record of
+    a chunk in both pipelines (the sync collector's batch, the async buffer's entries). `index`
+    numbers the chunks of a batch (sync) or of the whole stream (async)."""
+
+    index: int
+    prompts: list[Prompt]
+    seed: int
+    # failures per kind of work ("generate", "reference", "reward", "lost"): a chunk that keeps
+    # failing one kind of work is given up; faults of different roles do not add up
+    attempts: collections.Counter = field(default_factory=collections.Counter)
+    # filled as the chunk moves through the pipeline
+    facts: list[tuple] | None = None  # per sample: (prompt index, version, length, finish reason)
+    samples_ref: Any = None  # the samples' object: read by the reference, the scorer and the learner
+    ref_logprobs_ref: Any = None  # the reference logprobs' object: read by the learner
+    scores: Any = None  # ScoreBatch (small: fetched by the driver)
+    sampling: Any = None  # a SamplingConfig overriding the worker's own (evaluation chunks)
+    eval: bool = False  # a held-out evaluation chunk: scored by the reward only, never buffered or trained
+    round: int = 0  # bumped when the samples are lost: results of an older round are ignored
+
+    def lost(self) -> None:
+        """The samples are gone: forget every result and start a new round."""
+        self.facts = self.samples_ref = self.ref_logprobs_ref = self.scores = None
+        self.round += 1
+
+    @property
+    def version(self) -> int:
+        return min(f[1] for f in self.facts) if self.facts else -1
+
+    @property
+    def scored(self) -> bool:
+        return self.facts is not None and self.scores is not None and self.ref_logprobs_ref is not None
+
+
+# A learner batch, as both pipelines hand it over: (chunk, sample positions) in chunk order.
+Parts = list[tuple[Chunk, list[int]]]
+
+
+def every_sample(chunks: list[Chunk]) -> Parts:
+    """`chunks` with all their samples, as `Parts`."""
+    return [(c, list(range(len(c.facts)))) for c in chunks]
+
+
+def kept(parts: Parts) -> list[tuple[Chunk, int]]:
+    """(chunk, position) of every sample of `parts` whose reward did not fail: what is trained."""
+    return [(c, j) for c, pos in parts for j in pos if c.scores.ok[j]]
+
+
+def reward_errors(parts: Parts) -> list[str]:
+    """The error of every sample of `parts` whose reward failed (dropped, never scored 0)."""
+    return [
+        c.scores.errors[j] or "unknown reward error" for c, pos in parts for j in pos if not c.scores.ok[j]
+    ]
+
+
+@dataclass
+class RolloutBatch:
+    """A generated and scored batch (`chunks`, in chunk order) and what happened on the way; the
+    async pipeline keeps its fault counters in one too. Everything the driver computes from it
+    (metrics, reward failures, the learner's shards) comes from the chunks' facts and scores."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    time_generate: float = 0.0
+    time_score: float = 0.0
+    queue_depth: int = 0  # most chunks generated and waiting for their scores at once
+    replacements: int = 0
+    redispatched: int = 0
+    lost: int = 0  # chunks generated again because their samples' object was lost with its node
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def parts(self) -> Parts:
+        """Every sample of every chunk, as the learner takes a batch (an async `Taken`'s parts)."""
+        return every_sample(self.chunks)
+
+    @property
+    def kept(self) -> list[tuple[Chunk, int]]:
+        return kept(self.parts)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """Scores of the kept samples, in batch order."""
+        return np.array([float(c.scores.scores[j]) for c, j in self.kept], dtype=np.float64)
+
+    @property
+    def reward_errors(self) -> list[str]:
+        return reward_errors(self.parts)
+
+    @property
+    def total(self) -> int:
+        """Samples generated, kept or not."""
+        return sum(len(c.facts) for c in self.chunks)
+
+
+def chunk_seed(run_seed: int, step: int, chunk: int) -> int:
+    """Sampling seed that depends only on (run, step, chunk), not on which worker runs it."""
+    return int(np.random.SeedSequence([run_seed, step, chunk]).generate_state(1)[0])
