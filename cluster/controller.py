@@ -41,6 +41,7 @@ from .weight_sync import (
     push_colocated,
     push_weights,
     verify_ack,
+    weight_backend,
 )
 
 FIXED_COUNTS = (
@@ -254,7 +255,9 @@ class Trainer(HeldOutEval, StepMetrics):
         if r.hosts:
             result, bundle = push_colocated(r.hosts, *args[1:])
         elif rc.weight_sync == "collective":
-            self._collective = self._collective or CollectiveWeightSync(rc.weight_bucket_mb)
+            self._collective = self._collective or CollectiveWeightSync(
+                rc.weight_bucket_mb, weight_backend(self.cfg)
+            )
             result, bundle = self._collective.push(*args)
         else:
             result, bundle = push_weights(*args)
