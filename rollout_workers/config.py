@@ -95,11 +95,15 @@ class RolloutConfig(_Strict):
     weight_sync: Literal["object_store", "collective"] = Field(
         "object_store",
         description="How new weights reach the workers: 'object_store' (learner rank 0's bundle put once, "
-        "every worker loads it) or 'collective' (a broadcast group of learner rank 0 and the workers, "
-        "gloo on CPU; synchronous pipeline only).",
+        "every worker loads it) or 'collective' (learner rank 0 broadcasts bucket by bucket to a group of "
+        "every process holding an engine's weights, vLLM's worker processes included; gloo, NCCL when "
+        "learner and workers have GPUs; synchronous pipeline only).",
     )
     weight_bucket_mb: float = Field(
-        64.0, gt=0.0, description="Bucket size of the collective weight broadcast."
+        64.0,
+        gt=0.0,
+        description="Bucket size of the collective weight broadcast: a receiver holds about one bucket "
+        "beyond its weights while loading.",
     )
     sleep_level: Literal[0, 1, 2] = Field(
         0,
