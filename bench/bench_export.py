@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,37 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from machine import PeakRSS  # noqa: E402
 
 MB = 2**20
-
-
-class PeakRSS:
-    """Samples this process's resident set size on a thread; `peak` since the last `reset`."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self._interval = interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def rss(self) -> int:
-        return self._proc.memory_info().rss
-
-    def reset(self) -> None:
-        self.peak = self.rss()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            time.sleep(self._interval)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _rank_main(rank: int, world: int, port: int, policy: str, stage: int, bucket_mb: float, reps: int, out):
