@@ -247,13 +247,13 @@ class CollectiveWeightSync:
             ray.get(refs)
         except ray.exceptions.RayTaskError as err:  # names the bucket that failed
             failed.insert(0, f"the broadcast of v{version} failed on learner rank 0: {err.cause!r}")
-        failed = (refused + failed)[:1]
-        if dead or failed:
+        problem = next(iter(refused + failed), None)  # a refusal names the cause best
+        if dead or problem:
             self._members = None
         if dead:
             raise _LostMembers(dead)
-        if failed:
-            raise WeightSyncError(failed[0])
+        if problem:
+            raise WeightSyncError(problem)
         expected = expected_fingerprint(ray.get(meta_ref), version, dtype)
         for name, ack in zip(names, acks, strict=True):
             verify_ack(name, ray.get(ack), version, expected)

@@ -186,9 +186,12 @@ class LearnerRank:
         processes holding rollout engines' weights; each collective on it fails after `timeout_s`."""
         if self.rank != 0:
             raise RuntimeError(f"learner rank {self.rank}: only rank 0 broadcasts weights")
-        from learner.weight_broadcast import open_group
+        from learner.weight_broadcast import close_group, open_group
 
-        self._weight_group = None  # a previous group is left behind
+        if self._weight_group is not None:  # a group of other members: close its connections first
+            previous, self._weight_group = self._weight_group[0], None
+            close_group(previous)
+            del previous
         self._weight_group = (open_group(host, port, 0, world_size, timeout_s, backend), timeout_s, backend)
 
     def broadcast_weights(

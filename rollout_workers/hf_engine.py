@@ -62,6 +62,7 @@ class HFEngine(RolloutEngine):
             cfg, "n_positions", None
         )
         self._tied = tied_groups(self.model)
+        self._group: WeightGroupMember | None = None  # learner rank 0's weight group, once joined
         self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
@@ -144,13 +145,13 @@ class HFEngine(RolloutEngine):
     def _join_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
     ) -> None:
-        if getattr(self, "_group", None) is not None:
+        if self._group is not None:
             self._group.close()
         self._group = WeightGroupMember(host, port, first_rank, world_size, timeout_s, backend)
 
     @torch.no_grad()
     def _receive_weights(self, min_version: int) -> tuple[int, str]:
-        if getattr(self, "_group", None) is None:
+        if self._group is None:
             raise RuntimeError("this engine has not joined a weight group (join_weight_group)")
         own = self.model.state_dict()
         with self._group.stream() as stream:

@@ -110,9 +110,6 @@ class VLLMWeightLoader:
         """Receive the next broadcast bundle and load it bucket by bucket through `reload_weights` (each
         tensor-parallel rank takes its shard of the full tensors). {'refused': why} when the header
         does not fit (nothing loaded); else the version, the digest of what arrived and the count."""
-        from rollout_workers.weight_receiver import WeightGroupError
-        from rollout_workers.weights import torch_dtype
-
         loading = False
         try:
             with self.rayppo_group.stream() as stream:

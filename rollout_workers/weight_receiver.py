@@ -122,7 +122,6 @@ class BroadcastStream:
         }
         self._next = 0  # the next bucket to receive
         self._samples: dict[str, tuple[tuple[int, ...], bytes]] = {}
-        self.received_bytes = 0
 
     def _bucket(self) -> torch.Tensor:
         k = self._next
@@ -130,7 +129,6 @@ class BroadcastStream:
             torch.empty(self._sizes[k], dtype=torch.uint8), f"bucket {k + 1} of {len(self._sizes)}"
         )
         self._next += 1
-        self.received_bytes += self._sizes[k]
         return bucket
 
     def check(self, expected: Mapping[str, tuple[int, ...]], what: str, min_version: int = 0) -> None:
