@@ -93,11 +93,6 @@ class RunConfig(_Strict):
                 "taken against the learner's proximal policy; this corrects for the behaviour policy), or "
                 "pipeline.max_staleness=0"
             )
-        if self.rollout.weight_sync == "collective" and self.pipeline.mode != "sync":
-            raise ValueError(
-                "rollout.weight_sync='collective' broadcasts to every worker at once: it needs "
-                "pipeline.mode='sync' (async workers swap weights one by one between chunks)"
-            )
         if self.eval.greedy and self.eval.enabled and self.rollout.engine != "hf":
             raise ValueError(
                 "eval.greedy=true decodes with top_k=1, which rollout.engine='vllm' refuses: set eval.greedy=false"

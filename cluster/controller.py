@@ -242,12 +242,15 @@ class Trainer(HeldOutEval, StepMetrics):
             events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
         return events
 
-    def sync_weights(self, version: int) -> float:
+    def sync_weights(self, version: int, members: list[Any] | None = None) -> float:
+        """Push v`version` to `members` (every rollout worker when None); a worker lost on the way is
+        replaced (`_replace_lost`). Returns the push's seconds."""
         r, rc = self.roles, self.cfg.rollout
+        members = r.workers.members if members is None else members
         args = (
             r.ranks,
-            r.workers.handles,
-            r.workers.names,
+            [m.handle for m in members],
+            [m.name for m in members],
             version,
             rc.dtype,
             self.cfg.timeouts.weight_sync_s,
@@ -262,10 +265,14 @@ class Trainer(HeldOutEval, StepMetrics):
         else:
             result, bundle = push_weights(*args)
         self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
-        for index in result.lost:  # the replacement loads the weights just pushed before it samples
-            r.workers.replace(index)
+        for index in result.lost:
+            self._replace_lost(members[index])
         self.sync_replacements = len(result.lost)
         return result.seconds
+
+    def _replace_lost(self, member: Any) -> None:
+        """A worker lost during a push: its replacement loads the weights just pushed before it samples."""
+        self.roles.workers.replace(self.roles.workers.names.index(member.name))
 
     def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
         """Start a learner step on `parts` (both pipelines): each rank gets its shard as object

@@ -10,12 +10,19 @@ One event loop on the driver moves small facts; samples travel between actors as
   they arrive, not waited for.
 - Faults: the sync collector's machinery (deadlines from when a call starts, background
   replacement, re-dispatch with the same seed).
+- `rollout.weight_sync: collective`: a broadcast reaches its whole group at once, so workers cannot
+  swap one by one. When a step's training ends, no new chunk is handed out; the chunks in flight
+  finish (their samples count as usual, one version older), then learner rank 0 broadcasts to every
+  started worker and generation resumes. A worker that is behind (new, or a replacement) gets no
+  chunk until a broadcast includes it: the next publication, or at once while the learner waits for
+  data. Its work in hand goes to an up-to-date worker or waits for one (`StreamCollector.held`).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +54,28 @@ class StreamCollector(RolloutCollector):
         super().__init__(*args, **kw)
         self.tracker = CallTracker()
         self.draining: set[str] = set()
+        # whether a worker may sample now (False while it waits for a broadcast of the current weights)
+        self.may_generate: Callable[[Any], bool] = lambda member: True
+        self.held: collections.deque[Chunk] = collections.deque()  # generate work no worker may take yet
+
+    def live(self, kind: str) -> list[Any]:
+        members = [m for m in self.pools[kind].members if m.name not in self.draining]
+        return [m for m in members if self.may_generate(m)] if kind == "generate" else members
 
     def pick(self, kind: str) -> Any:
-        """The live member of `kind`'s pool with the fewest calls outstanding."""
-        pool = self.pools[kind]
-        live = [m for m in pool.members if m.name not in self.draining]
-        return min(live, key=lambda m: self.tracker.pending(m.name))
+        """The live member of `kind`'s pool with the fewest calls outstanding (None: no worker may
+        generate now)."""
+        return min(self.live(kind), key=lambda m: self.tracker.pending(m.name), default=None)
+
+    def submit(self, tracker: CallTracker, kind: str, chunk: Chunk, member: Any = None) -> Call | None:
+        """As the sync collector's; generate work for a worker that may not sample now goes to another
+        that may, or is held until one can (`held`, handed out first by the dispatcher)."""
+        if kind == "generate" and (member is None or not self.may_generate(member)):
+            member = self.pick(kind)
+            if member is None:
+                self.held.append(chunk)
+                return None
+        return super().submit(tracker, kind, chunk, member)
 
 
 class AsyncTrainer(Trainer):
@@ -60,6 +83,10 @@ class AsyncTrainer(Trainer):
         super().setup()
         cfg = self.cfg
         self.collector = self.make_collector(StreamCollector)
+        self.collective = cfg.rollout.weight_sync == "collective"
+        self.publishing_paused = False  # collective: no new chunk until the broadcast is done
+        if self.collective:
+            self.collector.may_generate = lambda m: not self._behind(m)
         self.buffer = StreamBuffer(
             self.stream,
             cfg.data.prompts_per_step,
@@ -81,9 +108,26 @@ class AsyncTrainer(Trainer):
     # ------------------------------------------------------------------ hooks of the sync trainer
 
     def _prepare(self, kind: str, member: Any) -> list:
+        if kind == "generate" and self.collective:  # it joins the next broadcast (`_broadcast_due`)
+            self.worker_versions[member.name] = 0
+            return []
         if kind == "generate":
             self.worker_versions[member.name] = self.version if self._bundle is not None else 0
         return super()._prepare(kind, member)
+
+    def _behind(self, member: Any) -> bool:
+        return self.worker_versions.get(member.name, 0) < self.version
+
+    def _replace_lost(self, member: Any) -> None:
+        """A worker lost during a broadcast: replaced in the background; it joins the next one. (Lost in
+        the push of a resume, before the stream's collector exists: replaced as in sync mode.)"""
+        if not isinstance(self.collector, StreamCollector):
+            return super()._replace_lost(member)
+        c, pool = self.collector, self.roles.workers
+        c.tracker.drop_actor(member.name)
+        c.replace_in_background(c.tracker, pool, pool.names.index(member.name))
+        self._faults.replacements += 1
+        self._faults.events.append(f"{member.name} lost during a weight broadcast; replaced")
 
     @property
     def prompts_by_index(self) -> dict[int, Any]:
@@ -136,16 +180,17 @@ class AsyncTrainer(Trainer):
 
     def _dispatch(self) -> None:
         c, limit = self.collector, self.cfg.pipeline.max_inflight_per_worker
-        while True:
-            idle = [
-                m
-                for m in self.roles.workers.members
-                if m.name not in c.draining and c.tracker.pending(m.name, "generate") < limit
-            ]
+        while not self.publishing_paused:
+            idle = [m for m in c.live("generate") if c.tracker.pending(m.name, "generate") < limit]
             if not idle:
                 return
             member = min(idle, key=lambda m: c.tracker.pending(m.name))
-            chunk = self.eval_queue.popleft() if self.eval_queue else self.buffer.next_chunk(self.version)
+            if c.held:
+                chunk = c.held.popleft()
+            elif self.eval_queue:
+                chunk = self.eval_queue.popleft()
+            else:
+                chunk = self.buffer.next_chunk(self.version)
             if chunk is None:
                 return
             self._send_weights(member)
@@ -193,8 +238,48 @@ class AsyncTrainer(Trainer):
         if self.eval_round is not None and (m := self.eval_round.scored(chunk)) is not None:
             self.eval_ready, self.eval_round = m, None
 
+    # ------------------------------------------------------------------ collective broadcasts
+
+    def _broadcast_due(self, learner: _LearnerStep) -> None:
+        """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:
+        to every started worker, once their chunks in flight are done; none is handed out meanwhile), or
+        when a started worker is behind and the learner is between steps (to those workers only: they
+        hold no chunk, the others keep sampling). Never while the learner trains."""
+        c = self.collector
+        if learner.training:
+            return
+        started = [
+            m
+            for m in self.roles.workers.members
+            if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
+        ]
+        if learner.publishing:
+            self.publishing_paused = True
+            if any(c.tracker.pending(m.name) for m in started):
+                return  # their chunks in flight finish first
+            self._broadcast(learner.step, started)
+            self.publishing_paused = False
+            learner.published()
+        elif behind := [m for m in started if self._behind(m) and not c.tracker.pending(m.name)]:
+            self._broadcast(self.version, behind)
+
+    def _broadcast(self, version: int, members: list[Any]) -> None:
+        """Broadcast v`version` to `members` and record what each holds (a lost one's replacement,
+        under a new name, is behind)."""
+        self.sync_weights(version, members)
+        present = set(self.roles.workers.names)
+        for m in members:
+            if m.name in present:
+                self.worker_versions[m.name] = version
+
     def workers_to_current(self) -> None:
         """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
+        if self.collective:
+            behind = [m for m in self.roles.workers.members if self._behind(m)]
+            ray.get([m.handle.ping.remote() for m in behind], timeout=self.cfg.timeouts.actor_start_s)
+            if behind:
+                self._broadcast(self.version, behind)
+            return
         limit = self.cfg.timeouts.weight_sync_s + self.cfg.timeouts.generate_s
         for m in self.roles.workers.members:
             if self._bundle is not None and self.worker_versions.get(m.name, 0) < self.version:
@@ -250,6 +335,10 @@ class AsyncTrainer(Trainer):
         busy0 = dict(self.busy)
         learner = _LearnerStep(self, step)
         while not learner.done:
+            if self.collective:
+                self._broadcast_due(learner)
+                if learner.done:
+                    break
             self._dispatch()
             if learner.waiting:
                 got = self.buffer.take(self.version)
@@ -344,6 +433,7 @@ class _LearnerStep:
         self.stale_samples = self.stale_prompts = 0
         self.lost: set[int] = set()  # chunk indices whose objects a rank could not get
         self.aborted = False
+        self.publishing = False  # collective: trained, waiting for the broadcast of its weights
         self.t0 = time.perf_counter()
         self.t_wait = self.t_train = self.t_sync = 0.0
         self.done = False
@@ -351,6 +441,16 @@ class _LearnerStep:
     @property
     def waiting(self) -> bool:
         return self.taken is None
+
+    @property
+    def training(self) -> bool:
+        """The ranks are busy with this step (training or exporting)."""
+        return self.taken is not None and not self.publishing and not self.done
+
+    def published(self) -> None:
+        """The step's weights reached the workers (collective broadcast)."""
+        self.t_sync = time.perf_counter() - self.t2
+        self.done = True
 
     def _give_back(self) -> None:
         """The batch could not be trained (inputs lost with their node): the lost chunks' prompts are
@@ -383,7 +483,10 @@ class _LearnerStep:
                 return
             self.t_train = time.perf_counter() - self.t1
             self.t2 = time.perf_counter()
-            self.export_calls, self.bundle = tr._start_export()
+            if tr.collective:
+                self.publishing = True  # `AsyncTrainer._broadcast_due` broadcasts
+            else:
+                self.export_calls, self.bundle = tr._start_export()
             return
         self.export_calls.remove(call)
         if call.extra["name"] == "fingerprint":

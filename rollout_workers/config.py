@@ -97,7 +97,9 @@ class RolloutConfig(_Strict):
         description="How new weights reach the workers: 'object_store' (learner rank 0's bundle put once, "
         "every worker loads it) or 'collective' (learner rank 0 broadcasts bucket by bucket to a group of "
         "every process holding an engine's weights, vLLM's worker processes included; gloo, NCCL when "
-        "learner and workers have GPUs; synchronous pipeline only).",
+        "learner and workers have GPUs). In pipeline.mode='async' the broadcast reaches all workers at once: "
+        "when a step's weights are due, the chunks in flight finish, no new one starts until the broadcast is "
+        "done.",
     )
     weight_bucket_mb: float = Field(
         64.0,

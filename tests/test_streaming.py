@@ -46,13 +46,13 @@ def _run(cfg, run_dir, steps):
         trainer.close()
 
 
-def test_async_with_zero_staleness_reproduces_sync(ray_local, demo_assets, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+def test_async_with_zero_staleness_reproduces_sync(ray_local, demo_assets, tmp_path, weight_sync):
+    """Also the collective path in async mode: each step's weights broadcast between chunks must be
+    exactly what the object-store path of the sync pipeline loads (the same metrics follow)."""
     sync = _run(cfg_for(demo_assets, 3), tmp_path / "sync", 3)
-    streamed = _run(
-        cfg_for(demo_assets, 3, **{"pipeline.mode": "async", "pipeline.max_staleness": 0}),
-        tmp_path / "async",
-        3,
-    )
+    extra = {"pipeline.mode": "async", "pipeline.max_staleness": 0, "rollout.weight_sync": weight_sync}
+    streamed = _run(cfg_for(demo_assets, 3, **extra), tmp_path / "async", 3)
     for want, got in zip(sync, streamed, strict=True):
         assert got["staleness/max"] == 0.0
         for key in COMPARED:
@@ -231,3 +231,63 @@ def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_a
     # 3 x 8 prompts = one epoch of 24: each trained exactly once.
     assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
     assert set(trainer.trained_prompts.values()) == {1}
+
+
+def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
+    ray_local, demo_assets, tmp_path
+):
+    """Async mode with the collective weight path: every publication is a broadcast to all started
+    workers between their chunks; a worker added by scaling or replacing a killed one samples nothing
+    until a broadcast has brought it to the current version. The staleness bound and exactly-once
+    training hold, no bundle is left in the object store, and no worker's version goes backwards."""
+    eta, steps = 1, 8
+    extra = {
+        "pipeline.mode": "async",
+        "pipeline.max_staleness": eta,
+        "learner.off_policy": "tis",
+        "rollout.weight_sync": "collective",
+        "data.prompts_path": prompt_file(demo_assets, tmp_path, 64),
+        "rollout.num_workers": 2,
+        "rollout.num_cpus_per_worker": 0.25,
+        "rollout.chunk_size": 2,
+        "timeouts.generate_s": 30,
+    }
+    trainer = AsyncTrainer(cfg_for(demo_assets, steps, **extra), tmp_path / "run")
+    seen: dict[str, list[int]] = {}
+
+    def record() -> set[int]:
+        """The versions the current workers hold (checked against what the trainer believes)."""
+        members = trainer.roles.workers.members
+        got = ray.get([m.handle.version.remote() for m in members], timeout=120)
+        for m, version in zip(members, got, strict=True):
+            seen.setdefault(m.name, []).append(version)
+            assert version <= trainer.version
+            # what the trainer believes a worker holds is what it holds (behind ones get no chunk)
+            assert version == trainer.worker_versions.get(m.name, 0)
+        return set(got)
+
+    rows = []
+    try:
+        trainer.setup()
+        rows.append(trainer.iteration())
+        assert record() == {1} and trainer._bundle is None
+        ray.get(trainer.control.set_target.remote("rollout", 3), timeout=60)
+        rows += [trainer.iteration() for _ in range(2)]  # scaled to 3 at step 2's start
+        record()
+        victim = trainer.roles.workers.handles[0]
+        threading.Timer(0.1, lambda: ray.kill(victim, no_restart=True)).start()
+        rows += [trainer.iteration() for _ in range(steps - 3)]
+        record()
+        trainer.workers_to_current()
+        assert record() == {steps} and len(trainer.roles.workers) == 3
+    finally:
+        trainer.close()
+    assert sum(m["faults/actor_replacements"] for m in rows) >= 1
+    assert rows[-1]["scale/rollout_workers"] == 3
+    for versions in seen.values():
+        assert versions == sorted(versions)
+    for m in rows:
+        assert m["staleness/max"] <= eta
+        assert sum(m[f"staleness/hist_{k}"] for k in range(eta + 1)) == m["rollout/samples"]
+    assert set(trainer.trained_prompts.values()) == {1}
+    assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
