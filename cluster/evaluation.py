@@ -10,6 +10,8 @@ training are fetched to the driver.
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 
 import numpy as np
@@ -45,10 +47,46 @@ def eval_sampling(cfg: RunConfig) -> SamplingConfig:
     return cfg.rollout.sampling.model_copy(update=update)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, eq. 1): the probability
+    that k of the n drawn without replacement hold at least one correct, 1 - C(n-c, k) / C(n, k).
+
+    Computed as the product 1 - prod_{i=n-c+1..n} (1 - k/i) (their numpy estimator), which never forms a
+    binomial coefficient; exactly 1 when n - c < k (every k-subset holds a correct sample)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def correctness_metrics(
+    prompts: list[object], correct: list[bool], pass_k: list[int], n: int
+) -> dict[str, float]:
+    """eval/pass@k for each k of `pass_k` and eval/mean@n, from one correctness flag per scored sample and
+    its prompt's key (samples of a prompt need not be adjacent).
+
+    A prompt with c correct of its m scored samples adds pass_at_k(m, c, k) to pass@k (prompts with m < k,
+    whose samples' rewards failed, are left out of that k) and c/m to mean@n: both are averages over
+    prompts, NaN when no prompt counts. With every reward scored, mean@n equals eval/accuracy."""
+    counts: dict[object, list[int]] = collections.defaultdict(lambda: [0, 0])  # prompt -> [m, c]
+    for key, ok in zip(prompts, correct, strict=True):
+        counts[key][0] += 1
+        counts[key][1] += int(bool(ok))
+    out = {}
+    for k in pass_k:
+        values = [pass_at_k(m, c, k) for m, c in counts.values() if m >= k]
+        out[f"eval/pass@{k}"] = float(np.mean(values)) if values else float("nan")
+    means = [c / m for m, c in counts.values()]
+    out[f"eval/mean@{n}"] = float(np.mean(means)) if means else float("nan")
+    return out
+
+
 def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
-    """eval/reward_mean and eval/response_length; eval/accuracy for rule rewards (reward >= eval.correct_at);
-    eval/reward_prob_mean for classifier rewards; eval/policy_version: the oldest weights that answered;
-    eval/reward_failures: samples whose reward failed (not counted in the others)."""
+    """eval/reward_mean and eval/response_length; eval/accuracy (per sample), eval/pass@k (each k of
+    eval.pass_k) and eval/mean@n (n = eval.samples_per_prompt) for rule rewards, a sample being correct when
+    its reward >= eval.correct_at; eval/reward_prob_mean for classifier rewards; eval/policy_version: the
+    oldest weights that answered; eval/reward_failures: samples whose reward failed (not counted in the others)."""
     scored = kept(parts)
     scores = np.array([float(c.scores.scores[j]) for c, j in scored])
     lengths = np.array([c.facts[j][2] for c, j in scored])
@@ -61,7 +99,10 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
         "eval/reward_failures": float(sum(len(pos) for _c, pos in parts) - len(scored)),
     }
     if cfg.reward.kind == "rule":
-        m["eval/accuracy"] = float(np.mean(scores >= cfg.eval.correct_at)) if len(scores) else float("nan")
+        correct = scores >= cfg.eval.correct_at
+        m["eval/accuracy"] = float(np.mean(correct)) if len(scores) else float("nan")
+        prompts = [(c.index, c.facts[j][0]) for c, j in scored]  # a chunk never splits a prompt's samples
+        m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")
@@ -146,6 +187,7 @@ def headline(m: dict) -> str:
     parts = [f"reward mean {m['eval/reward_mean']:+.3f}"]
     if "eval/accuracy" in m:
         parts.append(f"accuracy {m['eval/accuracy']:.3f}")
+    parts += [f"{k[5:]} {m[k]:.3f}" for k in _pass_keys(m)]
     if "eval/reward_prob_mean" in m:
         parts.append(f"P(positive) {m['eval/reward_prob_mean']:.3f}")
     parts.append(f"{int(m['eval/samples'])} samples")
@@ -156,11 +198,17 @@ def before_after_lines(before: dict | None, after: dict | None, what: str) -> li
     """'before -> after' of each shared eval number (the run summary's held-out lines)."""
     if not before or not after:
         return []
-    keys = ["eval/reward_mean", "eval/accuracy", "eval/reward_prob_mean"]
+    keys = ["eval/reward_mean", "eval/accuracy", *_pass_keys(before), "eval/reward_prob_mean"]
     cells = [
         f"{k.split('/')[1]} {before[k]:.3f} -> {after[k]:.3f}" for k in keys if k in before and k in after
     ]
     return [f"{what}: " + ", ".join(cells)]
+
+
+def _pass_keys(m: dict) -> list[str]:
+    """The eval/pass@k keys of `m` with k > 1 (pass@1 is the accuracy), by k (pass@2 before pass@10)."""
+    keys = [k for k in m if k.startswith("eval/pass@") and k != "eval/pass@1"]
+    return sorted(keys, key=lambda k: int(k.rsplit("@", 1)[1]))
 
 
 class HeldOutEval:

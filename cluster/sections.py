@@ -3,9 +3,9 @@ role's own section): run, model, data, cluster, timeouts, pipeline, checkpoint, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -183,9 +183,31 @@ class EvalSection(_Strict):
     )
     correct_at: float = Field(
         1.0,
-        description="A response counts as correct for eval/accuracy when its reward is at least this "
-        "(reward.kind='rule' only).",
+        description="A response counts as correct when its reward is at least this (reward >= correct_at; "
+        "the rules exact_match and exact_integer score 1.0 right, 0.0 wrong): the definition behind "
+        "eval/accuracy, eval/pass@k and eval/mean@n (reward.kind='rule' only).",
     )
+    pass_k: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1],
+        description="The k of each eval/pass@k metric (rule rewards): the unbiased estimate (Chen et al. 2021) "
+        "from the n = samples_per_prompt responses of a prompt that at least one of k of them is correct, "
+        "averaged over prompts; each k <= samples_per_prompt ([] = none).",
+    )
+
+    @field_validator("pass_k")
+    @classmethod
+    def _sorted(cls, ks: list[int]) -> list[int]:
+        return sorted(set(ks))
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> EvalSection:
+        too_big = [k for k in self.pass_k if k > self.samples_per_prompt]
+        if too_big:
+            raise ValueError(
+                f"eval.pass_k: k={too_big[0]} needs at least k responses per prompt, but "
+                f"eval.samples_per_prompt={self.samples_per_prompt} (allowed: 1 <= k <= samples_per_prompt)"
+            )
+        return self
 
     @property
     def enabled(self) -> bool:

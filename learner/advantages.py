@@ -63,6 +63,65 @@ def missing_eos_penalty(scores: torch.Tensor, truncated: torch.Tensor, penalty: 
     return scores - penalty * truncated.to(scores.dtype)
 
 
+def overlong_penalty(
+    lengths: torch.Tensor, max_tokens: int | None, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) `[B]` for response lengths `[B]` (tokens).
+
+    With L_max = `max_tokens` (rollout.sampling.max_new_tokens) and B = `buffer`:
+        0                                   L <= L_max - B
+        ((L_max - B) - L) / B * factor      L_max - B < L <= L_max    (0 down to -factor at L_max)
+        -factor                             L > L_max                 (never produced by the workers)
+    `buffer` = 0 turns it off (all zeros, `max_tokens` not needed). float64 for exact arithmetic.
+    """
+    if buffer < 0 or factor <= 0:
+        raise ValueError(f"overlong_penalty: buffer must be >= 0 and factor > 0 (got {buffer}, {factor})")
+    lengths = lengths.to(torch.float64)
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    if max_tokens is None or not 0 < buffer <= max_tokens:
+        raise ValueError(
+            f"overlong_penalty: buffer={buffer} needs 0 < buffer <= max_tokens (got max_tokens={max_tokens})"
+        )
+    expected = float(max_tokens - buffer)
+    ramp = (expected - lengths) / buffer * factor
+    return ramp.clamp(min=-factor, max=0.0)
+
+
+def length_shaped_scores(
+    scores: torch.Tensor,
+    truncated: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    eos_penalty: float | None = None,
+    max_tokens: int | None = None,
+    buffer: int = 0,
+    factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The score the learner trains on after both length-based shapings, and the overlong part alone.
+
+    The one rule: the two shapings are independent terms and ADD (each is 0 when off):
+        score' = score - missing_eos_penalty * 1[truncated] + overlong_penalty(L)
+    `missing_eos_penalty` is a cliff for a response cut at max_new_tokens without an EOS; the overlong
+    penalty is a ramp on length alone, EOS or not. A truncated response has L = L_max (the workers' contract),
+    so with both on it gets -(missing_eos_penalty + factor); a response that ends with its EOS on the last
+    allowed token gets only -factor. Both are applied to the raw score, before `learner.reward_norm` and
+    the KL penalty. Returns `(score', overlong part)`, both `[B]` in the scores' dtype.
+    """
+    over = overlong_penalty(lengths, max_tokens, buffer, factor)
+    shaped = missing_eos_penalty(scores, truncated, eos_penalty)
+    if buffer == 0:
+        return shaped, over.to(scores.dtype)
+    return (shaped.double() + over).to(scores.dtype), over.to(scores.dtype)
+
+
+def overlong_filter_mask(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """DAPO overlong filtering: `mask` `[B, T]` with every token of a truncated row `[B]` set to 0, so a
+    response cut at max_new_tokens contributes no token to any loss term (same dtype as `mask`)."""
+    keep = ~truncated.to(torch.bool).to(mask.device)
+    return torch.where(keep.unsqueeze(-1), mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+
+
 def _dense(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Group ids mapped to 0..G-1, and G."""
     uniq, inverse = torch.unique(groups, return_inverse=True)

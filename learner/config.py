@@ -176,7 +176,44 @@ class LearnerConfig(_Strict):
     missing_eos_penalty: float | None = Field(
         None,
         ge=0.0,
-        description="Subtracted from the score of a response cut at max_new_tokens (no EOS); None = off.",
+        description=(
+            "Subtracted from the score of a response cut at max_new_tokens (no EOS); None = off. Adds to "
+            "the overlong penalty (score - missing_eos_penalty * truncated + overlong penalty), before "
+            "reward_norm."
+        ),
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description=(
+            "DAPO soft overlong punishment, B tokens: a response of L tokens (EOS included) with "
+            "L_max - B < L <= L_max (L_max = overlong_max_tokens) gets ((L_max - B) - L) / B * overlong_penalty "
+            "added to its score, EOS or not (0 at L_max - B down to -overlong_penalty at L_max); it adds to "
+            "missing_eos_penalty. 0 = off."
+        ),
+    )
+    overlong_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        description="Penalty at L = L_max of the overlong ramp (DAPO's default 1.0); used when overlong_buffer > 0.",
+    )
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "L_max of the overlong ramp: set it to rollout.sampling.max_new_tokens (required when "
+            "overlong_buffer > 0; a truncated sample of another length, or any longer one, stops the first "
+            "train step with an error naming this field)."
+        ),
+    )
+    overlong_filter: bool = Field(
+        False,
+        description=(
+            "DAPO overlong filtering: responses cut at max_new_tokens (no EOS) contribute no token to the "
+            "loss (policy, value, entropy, KL terms), counted in train/overlong_filtered. Advantages, group "
+            "baselines and whitening are computed before the filter and still see them. A minibatch left "
+            "with no token takes no optimizer step."
+        ),
     )
     truncation: Literal["terminal", "bootstrap"] = Field(
         "terminal",
@@ -294,6 +331,17 @@ class LearnerConfig(_Strict):
                 "learner.backend='gloo' trains on CPU: learner.num_gpus_per_rank must be 0 "
                 "(or set backend: nccl / auto to train on the GPU)"
             )
+        if self.overlong_buffer > 0:
+            if self.overlong_max_tokens is None:
+                raise ValueError(
+                    f"learner.overlong_buffer={self.overlong_buffer} needs learner.overlong_max_tokens: set it "
+                    "to rollout.sampling.max_new_tokens (L_max of the overlong ramp)"
+                )
+            if self.overlong_buffer > self.overlong_max_tokens:
+                raise ValueError(
+                    f"learner.overlong_buffer={self.overlong_buffer} must be <= learner.overlong_max_tokens="
+                    f"{self.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
+                )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(
                 f"learner.offload_params needs learner.zero_stage: 3 (got {self.zero_stage}); "

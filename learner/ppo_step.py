@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from learner.advantages import estimate, kl_loss, missing_eos_penalty, needs_critic
+from learner.advantages import estimate, kl_loss, length_shaped_scores, needs_critic, overlong_filter_mask
 from learner.algorithms import (
     aggregate_loss,
     count_sequences,
@@ -175,7 +175,17 @@ def prepare(
     mask = batch.mask
     reduce_sum = functools.partial(all_reduce, op="sum", device=device)
     truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)
-    penalized = missing_eos_penalty(batch.scores, truncated, config.missing_eos_penalty)
+    lengths = mask.sum(-1)
+    # missing_eos_penalty and the overlong ramp add (learner.advantages.length_shaped_scores)
+    penalized, overlong = length_shaped_scores(
+        batch.scores,
+        truncated,
+        lengths,
+        eos_penalty=config.missing_eos_penalty,
+        max_tokens=config.overlong_max_tokens,
+        buffer=config.overlong_buffer,
+        factor=config.overlong_penalty,
+    )
     scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
     beta = kl_coef if config.kl.mode == "reward" else 0.0
     rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
@@ -206,11 +216,20 @@ def prepare(
         (values * mask).sum(),
         (returns * mask).sum(),
         (adv * mask).sum(),
+        overlong.sum(),
+        float(truncated.sum()) if config.overlong_filter else 0.0,  # samples filtered out of the loss
+        (mask * truncated.unsqueeze(-1)).sum() if config.overlong_filter else 0.0,  # their tokens
+        float(_overlong_mismatch(lengths, truncated, config)),
     ]
     g = all_reduce(local, "sum", device).tolist()
+    if g[11] > 0:  # the same global count on every rank: all ranks stop here together
+        raise ValueError(
+            f"learner.overlong_max_tokens={config.overlong_max_tokens} is not rollout.sampling.max_new_tokens: "
+            f"{int(g[11])} sample(s) were longer, or truncated at another length"
+        )
     tokens, seqs = max(g[0], 1.0), max(g[1], 1.0)
     stats = {
-        "train/tokens": g[0],
+        "train/tokens": g[0] - g[10],
         "train/sequences": g[1],
         "rollout/reward_mean": g[2] / seqs,
         "objective/kl": g[3] / seqs,
@@ -219,6 +238,10 @@ def prepare(
         "returns/mean": g[6] / tokens,
         "advantages/mean": g[7] / tokens,
     }
+    if config.overlong_buffer > 0:
+        stats["train/overlong_penalty_mean"] = g[8] / seqs
+    if config.overlong_filter:
+        stats["train/overlong_filtered"] = g[9]
     stats.update(norm_stats)
     stats.update(critic_stats(values, returns, mask, reduce_sum))
     if config.value_clip == "relative":
@@ -239,7 +262,20 @@ def prepare(
         )
         batch.tokens["is_weights"] = w
     stats.update(_off_policy_stats(old_lp, batch.tokens["behaviour_logprobs"], mask, config, device))
+    if config.overlong_filter:
+        # DAPO overlong filtering: from here on (the PPO epochs) a truncated row has no valid token, so it
+        # adds nothing to any loss term nor to the global token/sequence counts the losses divide by.
+        batch.mask = overlong_filter_mask(mask, truncated)
     return stats
+
+
+def _overlong_mismatch(lengths: torch.Tensor, truncated: torch.Tensor, config: LearnerConfig) -> int:
+    """Samples that show learner.overlong_max_tokens is not the workers' max_new_tokens: longer than it, or
+    truncated (which the workers do exactly at max_new_tokens) at another length. 0 when the ramp is off."""
+    if config.overlong_buffer == 0:
+        return 0
+    L = config.overlong_max_tokens
+    return int(((lengths > L) | (truncated & (lengths != L))).sum())
 
 
 def _off_policy_stats(old_lp, behaviour, mask, config: LearnerConfig, device) -> dict[str, float]:
@@ -315,7 +351,7 @@ def ppo_update(
     world = _world()
     n_local = len(batch)
     sums = torch.zeros(8, dtype=torch.float64)  # pg, vf, ent, kl*n, clip*n, vclip*n, n, clamped (applied)
-    applied, skipped, grad_norm = 0, 0, 0.0
+    applied, skipped, empty, grad_norm = 0, 0, 0, 0.0
     zero_w = dummy_batch(pad_id).to(device)
     for _ in range(config.ppo_epochs):
         perm = torch.randperm(n_local, generator=generator)
@@ -329,6 +365,11 @@ def ppo_update(
         counts = all_reduce(local_counts, "sum", device).tolist()  # k token counts, then k sequence counts
         for j in range(k):
             if n_micro[j] == 0:  # no rank has data for this minibatch (fewer sequences than minibatches)
+                continue
+            if counts[j] == 0:
+                # no token left in the loss on any rank (every sample overlong-filtered): the loss is 0 and
+                # a step on zero gradients would still move the weights (Adam's moments, weight decay)
+                empty += 1
                 continue
             step_sums = torch.zeros(8, dtype=torch.float64)
             poisoned = False
@@ -366,7 +407,8 @@ def ppo_update(
                 skipped += 1
     tot = all_reduce(sums, "sum", device).tolist()
     steps, n = max(applied, 1), max(tot[6], 1.0)
-    nan = float("nan")
+    # no step taken: NaN, unless only because no minibatch had a token to train (a loss of 0, not a failure)
+    nan = 0.0 if empty and not skipped else float("nan")
     return {
         "loss/policy": tot[0] / steps if applied else nan,
         "loss/value": tot[1] / steps if applied else nan,
