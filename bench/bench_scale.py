@@ -306,7 +306,7 @@ class Size:
         sync = CollectiveWeightSync(a.bucket_mb) if path == "collective" else None
         row = {"size": self.name, "kind": "push", "path": path, "engine": engine, "dtype": a.dtype}
         row["bytes"] = nbytes
-        seconds, wext, lext = [], [], []
+        seconds, wext, lext, stages = [], [], [], []
         try:
             for i in range(a.reps + 1):
                 version += 1
@@ -323,6 +323,7 @@ class Size:
                     row["first_s"] = result.seconds
                     continue
                 seconds.append(result.seconds)
+                stages.append(result.stages)
                 wext.append(wsamp.extra())
                 lext.append(lsamp.extra())
         except Exception as err:  # reported in the row; the other rows go on
@@ -337,6 +338,7 @@ class Size:
             memcpy_fraction=nbytes / sec / 1e9 / self.memcpy,
             worker_peak_over_before_mib=max(wext) / MIB,
             learner0_peak_over_rest_mib=max(lext) / MIB,
+            stages={k: statistics.median(s.get(k, 0.0) for s in stages) for k in stages[0]},
         )
         return row, version
 
@@ -362,57 +364,6 @@ class Size:
             for s in self.samplers.values():
                 s.close()
             stop_actors([*self.ranks, *self.workers.values()], self.ranks, a.timeout)
-
-
-def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
-    mine = [r for r in rows if r["size"] == name]
-    nbytes = facts["bundle_bytes"][args.dtype]
-    print(
-        f"\n### {name}: {facts['params'] / 1e6:.1f}M parameters, bundle {nbytes / 1e6:.1f} MB at {args.dtype}"
-    )
-    copies = [
-        f"{r['gb_per_s']:.2f} GB/s with {r['threads']} thread(s)" for r in mine if r["kind"] == "memcpy"
-    ]
-    print(f"\nmemcpy: {', '.join(copies)}")
-    learner = [r for r in mine if r["kind"] == "learner"]
-    if learner:
-        print("\n| learner rank | sequences x tokens | step s | RSS at rest MiB | step peak over rest MiB |")
-        print("|---:|---:|---:|---:|---:|")
-        for r in learner:
-            print(
-                f"| {r['rank']} | {r['sequences']} x {r['tokens'] // r['sequences']} | {r['step_s']:.2f} | "
-                f"{r['rest_rss_mib']:.0f} | {r['step_peak_over_rest_mib']:.0f} |"
-            )
-    pushes = [r for r in mine if r["kind"] == "push"]
-    if pushes:
-        print(
-            f"\n| path | engine | MB moved | s (median of {args.reps}) | first s | GB/s | of memcpy | "
-            "worker peak over before MiB | learner r0 peak over rest MiB |"
-        )
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-        for r in pushes:
-            if "error" in r:
-                print(
-                    f"| {r['path']} | {r['engine']} | {nbytes / 1e6:.1f} | FAILED: {r['error'][:120]} |||||"
-                )
-                continue
-            print(
-                f"| {r['path']} | {r['engine']} | {nbytes / 1e6:.1f} | {r['seconds']:.3f} | {r['first_s']:.3f} | "
-                f"{r['gb_per_s']:.3f} | {r['memcpy_fraction']:.1%} | {r['worker_peak_over_before_mib']:.0f} | "
-                f"{r['learner0_peak_over_rest_mib']:.0f} |"
-            )
-    for r in mine:
-        if r["kind"] == "error":
-            print(f"\nsize FAILED: {r['error']}")
-        elif r["kind"] == "driver":
-            starts = ", ".join(f"{k} {v:.0f} s" for k, v in r["start_s"].items())
-            print(
-                f"\ndriver peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_over_start_mib']:+.0f} MiB over its RSS at "
-                f"the size's start); process tree (driver, Ray, actors) peak PSS {r['tree_peak_pss_mib'] / 1024:.2f} "
-                f"GiB; other processes used {r['foreign_cpu_frac']:.0%} of the CPUs; start-up: {starts}; "
-                f"{r['wall_s']:.0f} s in all"
-            )
-    sys.stdout.flush()
 
 
 def main() -> int:
@@ -539,6 +490,8 @@ def main() -> int:
                 }
             )
             driver.close()
+            from scale_report import print_size
+
             print_size(name, facts, rows, args)
             args.out.parent.mkdir(parents=True, exist_ok=True)  # after every size: a later failure keeps it
             settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -78,6 +78,7 @@ class RunConfig(_Strict):
             )
         if self.reference.pack_sequences is None:  # the reference scores the way the learner does
             self.reference.pack_sequences = self.learner.pack_sequences
+        self._overlong()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
             self.learner.off_policy = "none"  # vtrace's truncated importance weights are the correction
@@ -104,6 +105,21 @@ class RunConfig(_Strict):
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
         return self
+
+    def _overlong(self) -> None:
+        """The overlong ramp ends where the workers cut responses: rollout.sampling.max_new_tokens."""
+        le, max_new = self.learner, self.rollout.sampling.max_new_tokens
+        if le.overlong_max_tokens is None:
+            le.overlong_max_tokens = max_new
+        elif le.overlong_max_tokens != max_new:
+            raise ValueError(
+                f"learner.overlong_max_tokens={le.overlong_max_tokens} differs from rollout.sampling.max_new_tokens="
+                f"{max_new}, where the workers cut responses: leave it unset (null)"
+            )
+        if le.overlong_buffer > max_new:
+            raise ValueError(
+                f"learner.overlong_buffer={le.overlong_buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
+            )
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:

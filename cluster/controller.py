@@ -80,6 +80,7 @@ class Trainer(HeldOutEval, StepMetrics):
         self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
         self._checksum: str | None = None
         self.sync_replacements = 0
+        self.sync_stages: dict[str, float] = {}  # where the pushes since the last step row spent their time
         self.eval_before: dict[str, float] | None = None  # held-out metrics of the initial weights
         self.eval_after: dict[str, float] | None = None
         self.t_start = time.perf_counter()
@@ -268,6 +269,8 @@ class Trainer(HeldOutEval, StepMetrics):
         for index in result.lost:
             self._replace_lost(members[index])
         self.sync_replacements = len(result.lost)
+        for stage, seconds in result.stages.items():
+            self.sync_stages[stage] = self.sync_stages.get(stage, 0.0) + seconds
         return result.seconds
 
     def _replace_lost(self, member: Any) -> None:
@@ -350,6 +353,8 @@ class Trainer(HeldOutEval, StepMetrics):
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
+        metrics.update({f"weights/{stage}": s for stage, s in self.sync_stages.items()})
+        self.sync_stages = {}
         self.writer.write(step, metrics)
         self.telemetry.record_step(metrics, worker_lags=worker_lags)
         self.history.append(metrics)

@@ -65,11 +65,23 @@ class SyncResult:
     expected: Fingerprint
     seconds: float
     lost: list[int] = field(default_factory=list)  # workers that died or hung: the caller replaces them
+    stages: dict[str, float] = field(default_factory=dict)  # `stage_seconds`
 
     @property
     def checksum(self) -> Fingerprint:
         """The expected acknowledgement (`verify_ack`'s `expected`); the name predates fingerprints."""
         return self.expected
+
+
+def stage_seconds(meta: dict, acks: list[Any]) -> dict[str, float]:
+    """Where a push's time went: learner rank 0's stages ('learner_probe_s', 'learner_gather_s',
+    'learner_describe_s', and 'learner_send_s' for a broadcast) and each worker stage's slowest worker
+    ('worker_load_s', 'worker_checksum_s', 'worker_digest_s', 'worker_probe_s')."""
+    out = {f"learner_{k}": float(v) for k, v in (meta.get("timings") or {}).items()}
+    for ack in acks:
+        for k, v in ack.timings.items():
+            out[f"worker_{k}"] = max(out.get(f"worker_{k}", 0.0), float(v))
+    return out
 
 
 def push_weights(
@@ -93,9 +105,13 @@ def push_weights(
     bundle = refs[0]
     meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
     acks = [w.load_weights.remote(bundle, version) for w in workers]
-    expected = _await_export(refs, meta_ref, version, dtype, timeout)
-    lost = _collect_acks(names, acks, version, expected, timeout)
-    return SyncResult(version, expected, time.perf_counter() - t0, lost), bundle
+    _wait_for_export([*refs, meta_ref], f"learner export of v{version}", timeout)
+    ray.get(refs[1:])  # (refs[0] is the bundle: never pulled into the driver)
+    meta = ray.get(meta_ref)
+    expected = expected_fingerprint(meta, version, dtype)
+    lost, values = _collect_acks(names, acks, version, expected, timeout)
+    stages = stage_seconds(meta, values)
+    return SyncResult(version, expected, time.perf_counter() - t0, lost, stages), bundle
 
 
 def push_colocated(
@@ -122,12 +138,13 @@ def push_colocated(
     if workers:
         verify_ack(names[0], ack, version, expected)
     acks = [w.load_weights.remote(bundle, version) for w in workers[1:]]
-    lost = [i + 1 for i in _collect_acks(names[1:], acks, version, expected, timeout)]
+    lost, values = _collect_acks(names[1:], acks, version, expected, timeout)
     if lost:  # a worker on another host is gone: its host (a learner rank) is gone too
         raise WeightSyncError(
-            f"{[names[i] for i in lost]} lost while loading v{version} (its learner rank's process)"
+            f"{[names[i + 1] for i in lost]} lost while loading v{version} (its learner rank's process)"
         )
-    return SyncResult(version, expected, time.perf_counter() - t0), bundle
+    stages = stage_seconds(meta, [ack, *values] if workers else values)
+    return SyncResult(version, expected, time.perf_counter() - t0, stages=stages), bundle
 
 
 class _LostMembers(Exception):
@@ -195,18 +212,18 @@ class CollectiveWeightSync:
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         try:
-            expected = self._broadcast(ranks, workers, names, version, dtype, timeout, deadline)
-            return SyncResult(version, expected, time.perf_counter() - t0), None
+            expected, stages = self._broadcast(ranks, workers, names, version, dtype, timeout, deadline)
+            return SyncResult(version, expected, time.perf_counter() - t0, stages=stages), None
         except _LostMembers as gone:
             keep = [i for i in range(len(workers)) if i not in gone.indices]
             if not keep:
                 raise WeightSyncError(
                     f"every worker {names} was lost during the broadcast of v{version}"
                 ) from None
-            expected = self._broadcast(
+            expected, stages = self._broadcast(
                 ranks, [workers[i] for i in keep], [names[i] for i in keep], version, dtype, timeout, deadline
             )
-            return SyncResult(version, expected, time.perf_counter() - t0, gone.indices), None
+            return SyncResult(version, expected, time.perf_counter() - t0, gone.indices, stages), None
 
     def _broadcast(
         self,
@@ -217,7 +234,7 @@ class CollectiveWeightSync:
         dtype: str,
         timeout: float,
         deadline: float,
-    ) -> Fingerprint:
+    ) -> tuple[Fingerprint, dict[str, float]]:
         self._form(ranks[0], workers, names, timeout, deadline)
         acks = [w.receive_weights.remote() for w in workers]
         refs = [
@@ -254,10 +271,12 @@ class CollectiveWeightSync:
             raise _LostMembers(dead)
         if problem:
             raise WeightSyncError(problem)
-        expected = expected_fingerprint(ray.get(meta_ref), version, dtype)
-        for name, ack in zip(names, acks, strict=True):
-            verify_ack(name, ray.get(ack), version, expected)
-        return expected
+        meta = ray.get(meta_ref)
+        expected = expected_fingerprint(meta, version, dtype)
+        values = ray.get(acks)
+        for name, ack in zip(names, values, strict=True):
+            verify_ack(name, ack, version, expected)
+        return expected, stage_seconds(meta, values)
 
 
 def weight_backend(cfg: Any) -> str:
@@ -302,18 +321,13 @@ def _wait_for_export(refs: list[Any], what: str, timeout: float) -> None:
         raise WeightSyncError(f"{what} not done within {timeout:.0f}s (timeouts.weight_sync_s)")
 
 
-def _await_export(refs: list[Any], meta_ref: Any, version: int, dtype: str, timeout: float) -> Fingerprint:
-    _wait_for_export([*refs, meta_ref], f"learner export of v{version}", timeout)
-    ray.get(refs[1:])  # (refs[0] may be the bundle: never pulled into the driver)
-    return expected_fingerprint(ray.get(meta_ref), version, dtype)
-
-
 def _collect_acks(
     names: list[str], acks: list[Any], version: int, expected: Fingerprint, timeout: float
-) -> list[int]:
-    """Verify every acknowledgement; returns the indices of workers that died or did not answer."""
+) -> tuple[list[int], list[Any]]:
+    """Verify every acknowledgement; returns the indices of workers that died or did not answer, and
+    the acknowledgements of the others."""
     deadline = time.monotonic() + timeout
-    lost = []
+    lost, values = [], []
     for i, (name, ack) in enumerate(zip(names, acks, strict=True)):
         try:
             value = ray.get(ack, timeout=max(0.0, deadline - time.monotonic()))
@@ -323,7 +337,8 @@ def _collect_acks(
         except ray.exceptions.RayTaskError as err:  # the worker refused or failed the load
             raise WeightSyncError(f"{name} did not load v{version}: {err.cause!r}") from err
         verify_ack(name, value, version, expected)
-    return lost
+        values.append(value)
+    return lost, values
 
 
 def expected_fingerprint(meta: dict, version: int, rollout_dtype: str) -> Fingerprint:

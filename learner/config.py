@@ -201,9 +201,9 @@ class LearnerConfig(_Strict):
         None,
         ge=1,
         description=(
-            "L_max of the overlong ramp: set it to rollout.sampling.max_new_tokens (required when "
-            "overlong_buffer > 0; a truncated sample of another length, or any longer one, stops the first "
-            "train step with an error naming this field)."
+            "L_max of the overlong ramp; None: rollout.sampling.max_new_tokens (a run refuses any other "
+            "value; a learner used alone needs it when overlong_buffer > 0, and a truncated sample of another "
+            "length, or any longer one, stops the train step with an error naming this field)."
         ),
     )
     overlong_filter: bool = Field(
@@ -331,17 +331,11 @@ class LearnerConfig(_Strict):
                 "learner.backend='gloo' trains on CPU: learner.num_gpus_per_rank must be 0 "
                 "(or set backend: nccl / auto to train on the GPU)"
             )
-        if self.overlong_buffer > 0:
-            if self.overlong_max_tokens is None:
-                raise ValueError(
-                    f"learner.overlong_buffer={self.overlong_buffer} needs learner.overlong_max_tokens: set it "
-                    "to rollout.sampling.max_new_tokens (L_max of the overlong ramp)"
-                )
-            if self.overlong_buffer > self.overlong_max_tokens:
-                raise ValueError(
-                    f"learner.overlong_buffer={self.overlong_buffer} must be <= learner.overlong_max_tokens="
-                    f"{self.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
-                )
+        if self.overlong_max_tokens is not None and self.overlong_buffer > self.overlong_max_tokens:
+            raise ValueError(
+                f"learner.overlong_buffer={self.overlong_buffer} must be <= learner.overlong_max_tokens="
+                f"{self.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
+            )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(
                 f"learner.offload_params needs learner.zero_stage: 3 (got {self.zero_stage}); "

@@ -7,6 +7,7 @@ and calls every collective method on all ranks concurrently.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -163,7 +164,9 @@ class LearnerRank:
         cluster's: checksum and digest at the rollout dtype).
         """
         engine = self._require_engine()
+        t0 = time.perf_counter()
         probe = self._probe_logprobs()
+        t1 = time.perf_counter()
         out = cpu_state_dict(
             engine.module.policy.state_dict(keep_vars=True),
             self._bucket_bytes,
@@ -172,11 +175,10 @@ class LearnerRank:
         )
         if out is None:
             return None
-        self._fingerprint = {
-            "probe": probe,
-            "dtype": self.config.dtype,
-            **(describe(out) if describe else {}),
-        }
+        t2 = time.perf_counter()
+        facts = describe(out) if describe else {}
+        timings = {"probe_s": t1 - t0, "gather_s": t2 - t1, "describe_s": time.perf_counter() - t2}
+        self._fingerprint = {"probe": probe, "dtype": self.config.dtype, **facts, "timings": timings}
         return out
 
     def join_weight_group(
@@ -215,7 +217,10 @@ class LearnerRank:
         group, timeout_s, backend = self._weight_group
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         try:
-            return broadcast_state(group, state, version, int(bucket_mb * 2**20), timeout_s, device)
+            t0 = time.perf_counter()
+            sent = broadcast_state(group, state, version, int(bucket_mb * 2**20), timeout_s, device)
+            self._fingerprint["timings"]["send_s"] = time.perf_counter() - t0
+            return sent
         except WeightBroadcastError as err:
             failure = str(err)  # raised below without this traceback, whose frames hold the group
         self._weight_group = None

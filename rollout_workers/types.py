@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -52,3 +52,5 @@ class WeightAck:
     held: str | None = None
     changed: bool | None = None
     bundle_changed: bool | None = None
+    # seconds of the worker's stages: 'load_s' (receive and load), 'checksum_s', 'digest_s', 'probe_s'
+    timings: dict[str, float] = field(default_factory=dict)

@@ -133,20 +133,34 @@ class RolloutWorker:
         bundle it loaded) and acknowledge it with what the engine computes afterwards (lock held)."""
         engine = self._engine
         self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
+        marks = [time.perf_counter()]
         before = None if engine.digest_names_match else engine.weights_digest()
         previous, self._last_received = self._last_received, None  # until this load succeeds
+        marks.append(time.perf_counter())
         version, received = load()
         self._version = int(version)
+        marks.append(time.perf_counter())
         self._checksum = engine.weights_checksum()
+        marks.append(time.perf_counter())
         after = engine.weights_digest()
+        marks.append(time.perf_counter())
+        probe = engine.probe_logprobs(self._probe)
+        marks.append(time.perf_counter())
+        took = [b - a for a, b in zip(marks, marks[1:], strict=False)]
         ack = WeightAck(
             self._version,
-            engine.probe_logprobs(self._probe),
+            probe,
             self._checksum,
             received=received,
             held=after if engine.digest_names_match else None,
             changed=None if before is None else after != before,
             bundle_changed=None if previous is None else received != previous,
+            timings={
+                "load_s": took[1] + (marks[0] - t0),  # (the object-store path digests the bundle first)
+                "checksum_s": took[2],
+                "digest_s": took[0] + took[3],
+                "probe_s": took[4],
+            },
         )
         self._last_received = received
         self._stats["weight_loads"] += 1

@@ -381,7 +381,6 @@ def test_defaults_are_off():
         ({"overlong_penalty": -1.0}, "overlong_penalty"),
         ({"overlong_max_tokens": 0}, "overlong_max_tokens"),
         ({"overlong_filter": "sometimes"}, "overlong_filter"),
-        ({"overlong_buffer": 4}, "learner.overlong_max_tokens"),
         ({"overlong_buffer": 9, "overlong_max_tokens": 8}, "learner.overlong_buffer=9"),
     ],
 )
@@ -397,8 +396,14 @@ def test_run_config_errors_name_the_learner_field():
     base = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
     with pytest.raises(ConfigError, match=r"learner\.overlong_buffer"):
         build_config({**base, "learner": {"overlong_buffer": -2}})
-    with pytest.raises(ConfigError, match=r"learner\.overlong_max_tokens"):
-        build_config({**base, "learner": {"overlong_buffer": 2}})
+    # L_max is the workers' limit: filled from it, any other value refused
+    assert build_config({**base, "learner": {"overlong_buffer": 2}}).learner.overlong_max_tokens == 24
+    sampling = {"sampling": {"max_new_tokens": 16}}
+    assert build_config({**base, "rollout": sampling}).learner.overlong_max_tokens == 16
+    with pytest.raises(ConfigError, match=r"learner\.overlong_max_tokens=20 differs from rollout\.sampling"):
+        build_config({**base, "learner": {"overlong_max_tokens": 20}})
+    with pytest.raises(ConfigError, match=r"learner\.overlong_buffer=20 must be <="):
+        build_config({**base, "rollout": sampling, "learner": {"overlong_buffer": 20}})
     learner = {"overlong_buffer": 2, "overlong_max_tokens": 24, "overlong_filter": True}
     cfg = build_config({**base, "learner": learner})
     assert cfg.learner.overlong_buffer == 2 and cfg.learner.overlong_filter
