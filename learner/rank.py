@@ -30,7 +30,7 @@ from learner.deepspeed_setup import (
 from learner.gather import cpu_state_dict
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
-from learner.sequences import check_packing_exact, probe_sequences
+from learner.sequences import check_packing_exact, probe_sequences, right_padded
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -235,18 +235,17 @@ class LearnerRank:
     @torch.no_grad()
     def _probe_logprobs(self) -> list[np.ndarray]:
         """Teacher-forced logprobs (temperature 1) of tokens 1.. of each probe sequence, through the
-        same forward as training (all ranks call it: ZeRO-3 gathers parameters inside)."""
+        same forward as training (all ranks call it: ZeRO-3 gathers parameters inside). One forward of
+        the sequences right-padded into a batch: causal attention never sees the padding after a
+        position, and one pass gathers (ZeRO-3) and reads the weights once instead of per sequence."""
         engine = self._require_engine()
         weight = engine.module.policy.get_output_embeddings().weight
         vocab = int(getattr(weight, "ds_shape", weight.shape)[0])
-        out = []
-        for seq in probe_sequences(vocab):
-            ids = torch.from_numpy(seq).unsqueeze(0).to(engine.device)
-            one = torch.ones((1,), dtype=torch.long, device=engine.device)
-            logits, _ = engine(ids, torch.ones_like(ids), one, len(seq) - 1, 1.0)
-            logp = torch.log_softmax(logits[0].float(), dim=-1)
-            out.append(logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).cpu().numpy())
-        return out
+        ids, mask = right_padded(probe_sequences(vocab), engine.device)
+        prompt = torch.ones((len(ids),), dtype=torch.long, device=engine.device)
+        logits, _ = engine(ids, mask, prompt, ids.shape[1] - 1, 1.0)
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return [row[: int(n) - 1].cpu().numpy() for row, n in zip(logp, mask.sum(-1), strict=True)]
 
     def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
         """Rank 0 writes the HF policy, value head and tokenizer files (copied from `tokenizer_from`,

@@ -279,6 +279,21 @@ def probe_sequences(vocab_size: int, count: int = 4, length: int = 8) -> list[np
     return [rng.integers(0, vocab_size, size=length + i, dtype=np.int64) for i in range(count)]
 
 
+def right_padded(
+    sequences: Sequence[np.ndarray], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as one batch: `(ids [B, L], attention_mask [B, L])`, each row padded on the right
+    (with token 0, masked) to the longest. Under causal attention a position never sees the padding
+    after it, so each row's logits at its own positions are the unpadded sequence's."""
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(np.asarray(seq, dtype=np.int64))
+        mask[row, : len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def sequence_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Teacher-forced logprobs [L-1] of tokens 1..L-1 of one sequence from its logits [L, V] (temperature 1)."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.sequences import fuse_tanh_gelu, sequence_logprobs
+from learner.sequences import fuse_tanh_gelu, right_padded, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
 from rollout_workers.weight_receiver import WeightGroupMember
@@ -170,12 +170,14 @@ class HFEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
-        out = []
-        for seq in sequences:
-            ids = torch.as_tensor(np.asarray(seq, dtype=np.int64), device=self._device).unsqueeze(0)
-            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-            out.append(sequence_logprobs(logits[0], ids[0]).cpu().numpy())
-        return out
+        """One forward of the sequences right-padded into a batch (the weights are read once)."""
+        ids, mask = right_padded(sequences, self._device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lengths = mask.sum(-1).tolist()
+        return [
+            sequence_logprobs(lg[:n], row[:n]).cpu().numpy()
+            for lg, row, n in zip(logits, ids, lengths, strict=True)
+        ]
 
     def _release(self, level: int) -> None:
         if self._device.type == "cuda":

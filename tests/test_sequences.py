@@ -52,3 +52,28 @@ def test_fused_tanh_gelu_matches_transformers_gelu_new():
     )
     assert fuse_tanh_gelu(model) == 2
     assert not any(isinstance(m, NewGELUActivation) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "llama"])
+def test_right_padded_batch_computes_each_sequences_own_logprobs(tmp_path, family):
+    """The probe's batched forward (`right_padded`): each row's teacher-forced logprobs equal the
+    sequence's alone (float32; a different matmul shape rounds differently, far below 1e-5)."""
+    from tiny_models import build_causal_lm
+    from transformers import AutoModelForCausalLM
+
+    from learner.sequences import probe_sequences, right_padded, sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(build_causal_lm(tmp_path / family, family)).eval()
+    sequences = probe_sequences(model.config.vocab_size)
+    assert len({len(s) for s in sequences}) > 1  # padding is exercised
+    ids, mask = right_padded(sequences)
+    assert ids.shape == (len(sequences), max(len(s) for s in sequences))
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask).logits
+        for row, seq in enumerate(sequences):
+            one = torch.as_tensor(seq).unsqueeze(0)
+            alone = sequence_logprobs(model(input_ids=one).logits[0], one[0])
+            n = len(seq)
+            assert mask[row].sum() == n and (ids[row, n:] == 0).all()
+            got = sequence_logprobs(batched[row, :n], ids[row, :n])
+            torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
