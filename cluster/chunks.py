@@ -88,11 +88,16 @@ class RolloutBatch:
     redispatched: int = 0
     lost: int = 0  # chunks generated again because their samples' object was lost with its node
     events: list[str] = field(default_factory=list)
+    # chunk index -> the positions trained (dynamic sampling leaves filtered groups out); None: all
+    selected: dict[int, list[int]] | None = None
 
     @property
     def parts(self) -> Parts:
-        """Every sample of every chunk, as the learner takes a batch (an async `Taken`'s parts)."""
-        return every_sample(self.chunks)
+        """The samples trained, as the learner takes a batch (an async `Taken`'s parts): every sample
+        of every chunk, or the `selected` positions."""
+        if self.selected is None:
+            return every_sample(self.chunks)
+        return [(c, list(self.selected[c.index])) for c in self.chunks]
 
     @property
     def kept(self) -> list[tuple[Chunk, int]]:

@@ -76,6 +76,12 @@ class RunConfig(_Strict):
                 f"learner.advantage={self.learner.advantage!r} takes its baseline from the other samples of "
                 "the same prompt: set rollout.sampling.n >= 2"
             )
+        ds = self.data.dynamic_sampling
+        if ds.enabled and self.rollout.sampling.n < 2:
+            raise ValueError(
+                f"data.dynamic_sampling.filter={ds.filter!r} compares the rewards of a prompt's samples: set "
+                "rollout.sampling.n >= 2, or data.dynamic_sampling.filter='none'"
+            )
         if self.reference.pack_sequences is None:  # the reference scores the way the learner does
             self.reference.pack_sequences = self.learner.pack_sequences
         self._overlong()

@@ -23,6 +23,7 @@ from .chunks import Parts, RolloutBatch
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
+from .dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
 from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
 from .groups import shard_parts
 from .metrics import MetricsWriter, StepMetrics, truncate_metrics
@@ -73,6 +74,11 @@ class Trainer(HeldOutEval, StepMetrics):
         self.control: Any = None
         self.history: list[dict[str, float]] = []
         self.trained_prompts: collections.Counter[int] = collections.Counter()
+        # dynamic sampling: prompts whose groups were filtered (never trained), and how many in all
+        self.filtered_prompts: collections.Counter[int] = collections.Counter()
+        self.filtered_total = 0
+        ds = cfg.data.dynamic_sampling
+        self.group_filter = resolve_filter(ds.filter, ds.std_eps)  # None: dynamic sampling off
         self.last_checkpoint: Path | None = None
         self._bundle: Any = None
         self._collective: CollectiveWeightSync | None = None  # rollout.weight_sync='collective'
@@ -202,6 +208,8 @@ class Trainer(HeldOutEval, StepMetrics):
             "samples_seen": self.samples_seen,
             "stream": self.stream.state_dict(),
             "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
+            "filtered_prompts": {str(k): v for k, v in self.filtered_prompts.items()},
+            "filtered_total": self.filtered_total,
             "score": score,
             **self._extra_state,
         }
@@ -225,6 +233,10 @@ class Trainer(HeldOutEval, StepMetrics):
         self.samples_seen = int(state["samples_seen"])
         self.stream.load_state_dict(state["stream"])
         self.trained_prompts = collections.Counter({int(k): v for k, v in state["trained_prompts"].items()})
+        self.filtered_prompts = collections.Counter(
+            {int(k): v for k, v in state.get("filtered_prompts", {}).items()}
+        )
+        self.filtered_total = int(state.get("filtered_total", 0))
         self.last_checkpoint = ckpt
         self.sync_weights(int(state["version"]))
         # drop rows written after the checkpoint by the interrupted run
@@ -331,9 +343,13 @@ class Trainer(HeldOutEval, StepMetrics):
         t0 = time.perf_counter()
         step = self.step + 1
         scaling = self.apply_scaling()
-        prompts = self.stream.next_batch(cfg.data.prompts_per_step)
-        batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-        self.check_reward_failures(step, batch.reward_errors, batch.total)
+        account = None
+        if self.group_filter is None:
+            prompts = self.stream.next_batch(cfg.data.prompts_per_step)
+            batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
+            self.check_reward_failures(step, batch.reward_errors, batch.total)
+        else:
+            batch, account = self.collect_informative(step)
         t1 = time.perf_counter()
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
@@ -345,10 +361,57 @@ class Trainer(HeldOutEval, StepMetrics):
         wall = time.perf_counter() - t0
         metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
         metrics["scale/events"] = float(len(scaling))
+        if account is not None:
+            self.record_filtered(account.filtered_prompts)
+            metrics.update(account.metrics())
+            metrics["dynamic/filtered_total"] = float(self.filtered_total)
         if self.eval_due(step):
             metrics.update(self.evaluate()[0])
         self.finish_step(step, metrics)
         return metrics
+
+    def record_filtered(self, indices: list[int]) -> None:
+        """Dynamic sampling: prompts whose groups were filtered (drawn and used up, never trained)."""
+        self.filtered_prompts.update(indices)
+        self.filtered_total += len(indices)
+
+    def collect_informative(self, step: int) -> tuple[RolloutBatch, StepAccount]:
+        """Dynamic sampling, sync: collect, drop the groups the filter refuses, draw exactly the missing
+        number of prompts and collect again (round r's chunk seeds come from `round_seed`), until the
+        batch holds data.prompts_per_step groups or max_rounds rounds ran. Every drawn prompt is either
+        in the returned batch or in the account's filtered prompts; none is carried to the next step."""
+        cfg, ds = self.cfg, self.cfg.data.dynamic_sampling
+        account = StepAccount(cfg.data.prompts_per_step)
+        merged = RolloutBatch(selected={})
+        want = account.target
+        while True:
+            prompts = self.stream.next_batch(want)
+            seed = round_seed(cfg.run.seed, account.rounds)
+            got = self.collector.collect(prompts, step, seed, cfg.rollout.chunk_size)
+            self.check_reward_failures(step, got.reward_errors, got.total)
+            kept_groups, filtered = 0, []
+            for chunk in got.chunks:
+                kept_pos, dropped = split_chunk(chunk, self.group_filter)
+                filtered += dropped
+                if not kept_pos:
+                    continue
+                kept_groups += len(kept_pos)
+                chunk.index = len(merged.chunks)  # unique within the merged batch (regather finds it)
+                merged.chunks.append(chunk)
+                merged.selected[chunk.index] = sorted(j for pos in kept_pos.values() for j in pos)
+            account.record_round(len(prompts), kept_groups, filtered)
+            merged.time_generate += got.time_generate
+            merged.time_score += got.time_score
+            merged.queue_depth = max(merged.queue_depth, got.queue_depth)
+            merged.replacements += got.replacements
+            merged.redispatched += got.redispatched
+            merged.lost += got.lost
+            merged.events += got.events
+            if account.finished(ds.max_rounds):
+                break
+            want = account.next_draw()
+        account.check_trainable(ds.max_rounds)
+        return merged, account
 
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.

@@ -48,6 +48,39 @@ class ModelSection(_Strict):
     )
 
 
+class DynamicSamplingSection(_Strict):
+    filter: str = Field(
+        "none",
+        description="Which groups (the rollout.sampling.n samples of one prompt) are trained: 'none' (all: dynamic "
+        "sampling off), 'nonzero_std' (only groups whose rewards' std exceeds std_eps: DAPO's dynamic sampling), or "
+        "a user function 'package.module:function' / 'path/to/file.py:function' taking the group's successful "
+        "rewards (a float64 array) and returning whether to keep it. Dropped groups are counted and the batch is "
+        "refilled with more prompts; needs rollout.sampling.n >= 2.",
+    )
+    max_rounds: int = Field(
+        8,
+        ge=1,
+        description="Sync: collect rounds per step (the first batch + refills of exactly the missing groups); "
+        "async: a batch is taken short once the groups scored since the previous one (kept + filtered) reach "
+        "max_rounds x data.prompts_per_step. Past it the step trains the informative groups it has (the rest "
+        "counted in dynamic/shortfall_groups); with none at all the run stops with an error naming this field.",
+    )
+    std_eps: float = Field(
+        1e-6, ge=0, description="'nonzero_std' keeps a group whose rewards' population std is > this."
+    )
+
+    @field_validator("filter")
+    @classmethod
+    def _known_filter(cls, spec: str) -> str:
+        from .dynamic_sampling import check_filter_spec
+
+        return check_filter_spec(spec)
+
+    @property
+    def enabled(self) -> bool:
+        return self.filter != "none"
+
+
 class DataSection(_Strict):
     prompts_path: str = Field(..., description="JSONL file of prompts, one object per line.")
     prompt_key: str = Field("prompt", description="Key of the prompt text in each JSONL object.")
@@ -63,6 +96,11 @@ class DataSection(_Strict):
     )
     add_bos: bool = Field(True, description="Prepend the tokenizer's BOS token when it has one.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    dynamic_sampling: DynamicSamplingSection = Field(
+        default_factory=DynamicSamplingSection,
+        description="Drop groups whose rewards carry no signal and refill the batch with more prompts "
+        "(off by default: filter='none').",
+    )
 
 
 class ClusterSection(_Strict):

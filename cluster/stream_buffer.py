@@ -12,6 +12,13 @@ Staleness (eta, in policy versions) is bounded twice:
 - Consumption: a sample whose version is more than eta behind the learner's when its batch is
   taken is never trained: it is dropped, counted, and its prompt re-queued (ahead of new prompts),
   so every prompt of an epoch is still trained exactly once.
+
+Dynamic sampling (`group_filter`, see `cluster.dynamic_sampling`): a scored chunk's groups that the
+filter refuses never enter the buffer; each gives its admission slot back (as a stale prompt does),
+so a new prompt from the stream takes it and the stream cannot stall, and the bound above still holds
+for every admitted prompt. A filtered prompt is used up: recorded in `filtered` (drained by the
+trainer), never re-queued. `take` returns a batch short of P only when the groups scored since the
+previous batch (ready + filtered) reach `max_rounds` x P.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .chunks import Chunk, Parts, chunk_seed
 from .data import Prompt, PromptStream
+from .dynamic_sampling import DynamicSamplingError, GroupFilter, split_chunk
 
 
 @dataclass
@@ -33,6 +41,7 @@ class Taken:
     stale_samples: int = 0
     stale_prompts: int = 0
     staleness: list[int] = field(default_factory=list)  # per trained sample
+    filtered: int = 0  # dynamic sampling: groups filtered since the previous batch was taken
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -41,7 +50,14 @@ class Taken:
 
 class StreamBuffer:
     def __init__(
-        self, stream: PromptStream, prompts_per_step: int, chunk_size: int, max_staleness: int, run_seed: int
+        self,
+        stream: PromptStream,
+        prompts_per_step: int,
+        chunk_size: int,
+        max_staleness: int,
+        run_seed: int,
+        group_filter: GroupFilter | None = None,
+        max_rounds: int = 1,
     ) -> None:
         self.stream = stream
         self.P = prompts_per_step
@@ -54,6 +70,10 @@ class StreamBuffer:
         self.admitted = 0  # prompts admitted since version 0 (minus those given back)
         self.chunks = 0  # global chunk counter (seeds)
         self.pulled = 0  # prompts taken from the stream (batch-aligned chunking)
+        self.group_filter = group_filter  # dynamic sampling (None: every group is kept)
+        self.max_rounds = max_rounds
+        self.filtered: list[Prompt] = []  # prompts filtered and not yet drained by the trainer
+        self.filtered_since_take = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -92,11 +112,19 @@ class StreamBuffer:
         prompt enters the buffer at most once per admission."""
         if self.inflight.pop(chunk.index, None) is None:
             return
-        by_prompt: dict[int, list[int]] = collections.defaultdict(list)
-        for j, fact in enumerate(chunk.facts):
-            by_prompt[fact[0]].append(j)
+        kept, filtered = split_chunk(chunk, self.group_filter)
         for p in chunk.prompts:
-            self.ready.append((chunk, p, by_prompt.get(p.index, [])))
+            if p.index in kept:
+                self.ready.append((chunk, p, kept[p.index]))
+            else:  # used up: its admission slot goes to a new prompt
+                self.filtered.append(p)
+                self.filtered_since_take += 1
+                self.admitted -= 1
+
+    def drain_filtered(self) -> list[Prompt]:
+        """The prompts filtered since the last call (the trainer counts them)."""
+        out, self.filtered = self.filtered, []
+        return out
 
     def depth(self) -> int:
         """Prompts scored and waiting for the learner."""
@@ -119,13 +147,26 @@ class StreamBuffer:
             else:
                 fresh.append((chunk, prompt, positions))
         self.ready = fresh
-        if len(self.ready) < self.P:
+        size = self.P
+        seen = len(self.ready) + self.filtered_since_take  # groups scored since the previous batch
+        if len(self.ready) < self.P and self.group_filter is not None and seen >= self.max_rounds * self.P:
+            if not self.ready:
+                raise DynamicSamplingError(
+                    f"dynamic sampling: {self.filtered_since_take} groups filtered since the last batch and "
+                    f"none kept (data.dynamic_sampling.max_rounds={self.max_rounds}): every group's rewards "
+                    "were equal. Raise data.dynamic_sampling.max_rounds, check the reward, or set "
+                    "data.dynamic_sampling.filter='none'"
+                )
+            size = len(self.ready)  # a short batch: max_rounds batches' worth of groups were seen
+        if len(self.ready) < size:
             return (
                 None
                 if not stale_prompts
                 else Taken([], [], stale_samples=stale_samples, stale_prompts=stale_prompts)
             )
-        items = [self.ready.popleft() for _ in range(self.P)]
+        items = [self.ready.popleft() for _ in range(size)]
+        filtered, self.filtered_since_take = self.filtered_since_take, 0
+        self.admitted += self.P - size  # a short batch's missing groups keep their slots (as at restore)
         items.sort(key=lambda it: (it[0].index, it[2][0] if it[2] else -1))  # chunk order, as sync mode
         parts: Parts = []
         for chunk, _prompt, positions in items:
@@ -136,7 +177,9 @@ class StreamBuffer:
         for _chunk, positions in parts:
             positions.sort()
         staleness = [version - c.facts[j][1] for c, pos in parts for j in pos]
-        return Taken(parts, items, stale_samples, stale_prompts, staleness)  # parts copied the positions
+        return Taken(
+            parts, items, stale_samples, stale_prompts, staleness, filtered
+        )  # parts copied positions
 
     def give_back(self, taken: Taken, lost: set[int]) -> int:
         """A batch the learner could not train because the objects of the chunks `lost` (indices)
@@ -171,5 +214,6 @@ class StreamBuffer:
         self.ready.clear()
         self.inflight.clear()
         self.admitted = version * self.P
+        self.filtered, self.filtered_since_take = [], 0
         self.chunks = chunks
         self.pulled = pulled

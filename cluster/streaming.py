@@ -32,6 +32,7 @@ import ray
 from .calls import Call, CallTracker
 from .chunks import Chunk, RolloutBatch, kept, reward_errors
 from .controller import LearnerStepError, Trainer
+from .dynamic_sampling import async_rounds
 from .evaluation import EvalRound
 from .rollout import RolloutCollector
 from .stream_buffer import StreamBuffer, Taken
@@ -93,6 +94,8 @@ class AsyncTrainer(Trainer):
             cfg.rollout.chunk_size,
             cfg.pipeline.max_staleness,
             cfg.run.seed,
+            group_filter=self.group_filter,
+            max_rounds=cfg.data.dynamic_sampling.max_rounds,
         )
         if self._resume_state is not None:
             st = self._resume_state
@@ -365,6 +368,8 @@ class AsyncTrainer(Trainer):
         # that entered the buffer twice would show as trained twice.
         trained = {chunk.facts[j][0] for chunk, j in kept(taken.parts)}
         self.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
+        if self.group_filter is not None:
+            metrics.update(self._dynamic_metrics(taken))
         metrics["scale/events"] = float(len(scaling))
         if self.eval_ready is not None:  # a held-out round that finished during this step
             metrics.update(self.eval_ready)
@@ -373,6 +378,20 @@ class AsyncTrainer(Trainer):
         if self.eval_due(step):
             self._queue_eval(step)
         return metrics
+
+    def _dynamic_metrics(self, taken: Taken) -> dict[str, float]:
+        """Dynamic sampling: the prompts filtered during this step (each gave its admission slot to a new
+        prompt from the stream: the step's extra prompts) are recorded as used up."""
+        filtered = self.buffer.drain_filtered()
+        self.record_filtered([p.index for p in filtered])
+        P = self.cfg.data.prompts_per_step
+        return {
+            "dynamic/filtered_groups": float(len(filtered)),
+            "dynamic/extra_prompts": float(len(filtered)),
+            "dynamic/rounds": float(async_rounds(len(taken.items), taken.filtered, P)),
+            "dynamic/shortfall_groups": float(P - len(taken.items)),
+            "dynamic/filtered_total": float(self.filtered_total),
+        }
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)

@@ -174,3 +174,99 @@ def test_a_lost_chunk_starts_a_new_round():
     _finish(buf, c, 0)
     c.lost()
     assert c.round == 1 and c.facts is None and c.samples_ref is None and c.scores is None and not c.scored
+
+
+# ---------------------------------------------------------------------- dynamic sampling
+
+
+class _Rewards:
+    def __init__(self, values):
+        self.scores = np.asarray(values, dtype=np.float32)
+        self.ok = np.ones(len(values), dtype=bool)
+
+
+def _finish_rewards(buf, chunk, version, flat, n=2):
+    """Score `chunk` with n samples per prompt: all-equal rewards for prompts in `flat`, spread otherwise."""
+    chunk.facts = [(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
+    chunk.samples_ref = chunk.ref_logprobs_ref = object()
+    chunk.scores = _Rewards([1.0 if f[0] in flat else float(k % 2) for k, f in enumerate(chunk.facts)])
+    buf.add_scored(chunk)
+
+
+def _filtering_buffer(n_prompts=24, P=4, chunk=2, eta=1, max_rounds=8, shuffle=False):
+    from cluster.dynamic_sampling import nonzero_std
+
+    stream = PromptStream(_prompts(n_prompts), seed=5, shuffle=shuffle)
+    return StreamBuffer(
+        stream, P, chunk, eta, run_seed=7, group_filter=nonzero_std(1e-6), max_rounds=max_rounds
+    )
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_filtered_groups_give_their_slot_back_and_every_prompt_ends_once(eta):
+    """Prompts divisible by 3 have all-equal rewards: they never reach the learner, each frees its
+    admission slot for a new prompt (the stream never stalls), every batch is full, the admission
+    bound holds, and each drawn prompt is trained, filtered or outstanding exactly once."""
+    rng = random.Random(eta)
+    P, flat = 4, {i for i in range(48) if i % 3 == 0}
+    buf = _filtering_buffer(n_prompts=48, P=P, eta=eta, shuffle=True)
+    trained, filtered = collections.Counter(), collections.Counter()
+    version, inflight = 0, []
+    while version < 6:
+        while (c := buf.next_chunk(version)) is not None:
+            inflight.append((c, version))
+            assert buf.admitted <= (eta + version + 1) * P  # filtered prompts count as given back
+        rng.shuffle(inflight)
+        for c, v in inflight[: max(1, len(inflight) // 2)]:
+            _finish_rewards(buf, c, v, flat)
+        inflight = inflight[max(1, len(inflight) // 2) :]
+        filtered.update(p.index for p in buf.drain_filtered())
+        taken = buf.take(version)
+        if taken is None or not taken.parts:
+            continue
+        assert len(taken.items) == P and not {p.index for p in taken.prompts} & flat
+        trained.update(p.index for p in taken.prompts)
+        version += 1
+    assert set(trained.values()) == {1} and set(filtered.values()) == {1}
+    assert set(filtered) <= flat and filtered
+    drawn = buf.stream.state_dict()["offset"]  # one epoch, not wrapped
+    order = buf.stream._order[:drawn]
+    outstanding = buf.outstanding()
+    assert sorted([*trained, *filtered, *outstanding]) == sorted(int(i) for i in order)
+
+
+def test_a_batch_is_taken_short_after_max_rounds_and_refused_when_nothing_is_kept():
+    P = 4
+    buf = _filtering_buffer(n_prompts=40, P=P, chunk=4, eta=2, max_rounds=2)
+    chunks = [buf.next_chunk(0) for _ in range(3)]  # prompts 0..11
+    _finish_rewards(buf, chunks[0], 0, flat={0, 1, 2})  # 1 kept, 3 filtered
+    assert buf.take(0) is None  # seen 4 < max_rounds x P
+    _finish_rewards(buf, chunks[1], 0, flat={4, 5, 6, 7})  # seen 8 = 2 x 4: short batch
+    taken = buf.take(0)
+    assert [p.index for p in taken.prompts] == [3] and taken.filtered == 7
+    assert buf.capacity(1) == (2 + 1 + 1) * P - 4 - 4  # the short batch's slots count as used
+    _finish_rewards(buf, chunks[2], 1, flat=set(range(8, 12)))
+    more = [buf.next_chunk(1) for _ in range(1)]
+    _finish_rewards(buf, more[0], 1, flat={p.index for p in more[0].prompts})
+    from cluster.dynamic_sampling import DynamicSamplingError
+
+    with pytest.raises(DynamicSamplingError, match="data.dynamic_sampling.max_rounds"):
+        buf.take(1)
+
+
+def test_restore_after_filtering_generates_only_the_outstanding_prompts():
+    buf = _filtering_buffer(n_prompts=16, P=4, chunk=2, eta=1)
+    a, b, c = (buf.next_chunk(0) for _ in range(3))  # prompts 0..5
+    _finish_rewards(buf, a, 0, flat={0})
+    _finish_rewards(buf, b, 0, flat=set())
+    assert [p.index for p in buf.drain_filtered()] == [0]
+    out = buf.outstanding()
+    assert out == [1, 2, 3, 4, 5] and 0 not in out  # filtered: used up, not generated again
+    again = _filtering_buffer(n_prompts=16, P=4, chunk=2, eta=1)
+    again.stream.load_state_dict(buf.stream.state_dict())
+    again.restore(0, [Prompt(i, "", np.array([1]), {}) for i in out], buf.chunks, buf.pulled)
+    got = []
+    while (ch := again.next_chunk(0)) is not None:
+        got += [p.index for p in ch.prompts]
+    assert got[:5] == [1, 2, 3, 4, 5] and 0 not in got
+    del c

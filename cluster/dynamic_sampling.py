@@ -1,0 +1,230 @@
+"""Dynamic sampling (`data.dynamic_sampling`): groups whose rewards carry no signal are dropped before
+the learner sees them, and the step's batch is refilled with more prompts (DAPO's dynamic sampling,
+OpenRLHF's dynamic filtering, slime's check_reward_nonzero_std).
+
+Pure Python, no Ray, in the style of `cluster.stream_buffer`: the filter rules, the split of a scored
+chunk into kept and filtered groups, and the per-step accounting. Both pipelines use it:
+- sync (`Trainer.iteration`): rounds of collect -> filter -> draw exactly the missing number of prompts,
+  until the batch holds `data.prompts_per_step` informative groups or `max_rounds` rounds ran;
+- async (`StreamBuffer.add_scored`): a scored chunk's filtered groups never enter the buffer and give
+  their admission slot back (a new prompt takes it).
+
+A group is the samples of one prompt in one chunk. The filter sees the rewards of the group's samples
+whose reward succeeded (a failed reward is dropped and counted, never scored); a group with no
+successful reward is filtered without calling the filter. Every drawn prompt ends exactly once as
+trained or filtered (or, in async mode, still outstanding: re-generated after a resume).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BUILTIN_FILTERS = ("none", "nonzero_std")
+ALLOWED = "'none', 'nonzero_std', or 'package.module:function' / 'path/to/file.py:function'"
+_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+_IDENT = re.compile(r"^[A-Za-z_]\w*$")
+
+GroupFilter = Callable[[np.ndarray], bool]  # rewards of one group -> keep it?
+
+
+class DynamicSamplingError(RuntimeError):
+    """No informative group could be found within data.dynamic_sampling.max_rounds."""
+
+
+def check_filter_spec(spec: str) -> str:
+    """`spec` if it names a built-in filter or has the shape of a user function's path, else ValueError
+    naming the allowed values (the config's validator; the function is imported at start-up)."""
+    if spec in BUILTIN_FILTERS:
+        return spec
+    module, sep, func = spec.rpartition(":")
+    if sep and _IDENT.match(func) and (module.endswith(".py") or _DOTTED.match(module)):
+        return spec
+    raise ValueError(f"unknown filter {spec!r}; allowed: {ALLOWED}")
+
+
+def nonzero_std(std_eps: float) -> GroupFilter:
+    """Keep a group whose rewards' (population) standard deviation exceeds `std_eps`."""
+
+    def keep(rewards: np.ndarray) -> bool:
+        return len(rewards) > 1 and float(np.std(rewards)) > std_eps
+
+    keep.__name__ = "nonzero_std"
+    return keep
+
+
+def _load_user_function(spec: str) -> Callable[..., Any]:
+    module_name, _, func_name = spec.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        if not path.is_file():
+            raise ValueError(f"data.dynamic_sampling.filter: file {module_name!r} does not exist")
+        key = f"_dynamic_filter_{abs(hash(str(path)))}"
+        module = sys.modules.get(key)
+        if module is None:
+            mod_spec = importlib.util.spec_from_file_location(key, path)
+            if mod_spec is None or mod_spec.loader is None:
+                raise ValueError(f"data.dynamic_sampling.filter: cannot import {module_name!r}")
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[key] = module
+            try:
+                mod_spec.loader.exec_module(module)
+            except Exception as e:
+                sys.modules.pop(key, None)
+                raise ValueError(
+                    f"data.dynamic_sampling.filter: {module_name!r} failed to import: {type(e).__name__}: {e}"
+                ) from e
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise ValueError(
+                f"data.dynamic_sampling.filter: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+            ) from e
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ValueError(f"data.dynamic_sampling.filter: {module_name!r} has no function {func_name!r}")
+    return fn
+
+
+def resolve_filter(spec: str, std_eps: float = 1e-6) -> GroupFilter | None:
+    """The filter named by `spec` (None for 'none': dynamic sampling off). A user function gets the
+    group's rewards as a float64 array and returns whether to keep the group (truthy)."""
+    check_filter_spec(spec)
+    if spec == "none":
+        return None
+    if spec == "nonzero_std":
+        return nonzero_std(std_eps)
+    fn = _load_user_function(spec)
+
+    def keep(rewards: np.ndarray) -> bool:
+        return bool(fn(np.asarray(rewards, dtype=np.float64)))
+
+    keep.__name__ = spec
+    return keep
+
+
+# ---------------------------------------------------------------------- groups of a scored chunk
+
+
+def groups(chunk: Any) -> dict[int, list[int]]:
+    """Prompt index -> positions of its samples in `chunk` (facts order)."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for j, fact in enumerate(chunk.facts):
+        out[fact[0]].append(j)
+    return out
+
+
+def group_rewards(chunk: Any, positions: Sequence[int]) -> np.ndarray:
+    """The successful rewards of the samples at `positions` of `chunk`."""
+    s = chunk.scores
+    return np.array([float(s.scores[j]) for j in positions if s.ok[j]], dtype=np.float64)
+
+
+def keeps(keep: GroupFilter | None, rewards: np.ndarray) -> bool:
+    """Whether a group with these (successful) rewards is trained: always without a filter; never
+    when no reward succeeded; else the filter's answer."""
+    if keep is None:
+        return True
+    return len(rewards) > 0 and bool(keep(rewards))
+
+
+def split_chunk(chunk: Any, keep: GroupFilter | None) -> tuple[dict[int, list[int]], list[int]]:
+    """(kept: prompt index -> positions, filtered: prompt indices) of a scored chunk, in prompt order.
+    A prompt of the chunk with no sample at all (none generated) counts as kept with no positions, as
+    the buffer has always held it."""
+    by_prompt = groups(chunk)
+    if keep is None:  # no filter: the scores are not read
+        return {p.index: by_prompt.get(p.index, []) for p in chunk.prompts}, []
+    kept: dict[int, list[int]] = {}
+    filtered: list[int] = []
+    for p in chunk.prompts:
+        positions = by_prompt.get(p.index, [])
+        if not positions or keeps(keep, group_rewards(chunk, positions)):
+            kept[p.index] = positions
+        else:
+            filtered.append(p.index)
+    return kept, filtered
+
+
+# ---------------------------------------------------------------------- per-step accounting
+
+
+def round_seed(run_seed: int, round_index: int) -> int:
+    """The run seed the sync collector draws round `round_index`'s chunk seeds from: round 0 keeps the
+    run's seed (a step that needs no refill samples exactly as without dynamic sampling), a refill
+    round gets its own stream of seeds."""
+    if round_index == 0:
+        return run_seed
+    return int(np.random.SeedSequence([run_seed, 0xD5, round_index]).generate_state(1)[0])
+
+
+@dataclass
+class StepAccount:
+    """What dynamic sampling did in one learner step: prompts drawn (first batch + refills), groups kept
+    and filtered, rounds (sync: collect calls; async: batches' worth of groups seen)."""
+
+    target: int  # data.prompts_per_step
+    drawn: int = 0
+    kept: int = 0
+    filtered: int = 0
+    rounds: int = 0
+    filtered_prompts: list[int] = field(default_factory=list)
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.target - self.kept)
+
+    def record_round(self, drawn: int, kept: int, filtered: list[int]) -> None:
+        if kept + len(filtered) != drawn:
+            raise ValueError(f"a round drew {drawn} prompts but kept {kept} and filtered {len(filtered)}")
+        self.drawn += drawn
+        self.kept += kept
+        self.filtered += len(filtered)
+        self.filtered_prompts += list(filtered)
+        self.rounds += 1
+
+    def finished(self, max_rounds: int) -> bool:
+        """Sync: stop collecting (the batch is full, or `max_rounds` rounds ran)."""
+        return self.missing == 0 or self.rounds >= max_rounds
+
+    def next_draw(self) -> int:
+        """Sync: prompts to draw for the next round: exactly the missing groups, so a round never
+        produces a surplus (every drawn prompt is trained this step or filtered)."""
+        return self.missing
+
+    @property
+    def extra_prompts(self) -> int:
+        """Prompts drawn beyond the step's batch (the refills)."""
+        return max(0, self.drawn - self.target)
+
+    def check_trainable(self, max_rounds: int) -> None:
+        if self.kept == 0:
+            raise DynamicSamplingError(
+                f"dynamic sampling found no informative group in {self.rounds} rounds ({self.filtered} groups "
+                f"filtered, data.dynamic_sampling.max_rounds={max_rounds}): every group's rewards were equal. "
+                "Raise data.dynamic_sampling.max_rounds, check the reward, or set data.dynamic_sampling.filter='none'"
+            )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "dynamic/filtered_groups": float(self.filtered),
+            "dynamic/extra_prompts": float(self.extra_prompts),
+            "dynamic/rounds": float(self.rounds),
+            "dynamic/shortfall_groups": float(self.missing),
+        }
+
+
+def async_rounds(trained: int, filtered: int, target: int) -> int:
+    """Async: batches' worth of groups the step saw (trained + filtered since the previous batch)."""
+    return max(1, math.ceil((trained + filtered) / target))
