@@ -103,6 +103,16 @@ class RolloutBatch:
     def kept(self) -> list[tuple[Chunk, int]]:
         return kept(self.parts)
 
+    def count_in(self, other: RolloutBatch) -> None:
+        """Add what happened while collecting `other` (times, faults, events) to this batch's record."""
+        self.time_generate += other.time_generate
+        self.time_score += other.time_score
+        self.queue_depth = max(self.queue_depth, other.queue_depth)
+        self.replacements += other.replacements
+        self.redispatched += other.redispatched
+        self.lost += other.lost
+        self.events += other.events
+
     @property
     def scores(self) -> np.ndarray:
         """Scores of the kept samples, in batch order."""

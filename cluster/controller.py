@@ -400,13 +400,7 @@ class Trainer(HeldOutEval, StepMetrics):
                 merged.chunks.append(chunk)
                 merged.selected[chunk.index] = sorted(j for pos in kept_pos.values() for j in pos)
             account.record_round(len(prompts), kept_groups, filtered)
-            merged.time_generate += got.time_generate
-            merged.time_score += got.time_score
-            merged.queue_depth = max(merged.queue_depth, got.queue_depth)
-            merged.replacements += got.replacements
-            merged.redispatched += got.redispatched
-            merged.lost += got.lost
-            merged.events += got.events
+            merged.count_in(got)
             if account.finished(ds.max_rounds):
                 break
             want = account.next_draw()
