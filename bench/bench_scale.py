@@ -350,7 +350,8 @@ class Size:
             if not a.serial_engines:
                 for engine in a.engines:
                     self.start_worker(engine)
-            rows += self.learner_step()
+            if not a.skip_step:
+                rows += self.learner_step()
             version = 0
             for engine in a.engines:
                 if a.serial_engines:
@@ -382,6 +383,11 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=None)
     ap.add_argument("--response-tokens", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=2, help="learner.micro_batch_size")
+    ap.add_argument(
+        "--skip-step",
+        action="store_true",
+        help="no learner step (the pushes only: where the step does not fit)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch (and OMP) threads per actor")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="collective broadcast bucket")
     ap.add_argument("--memcpy-mib", type=int, default=None, help="buffer of the memory-copy measurement")
