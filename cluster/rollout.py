@@ -14,6 +14,7 @@ waits on the count; the learner ranks assemble their trajectories from the refer
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable
@@ -301,3 +302,35 @@ class RolloutCollector:
                 if t_gen is None and all(c.facts is not None for c in chunks):
                     t_gen = time.perf_counter() - t0
         return t_gen or 0.0
+
+
+class StreamCollector(RolloutCollector):
+    """Submission for async mode (the sync collector's, object refs between actors): least-loaded
+    members, drained members."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.tracker = CallTracker()
+        self.draining: set[str] = set()
+        # whether a worker may sample now (False while it waits for a broadcast of the current weights)
+        self.may_generate: Callable[[Any], bool] = lambda member: True
+        self.held: collections.deque[Chunk] = collections.deque()  # generate work no worker may take yet
+
+    def live(self, kind: str) -> list[Any]:
+        members = [m for m in self.pools[kind].members if m.name not in self.draining]
+        return [m for m in members if self.may_generate(m)] if kind == "generate" else members
+
+    def pick(self, kind: str) -> Any:
+        """The live member of `kind`'s pool with the fewest calls outstanding (None: no worker may
+        generate now)."""
+        return min(self.live(kind), key=lambda m: self.tracker.pending(m.name), default=None)
+
+    def submit(self, tracker: CallTracker, kind: str, chunk: Chunk, member: Any = None) -> Call | None:
+        """As the sync collector's; generate work for a worker that may not sample now goes to another
+        that may, or is held until one can (`held`, handed out first by the dispatcher)."""
+        if kind == "generate" and (member is None or not self.may_generate(member)):
+            member = self.pick(kind)
+            if member is None:
+                self.held.append(chunk)
+                return None
+        return super().submit(tracker, kind, chunk, member)

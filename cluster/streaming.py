@@ -10,33 +10,29 @@ One event loop on the driver moves small facts; samples travel between actors as
   they arrive, not waited for.
 - Faults: the sync collector's machinery (deadlines from when a call starts, background
   replacement, re-dispatch with the same seed).
-- `rollout.weight_sync: collective`: a broadcast reaches its whole group at once, so workers cannot
-  swap one by one. When a step's training ends, no new chunk is handed out; the chunks in flight
-  finish (their samples count as usual, one version older), then learner rank 0 broadcasts to every
-  started worker and generation resumes. A worker that is behind (new, or a replacement) gets no
-  chunk until a broadcast includes it: the next publication, or at once while the learner waits for
-  data. Its work in hand goes to an up-to-date worker or waits for one (`StreamCollector.held`).
+- Weights: `cluster.async_weights` (object store: each worker swaps between its chunks; collective:
+  a broadcast to all workers once their chunks in flight are done).
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
-from .calls import Call, CallTracker
+from .async_weights import AsyncWeights
+from .calls import Call
 from .chunks import Chunk, RolloutBatch, kept, reward_errors
 from .controller import LearnerStepError, Trainer
 from .dynamic_sampling import async_rounds
 from .evaluation import EvalRound
-from .rollout import RolloutCollector
+from .rollout import StreamCollector
 from .stream_buffer import StreamBuffer, Taken
-from .weight_sync import bundle_facts, expected_fingerprint, load_into
+from .weight_sync import expected_fingerprint
 
 LEARNER_KINDS = ("train", "export")
 
@@ -47,39 +43,7 @@ def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Tr
     return cls(cfg, run_dir, resume_from=resume_from)
 
 
-class StreamCollector(RolloutCollector):
-    """Submission for async mode (the sync collector's, object refs between actors): least-loaded
-    members, drained members."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.tracker = CallTracker()
-        self.draining: set[str] = set()
-        # whether a worker may sample now (False while it waits for a broadcast of the current weights)
-        self.may_generate: Callable[[Any], bool] = lambda member: True
-        self.held: collections.deque[Chunk] = collections.deque()  # generate work no worker may take yet
-
-    def live(self, kind: str) -> list[Any]:
-        members = [m for m in self.pools[kind].members if m.name not in self.draining]
-        return [m for m in members if self.may_generate(m)] if kind == "generate" else members
-
-    def pick(self, kind: str) -> Any:
-        """The live member of `kind`'s pool with the fewest calls outstanding (None: no worker may
-        generate now)."""
-        return min(self.live(kind), key=lambda m: self.tracker.pending(m.name), default=None)
-
-    def submit(self, tracker: CallTracker, kind: str, chunk: Chunk, member: Any = None) -> Call | None:
-        """As the sync collector's; generate work for a worker that may not sample now goes to another
-        that may, or is held until one can (`held`, handed out first by the dispatcher)."""
-        if kind == "generate" and (member is None or not self.may_generate(member)):
-            member = self.pick(kind)
-            if member is None:
-                self.held.append(chunk)
-                return None
-        return super().submit(tracker, kind, chunk, member)
-
-
-class AsyncTrainer(Trainer):
+class AsyncTrainer(AsyncWeights, Trainer):
     def setup(self) -> None:
         super().setup()
         cfg = self.cfg
@@ -109,28 +73,6 @@ class AsyncTrainer(Trainer):
         self.eval_ready: dict[str, float] | None = None  # a finished round's metrics, for the next row
 
     # ------------------------------------------------------------------ hooks of the sync trainer
-
-    def _prepare(self, kind: str, member: Any) -> list:
-        if kind == "generate" and self.collective:  # it joins the next broadcast (`_broadcast_due`)
-            self.worker_versions[member.name] = 0
-            return []
-        if kind == "generate":
-            self.worker_versions[member.name] = self.version if self._bundle is not None else 0
-        return super()._prepare(kind, member)
-
-    def _behind(self, member: Any) -> bool:
-        return self.worker_versions.get(member.name, 0) < self.version
-
-    def _replace_lost(self, member: Any) -> None:
-        """A worker lost during a broadcast: replaced in the background; it joins the next one. (Lost in
-        the push of a resume, before the stream's collector exists: replaced as in sync mode.)"""
-        if not isinstance(self.collector, StreamCollector):
-            return super()._replace_lost(member)
-        c, pool = self.collector, self.roles.workers
-        c.tracker.drop_actor(member.name)
-        c.replace_in_background(c.tracker, pool, pool.names.index(member.name))
-        self._faults.replacements += 1
-        self._faults.events.append(f"{member.name} lost during a weight broadcast; replaced")
 
     @property
     def prompts_by_index(self) -> dict[int, Any]:
@@ -199,13 +141,6 @@ class AsyncTrainer(Trainer):
             self._send_weights(member)
             c.submit(c.tracker, "generate", chunk, member)
 
-    def _send_weights(self, member: Any) -> None:
-        """Queue the newest weights on a worker that is behind, ahead of its next chunk (the same
-        load-and-check as a new worker's; `_prepare` records the version it will hold)."""
-        if self._bundle is not None and self.worker_versions.get(member.name, 0) < self.version:
-            c = self.collector
-            c.track_prepare(c.tracker, member, self._prepare("generate", member))
-
     def _on_done(self, call: Call) -> Any:
         """Handle one finished call; returns the learner's value for learner calls."""
         c = self.collector
@@ -241,54 +176,6 @@ class AsyncTrainer(Trainer):
         if self.eval_round is not None and (m := self.eval_round.scored(chunk)) is not None:
             self.eval_ready, self.eval_round = m, None
 
-    # ------------------------------------------------------------------ collective broadcasts
-
-    def _broadcast_due(self, learner: _LearnerStep) -> None:
-        """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:
-        to every started worker, once their chunks in flight are done; none is handed out meanwhile), or
-        when a started worker is behind and the learner is between steps (to those workers only: they
-        hold no chunk, the others keep sampling). Never while the learner trains."""
-        c = self.collector
-        if learner.training:
-            return
-        started = [
-            m
-            for m in self.roles.workers.members
-            if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
-        ]
-        if learner.publishing:
-            self.publishing_paused = True
-            if any(c.tracker.pending(m.name) for m in started):
-                return  # their chunks in flight finish first
-            self._broadcast(learner.step, started)
-            self.publishing_paused = False
-            learner.published()
-        elif behind := [m for m in started if self._behind(m) and not c.tracker.pending(m.name)]:
-            self._broadcast(self.version, behind)
-
-    def _broadcast(self, version: int, members: list[Any]) -> None:
-        """Broadcast v`version` to `members` and record what each holds (a lost one's replacement,
-        under a new name, is behind)."""
-        self.sync_weights(version, members)
-        present = set(self.roles.workers.names)
-        for m in members:
-            if m.name in present:
-                self.worker_versions[m.name] = version
-
-    def workers_to_current(self) -> None:
-        """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
-        if self.collective:
-            behind = [m for m in self.roles.workers.members if self._behind(m)]
-            ray.get([m.handle.ping.remote() for m in behind], timeout=self.cfg.timeouts.actor_start_s)
-            if behind:
-                self._broadcast(self.version, behind)
-            return
-        limit = self.cfg.timeouts.weight_sync_s + self.cfg.timeouts.generate_s
-        for m in self.roles.workers.members:
-            if self._bundle is not None and self.worker_versions.get(m.name, 0) < self.version:
-                load_into(m.handle, m.name, self._bundle, self.version, self._checksum, limit)
-                self.worker_versions[m.name] = self.version
-
     def _learner_value(self, call: Call) -> Any:
         resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
         try:
@@ -305,21 +192,6 @@ class AsyncTrainer(Trainer):
             add(name, ref, "train", limit, name=name, chunks=chunks)
             for name, ref, chunks in self.train_calls(taken.parts)
         ]
-
-    def _start_export(self) -> tuple[list[Call], Any]:
-        """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs, checksum, digest) is what the workers must acknowledge. The driver tracks each rank's
-        small flag; the bundle stays an object reference it hands to the workers."""
-        add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
-        describe = bundle_facts(self.cfg.rollout.dtype)
-        calls, bundle = [], None
-        for i, r in enumerate(self.roles.ranks):
-            flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype)
-            bundle = exported if i == 0 else bundle
-            calls.append(add(f"learner-rank-{i}", flag, "export", limit, name=f"learner-rank-{i}"))
-        fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor
-        calls.append(add("learner-rank-0", fingerprint, "export", limit, name="fingerprint"))
-        return calls, bundle
 
     def _check_learner_deadlines(self) -> None:
         for call in self.collector.tracker.expired():
