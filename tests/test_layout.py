@@ -1,0 +1,74 @@
+"""The dependency rule of the architecture (DESIGN.md), checked on the source: `cluster/` composes the
+roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`, of the demos
+or benchmarks, and of no other role, except the pure, stateless `learner.algorithms` and
+`learner.sequences`, which any role may use. Every import counts, lazy ones inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("learner", "rollout_workers", "reward_service")
+PROJECT = (*ROLES, "cluster", "demos", "bench")
+SHARED = ("learner.algorithms", "learner.sequences")  # pure modules any role may import
+
+
+def project_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import of a project package in `path` (relative ones resolved)."""
+    package = path.parent.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # `from .x import y` inside a role stays in that role
+                base = f"{package}.{base}" if base else package
+            names = [base] if node.module or node.level else []
+            # `from learner import algorithms` names the module in the alias
+            names += [f"{base}.{alias.name}" for alias in node.names if base in PROJECT]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in PROJECT]
+    return found
+
+
+def allowed(role: str, module: str) -> bool:
+    top = module.split(".")[0]
+    if top == role:
+        return True
+    if top not in ROLES:  # cluster, demos, bench
+        return False
+    return module in SHARED or any(module.startswith(f"{s}.") for s in SHARED) or module == "learner"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_role_imports_no_cluster_code_and_no_other_role_but_the_pure_modules(role):
+    files = sorted((ROOT / role).glob("*.py"))
+    assert files
+    bad = [
+        f"{f.relative_to(ROOT)}:{line} imports {module}"
+        for f in files
+        for line, module in project_imports(f)
+        if not allowed(role, module)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
+    role = tmp_path / "rollout_workers"
+    role.mkdir()
+    src = role / "x.py"
+    src.write_text(
+        "from learner import sequences\n"
+        "def f():\n"
+        "    import cluster.calls\n"
+        "    from learner.rank import LearnerRank\n"
+        "    from . import engine\n"
+    )
+    found = project_imports(src)
+    assert [m for _l, m in found if not allowed("rollout_workers", m)] == ["cluster.calls", "learner.rank"]
+    assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
