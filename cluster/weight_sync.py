@@ -148,7 +148,8 @@ def push_colocated(
 
 
 class _LostMembers(Exception):
-    """Workers that died during a broadcast (indices into the pushed workers)."""
+    """Workers that died during a broadcast, or stopped answering and were killed (indices into the
+    pushed workers)."""
 
     def __init__(self, indices: list[int]) -> None:
         super().__init__(indices)
@@ -165,26 +166,31 @@ class CollectiveWeightSync:
     again whenever the set of workers changes or a broadcast failed. Every collective on it has the
     `timeouts.weight_sync_s` timeout. A worker that dies during a broadcast makes it fail at once (its
     connection closes): the group is formed again without it, the version is broadcast again to the
-    others, and it is reported in `lost` for the caller to replace (the replacement loads an
-    object-store export). A worker that stops answering fails the push within the timeout, naming it.
+    others, and it is reported in `lost` for the caller to replace. A worker that stops answering
+    (stuck in other work, or hung inside the broadcast) is found when the timeout has passed and the
+    members blocked behind it have failed their own collectives (at most one more timeout): it is
+    killed and handled as a dead one. A learner rank that does not answer fails the push.
     """
 
     def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo") -> None:
         self.bucket_mb = bucket_mb
         self.backend = backend
-        self._members: tuple[str, ...] | None = None
+        self._members: tuple | None = None  # (timeout, actor ids) of the group formed
 
     def _form(
         self, rank0: Any, workers: list[Any], names: list[str], timeout: float, deadline: float
     ) -> None:
         """(Re)form the group of `rank0` and `workers` (each taking its engine's `weight_receivers`
         ranks) unless it already is this one; every collective on it times out after `timeout`."""
-        members = tuple(a._actor_id.hex() for a in (rank0, *workers))
+        # the collectives' timeout is fixed when the group forms: another one forms a new group
+        members = (timeout, *(a._actor_id.hex() for a in (rank0, *workers)))
         if members == self._members:
             return
         self._members = None
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
-        counts = ray.get([w.weight_receivers.remote() for w in workers], timeout=_left(deadline))
+        asks = [w.weight_receivers.remote() for w in workers]
+        _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
+        counts = ray.get(asks)
         world = 1 + sum(counts)
         firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
         joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend)]
@@ -192,16 +198,21 @@ class CollectiveWeightSync:
             w.join_weight_group.remote(host, port, int(first), world, timeout, self.backend)
             for w, first in zip(workers, firsts, strict=True)
         ]
-        _, pending = wait_until(joins, len(joins), deadline)
-        if pending:
-            raise WeightSyncError(
-                f"the weight group of learner rank 0 and {names} did not form within the timeout "
-                "(timeouts.weight_sync_s)"
-            )
+        _drop_silent(joins[:1], joins[1:], workers, deadline, timeout, "the weight group's forming")
+        dead = []
+        for i, join in enumerate(joins[1:]):
+            try:
+                ray.get(join)
+            except DEAD_ACTOR_ERRORS:
+                dead.append(i)
+            except ray.exceptions.RayError as err:
+                raise WeightSyncError(f"{names[i]} could not join the weight group: {err}") from err
+        if dead:
+            raise _LostMembers(dead)
         try:
-            ray.get(joins)
+            ray.get(joins[0])
         except ray.exceptions.RayError as err:
-            raise WeightSyncError(f"joining the weight group failed: {err}") from err
+            raise WeightSyncError(f"learner rank 0 could not form the weight group: {err}") from err
         self._members = members
 
     def push(
@@ -220,6 +231,7 @@ class CollectiveWeightSync:
                 raise WeightSyncError(
                     f"every worker {names} was lost during the broadcast of v{version}"
                 ) from None
+            deadline = time.monotonic() + timeout  # a second broadcast, to the others
             expected, stages = self._broadcast(
                 ranks, [workers[i] for i in keep], [names[i] for i in keep], version, dtype, timeout, deadline
             )
@@ -241,16 +253,11 @@ class CollectiveWeightSync:
             r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
         ]
         meta_ref = ranks[0].export_fingerprint.remote()
-        calls = [*refs, meta_ref, *acks]
-        _, pending = wait_until(calls, len(calls), deadline)
-        if pending:
+        try:
+            _drop_silent([*refs, meta_ref], acks, workers, deadline, timeout, f"the broadcast of v{version}")
+        except (_LostMembers, WeightSyncError):
             self._members = None
-            silent = [n for n, a in zip(names, acks, strict=True) if a in pending]
-            raise WeightSyncError(
-                f"the broadcast of v{version} was not done within the timeout (timeouts.weight_sync_s): "
-                f"{silent or 'the learner'} did not answer (a member that stops answering stalls the "
-                "broadcast for every member after it)"
-            )
+            raise
         dead, refused, failed = [], [], []
         for i, ack in enumerate(acks):
             try:
@@ -277,6 +284,30 @@ class CollectiveWeightSync:
         for name, ack in zip(names, values, strict=True):
             verify_ack(name, ack, version, expected)
         return expected, stage_seconds(meta, values)
+
+
+def _drop_silent(
+    learner: list[Any], acks: list[Any], workers: list[Any], deadline: float, grace: float, what: str
+) -> None:
+    """Wait for the `learner`'s calls and the workers' `acks` until `deadline`. Members blocked behind
+    one that stopped answering fail their own collectives within `grace` more; a worker still silent
+    then is killed and raised as lost (`_LostMembers`); a silent learner rank is a `WeightSyncError`."""
+    calls = [*learner, *acks]
+    _, pending = wait_until(calls, len(calls), deadline)
+    if pending and grace > 0:
+        _, pending = wait_until(pending, len(pending), time.monotonic() + grace)
+    silent = [i for i, a in enumerate(acks) if a in pending]
+    for i in silent:  # stuck: killed, so that it cannot join or answer later (its connections close)
+        ray.kill(workers[i], no_restart=True)
+    waiting = [r for r in learner if r in pending]
+    if silent and waiting:  # rank 0 may have been blocked on a killed one: it fails at once now
+        _, waiting = wait_until(waiting, len(waiting), time.monotonic() + max(grace, 1.0))
+    if waiting:
+        raise WeightSyncError(
+            f"{what} was not done within the timeout (timeouts.weight_sync_s): learner rank 0 did not answer"
+        )
+    if silent:
+        raise _LostMembers(silent)
 
 
 def weight_backend(cfg: Any) -> str:
