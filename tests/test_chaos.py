@@ -117,8 +117,10 @@ def _shm() -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith("deepspeed_")}
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-collective"])
 def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_assets, tmp_path, mode):
+    """async-collective: the weights are broadcast (`rollout.weight_sync: collective`), so a stalled
+    or killed worker can also be caught in a broadcast."""
     seed = _seed()
     print(f"chaos seed {seed} (replay with CHAOS_SEED={seed})")
     extra = {
@@ -135,8 +137,10 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
         "timeouts.score_s": 20,
         "timeouts.weight_sync_s": 60,
     }
-    if mode == "async":
-        extra.update({"pipeline.max_staleness": 1, "learner.off_policy": "tis"})
+    if mode.startswith("async"):
+        extra.update({"pipeline.mode": "async", "pipeline.max_staleness": 1, "learner.off_policy": "tis"})
+    if mode == "async-collective":
+        extra["rollout.weight_sync"] = "collective"
     cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **extra))
     shm_before = _shm()
     trainer = make_trainer(cfg, tmp_path / "run")
@@ -152,7 +156,7 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
                 seen.setdefault(name, []).append(v)
         chaos.stop()
         run_id = trainer.run_id
-        outstanding = trainer.buffer.outstanding() if mode == "async" else []
+        outstanding = trainer.buffer.outstanding() if mode != "sync" else []
         position = trainer.stream.state_dict()
     finally:
         chaos.stop()
