@@ -117,11 +117,20 @@ def resolve_filter(spec: str, std_eps: float = 1e-6) -> GroupFilter | None:
 # ---------------------------------------------------------------------- groups of a scored chunk
 
 
-def groups(chunk: Any) -> dict[int, list[int]]:
-    """Prompt index -> positions of its samples in `chunk` (facts order)."""
-    out: dict[int, list[int]] = collections.defaultdict(list)
+def groups(chunk: Any) -> list[list[int]]:
+    """Per prompt of `chunk` (in `chunk.prompts` order), the positions of its samples (facts order). A
+    prompt drawn twice into one chunk (a shuffled epoch's end and the next one's start) is two groups:
+    its samples, in prompt order, are split evenly between its occurrences."""
+    by_index: dict[int, list[int]] = collections.defaultdict(list)
     for j, fact in enumerate(chunk.facts):
-        out[fact[0]].append(j)
+        by_index[fact[0]].append(j)
+    copies = collections.Counter(p.index for p in chunk.prompts)
+    taken: collections.Counter[int] = collections.Counter()
+    out = []
+    for p in chunk.prompts:
+        share = np.array_split(np.asarray(by_index.get(p.index, []), dtype=np.int64), copies[p.index])
+        out.append([int(j) for j in share[taken[p.index]]])
+        taken[p.index] += 1
     return out
 
 
@@ -140,18 +149,18 @@ def keeps(keep: GroupFilter | None, rewards: np.ndarray) -> bool:
 
 
 def split_chunk(chunk: Any, keep: GroupFilter | None) -> tuple[dict[int, list[int]], list[int]]:
-    """(kept: prompt index -> positions, filtered: prompt indices) of a scored chunk, in prompt order.
-    A prompt of the chunk with no sample at all (none generated) counts as kept with no positions, as
-    the buffer has always held it."""
+    """(kept: position of the prompt in `chunk.prompts` -> its samples' positions, filtered: prompt
+    indices) of a scored chunk, in prompt order (`groups`: a prompt drawn twice is two groups). A
+    prompt with no sample at all (none generated) counts as kept with no positions, as the buffer has
+    always held it."""
     by_prompt = groups(chunk)
     if keep is None:  # no filter: the scores are not read
-        return {p.index: by_prompt.get(p.index, []) for p in chunk.prompts}, []
+        return dict(enumerate(by_prompt)), []
     kept: dict[int, list[int]] = {}
     filtered: list[int] = []
-    for p in chunk.prompts:
-        positions = by_prompt.get(p.index, [])
+    for i, (p, positions) in enumerate(zip(chunk.prompts, by_prompt, strict=True)):
         if not positions or keeps(keep, group_rewards(chunk, positions)):
-            kept[p.index] = positions
+            kept[i] = positions
         else:
             filtered.append(p.index)
     return kept, filtered

@@ -113,9 +113,9 @@ class StreamBuffer:
         if self.inflight.pop(chunk.index, None) is None:
             return
         kept, filtered = split_chunk(chunk, self.group_filter)
-        for p in chunk.prompts:
-            if p.index in kept:
-                self.ready.append((chunk, p, kept[p.index]))
+        for i, p in enumerate(chunk.prompts):
+            if i in kept:
+                self.ready.append((chunk, p, kept[i]))
             else:  # used up: its admission slot goes to a new prompt
                 self.filtered.append(p)
                 self.filtered_since_take += 1

@@ -105,6 +105,22 @@ def test_split_chunk_keeps_groups_with_spread_and_ignores_failed_rewards():
     assert kept == {0: [0, 1], 1: [2, 3], 2: [4, 5]} and filtered == []
 
 
+def test_a_prompt_drawn_twice_into_one_chunk_is_two_groups():
+    """A shuffled epoch's end and the next one's start can put one prompt twice in a chunk: each copy
+    is its own group of n samples, kept or filtered and counted once per draw (the accounting's
+    drawn = kept + filtered holds)."""
+    ps = _prompts(3)
+    chunk = _chunk([ps[1], ps[0], ps[1]], [[0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    kept, filtered = split_chunk(chunk, resolve_filter("nonzero_std"))
+    assert kept == {0: [0, 1]} and filtered == [0, 1]  # prompt 1's first copy has spread, its second not
+    kept, filtered = split_chunk(chunk, None)
+    assert kept == {0: [0, 1], 1: [2, 3], 2: [4, 5]} and filtered == []
+    account = StepAccount(3)
+    kept, filtered = split_chunk(chunk, resolve_filter("nonzero_std"))
+    account.record_round(len(chunk.prompts), len(kept), filtered)  # refused before: 2 groups under 1 key
+    assert account.metrics()["dynamic/filtered_groups"] == 2
+
+
 def test_round_seeds():
     assert round_seed(11, 0) == 11  # a step without refill samples as without dynamic sampling
     seeds = {round_seed(11, r) for r in range(1, 6)}
