@@ -8,9 +8,17 @@ addition but answers correctly only some of the time when sampled: the room RL w
 `exact_integer` has to improve it.
 
 The 10,000 problems (a, b in 0..99) are split once, by the seed: the held-out problems
-(`eval_prompts.jsonl`) are never in the pretraining corpus nor in the RL prompts (`prompts.jsonl`).
+(`eval_prompts.jsonl`) are never in the pretraining corpus nor in the RL prompts (`prompts.jsonl`), and
+N_VAL selection problems are in neither the corpus nor the files.
 
-    python -m demos.arithmetic --out assets/arithmetic_tiny [--seed 0] [--force]
+The pretraining is made to land in the same place whatever the CPU's floating-point details (a
+different machine gives different weights from the same seed): AdamW under transformers' warm-up +
+cosine schedule for enough steps to converge, and the weights kept are those with the best greedy
+accuracy on the selection problems among checkpoints of the run's second half. The result is then
+checked against `BAND` on the held-out problems (greedy accuracy high: it can add; sampled accuracy
+well below: RL has room); a build that misses it raises BuildQualityError and publishes nothing.
+
+    python -m demos.arithmetic --out assets/arithmetic_tiny [--seed 0] [--force] [--no-band]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,16 +47,22 @@ from demos.common import (
     quiet_deterministic_torch,
     read_manifest,
     set_generation_ids,
-    train_loop,
     write_jsonl,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_OPERAND = 99
 N_EVAL = 256
 N_RL = 2048
+N_VAL = 256  # selection problems, carved from the pretraining-only ones and left out of the corpus
 CORRECT_FRAC = 0.4
 BUILD_THREADS = 1  # the model is small: one thread is as fast, and steadier on a busy machine
+LM_STEPS = 2000
+LM_BATCH = 128
+LM_LR = 2e-3
+LM_WARMUP_FRAC = 0.05
+LM_MIN_LR_RATE = 0.05
+LM_SELECT_EVERY = 100
 N_POSITIONS = 16
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 ALPHABET = list("0123456789+=")
@@ -69,12 +84,14 @@ def ensure_assets(
     out_dir: str | Path,
     seed: int = 0,
     *,
-    lm_steps: int = 1500,
+    lm_steps: int = LM_STEPS,
     correct_frac: float = CORRECT_FRAC,
+    check_band: bool = True,
     quiet: bool = False,
     force: bool = False,
 ) -> AssetPaths:
-    """Build the arithmetic demo into `out_dir` unless a complete build with these settings is there."""
+    """Build the arithmetic demo into `out_dir` unless a complete build with these settings is there.
+    With `check_band` a build whose policy misses `BAND` raises BuildQualityError and publishes nothing."""
     if lm_steps < 1 or not 0.0 < correct_frac <= 1.0:
         raise ValueError(f"lm_steps must be >= 1 and correct_frac in (0, 1], got {lm_steps}, {correct_frac}")
     root = Path(out_dir).resolve()
@@ -83,6 +100,7 @@ def ensure_assets(
         "seed": seed,
         "lm_steps": lm_steps,
         "correct_frac": correct_frac,
+        "band_checked": check_band,
     }
 
     def complete(folder: Path) -> bool:
@@ -91,7 +109,9 @@ def ensure_assets(
 
     def build(tmp: Path, log: Log) -> dict:
         with quiet_deterministic_torch(BUILD_THREADS):
-            return _build(AssetPaths.under(tmp), seed, lm_steps, correct_frac, log)
+            return _build(
+                AssetPaths.under(tmp), seed, lm_steps, correct_frac, BAND if check_band else None, log
+            )
 
     ensure_built(root, want, complete, build, logger(quiet), force)
     return AssetPaths.under(root)
@@ -152,15 +172,18 @@ def char_tokenizer() -> Any:
 # --- the build ---
 
 
-def _build(paths: AssetPaths, seed: int, lm_steps: int, correct_frac: float, log: Log) -> dict:
+def _build(
+    paths: AssetPaths, seed: int, lm_steps: int, correct_frac: float, band: Band | None, log: Log
+) -> dict:
     import torch
     from transformers import GPT2LMHeadModel
 
     lap = Laps(log)
     held_out, rl, pre_only = split_problems(seed)
+    val, pre_train = pre_only[:N_VAL], pre_only[N_VAL:]  # selection problems: in no corpus example
     write_jsonl(paths.prompts, [problem(a, b) for a, b in rl])
     write_jsonl(paths.eval_prompts, [problem(a, b) for a, b in held_out])
-    texts = corpus(seed, rl + pre_only, correct_frac, 64 * lm_steps)
+    texts = corpus(seed, rl + pre_train, correct_frac, LM_BATCH * lm_steps)
     tokenizer = char_tokenizer()
     ids = [x + [EOS_ID] for x in tokenizer(texts).input_ids]
     lap("corpus_tokenizer")
@@ -171,27 +194,33 @@ def _build(paths: AssetPaths, seed: int, lm_steps: int, correct_frac: float, log
     sizes = {
         "problems_held_out": len(held_out),
         "problems_rl": len(rl),
-        "problems_pretrain_only": len(pre_only),
+        "problems_pretrain_only": len(pre_train),
+        "problems_selection": len(val),
     }
     sizes.update(vocab_size=len(tokenizer), policy_params=n_params(lm), corpus_examples=len(texts))
     log(f"arithmetic policy: {sizes['policy_params']:,} parameters, {lm_steps} steps, sizes {sizes}")
 
-    def lm_loss(rows: list[int], _g: Any) -> Any:
+    def lm_loss(rows: list[int]) -> Any:
         input_ids, mask = pad([ids[i] for i in rows])
         return lm(
             input_ids=input_ids, attention_mask=mask, labels=input_ids.masked_fill(mask == 0, -100)
         ).loss
 
-    train_loop(lm, lm_steps, 3e-3, range(len(ids)), lm_loss, torch.Generator().manual_seed(seed), log, "lm")
+    curve = pretrain(
+        lm, lm_steps, len(ids), lm_loss, lambda: accuracy(lm, tokenizer, val, greedy=True), seed, log
+    )
     lap("lm_train")
 
     torch.manual_seed(seed + 2)
     metrics = {
         "held_out_sampled_accuracy": accuracy(lm, tokenizer, held_out, greedy=False),
         "held_out_greedy_accuracy": accuracy(lm, tokenizer, held_out, greedy=True),
+        "selection_greedy_accuracy": curve["selected_accuracy"],
     }
     log(f"metrics: {metrics}")
     lap("evaluate")
+    if band is not None:
+        band.check(metrics, seed, lm_steps)
     lm.save_pretrained(paths.policy)
     tokenizer.save_pretrained(paths.policy)
     lap("save")
@@ -200,8 +229,122 @@ def _build(paths: AssetPaths, seed: int, lm_steps: int, correct_frac: float, log
         "special_token_ids": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID},
         "sizes": sizes,
         "metrics": {k: round(v, 4) for k, v in metrics.items()},
+        "band": None if band is None else band.describe(),
+        "selection": {"step": curve["selected_step"], "greedy_accuracy_by_step": curve["accuracy_by_step"]},
         "timings_s": lap.timings,
     }
+
+
+def lr_schedule(opt: Any, steps: int) -> Any:
+    """transformers' linear warm-up (LM_WARMUP_FRAC of the steps) then cosine decay to LM_MIN_LR_RATE x lr."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    warm = max(1, round(LM_WARMUP_FRAC * steps))
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, warm, steps, min_lr_rate=LM_MIN_LR_RATE)
+
+
+def selection_steps(steps: int, every: int = LM_SELECT_EVERY) -> list[int]:
+    """The steps (1-based, after the optimizer step) whose weights are candidates: every `every`-th step
+    in the second half of the run, and the last one."""
+    return sorted({s for s in range(every, steps + 1, every) if 2 * s > steps} | {steps})
+
+
+def pretrain(
+    lm: Any,
+    steps: int,
+    n_rows: int,
+    loss_of: Callable,
+    select_metric: Callable[[], float],
+    seed: int,
+    log: Log,
+    select_every: int = LM_SELECT_EVERY,
+) -> dict:
+    """AdamW under `lr_schedule`, batches of LM_BATCH drawn as seeded epoch permutations of `n_rows`; at
+    each of `selection_steps` the weights are scored by `select_metric` (held-out greedy accuracy on the
+    selection problems) and the best are kept (ties: the later). Loads the selected weights into `lm`."""
+    import copy
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(lm.parameters(), lr=LM_LR, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = lr_schedule(opt, steps)
+    candidates = set(selection_steps(steps, select_every))
+    order: list[int] = []
+    best: tuple[float, int, dict] | None = None
+    by_step: dict[int, float] = {}
+    lm.train()
+    for step in range(1, steps + 1):
+        while len(order) < LM_BATCH:
+            order += torch.randperm(n_rows, generator=g).tolist()
+        batch, order = order[:LM_BATCH], order[LM_BATCH:]
+        loss = loss_of(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step in candidates:
+            lm.eval()
+            acc = select_metric()
+            lm.train()
+            by_step[step] = round(acc, 4)
+            if best is None or acc >= best[0]:
+                best = (acc, step, copy.deepcopy(lm.state_dict()))
+            log(f"  lm step {step}/{steps} loss {loss.item():.3f} selection greedy accuracy {acc:.3f}")
+        elif step % 250 == 0 or step == 1:
+            log(f"  lm step {step}/{steps} loss {loss.item():.3f} lr {sched.get_last_lr()[0]:.2e}")
+    assert best is not None
+    lm.load_state_dict(best[2])
+    lm.eval()
+    log(f"  selected the weights of step {best[1]} (selection greedy accuracy {best[0]:.3f})")
+    return {"selected_step": best[1], "selected_accuracy": best[0], "accuracy_by_step": by_step}
+
+
+@dataclass(frozen=True)
+class Band:
+    """The quality a build must reach on the held-out problems: greedy accuracy (has it learned to add?)
+    at least `greedy_min`, and sampled accuracy within [sampled_min, sampled_max] (well below greedy:
+    the room RL has)."""
+
+    greedy_min: float = 0.85
+    sampled_min: float = 0.15
+    sampled_max: float = 0.6
+
+    def describe(self) -> dict[str, float]:
+        return {
+            "greedy_min": self.greedy_min,
+            "sampled_min": self.sampled_min,
+            "sampled_max": self.sampled_max,
+        }
+
+    def misses(self, metrics: dict[str, float]) -> list[str]:
+        greedy, sampled = metrics["held_out_greedy_accuracy"], metrics["held_out_sampled_accuracy"]
+        out = []
+        if greedy < self.greedy_min:
+            out.append(f"held-out greedy accuracy {greedy:.3f} < {self.greedy_min}")
+        if not self.sampled_min <= sampled <= self.sampled_max:
+            out.append(
+                f"held-out sampled accuracy {sampled:.3f} outside [{self.sampled_min}, {self.sampled_max}]"
+            )
+        return out
+
+    def check(self, metrics: dict[str, float], seed: int, lm_steps: int) -> None:
+        misses = self.misses(metrics)
+        if misses:
+            raise BuildQualityError(
+                f"arithmetic build (seed {seed}, {lm_steps} pretraining steps) missed its quality band "
+                f"(held-out greedy accuracy >= {self.greedy_min}, sampled accuracy in "
+                f"[{self.sampled_min}, {self.sampled_max}]): {'; '.join(misses)}. Nothing was published. "
+                "Try more steps (--lm-steps) or report it with the manifest's versions."
+            )
+
+
+class BuildQualityError(RuntimeError):
+    """The pretrained policy missed the band RL is tuned for (see `Band`)."""
+
+
+BAND = Band()
 
 
 def accuracy(lm: Any, tokenizer: Any, pairs: list[tuple[int, int]], greedy: bool) -> float:
@@ -235,17 +378,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demos.arithmetic", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to build into, e.g. assets/arithmetic_tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lm-steps", type=int, default=1500)
+    parser.add_argument("--lm-steps", type=int, default=LM_STEPS)
     parser.add_argument("--correct-frac", type=float, default=CORRECT_FRAC)
+    parser.add_argument("--no-band", action="store_true", help="publish even if the policy misses the band")
     parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build is there")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     kw = dict(lm_steps=args.lm_steps, correct_frac=args.correct_frac, quiet=args.quiet, force=args.force)
-    paths = ensure_assets(args.out, args.seed, **kw)
+    try:
+        paths = ensure_assets(args.out, args.seed, check_band=not args.no_band, **kw)
+    except BuildQualityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     m = read_manifest(paths.root) or {}
     print(f"assets: {paths.root} ({time.perf_counter() - t0:.1f} s)")
-    for section in ("timings_s", "sizes", "metrics"):
+    for section in ("timings_s", "sizes", "metrics", "band"):
         print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in (m.get(section) or {}).items()))
     return 0
 

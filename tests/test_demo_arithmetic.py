@@ -10,14 +10,23 @@ from pathlib import Path
 import pytest
 
 from demos.arithmetic import (
+    BAND,
+    LM_MIN_LR_RATE,
+    LM_WARMUP_FRAC,
     MAX_OPERAND,
     N_EVAL,
     N_RL,
+    N_VAL,
     AssetPaths,
+    Band,
+    BuildQualityError,
     char_tokenizer,
     corpus,
     ensure_assets,
+    lr_schedule,
     near_miss,
+    pretrain,
+    selection_steps,
     split_problems,
 )
 from demos.common import read_manifest
@@ -54,10 +63,78 @@ def test_char_tokenizer_prepends_bos_and_round_trips():
     assert tok.decode([*tok("47").input_ids[1:], tok.eos_token_id], skip_special_tokens=True) == "47"
 
 
+def test_lr_schedule_warms_up_then_decays_by_cosine_to_the_floor():
+    import torch
+
+    steps = 200
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = lr_schedule(opt, steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    warm = round(LM_WARMUP_FRAC * steps)
+    assert lrs[0] == 0.0 and lrs[warm] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(lrs[:warm], lrs[1 : warm + 1], strict=True))  # rising
+    assert all(a >= b for a, b in zip(lrs[warm:], lrs[warm + 1 :], strict=False))  # then never rising
+    mid = warm + (steps - warm) // 2  # half-way through the cosine: half-way to the floor
+    assert lrs[mid] == pytest.approx((1 + LM_MIN_LR_RATE) / 2, abs=0.01)
+    assert lrs[-1] == pytest.approx(LM_MIN_LR_RATE, abs=0.001)
+
+
+def test_selection_steps_are_the_second_half_and_the_last():
+    assert selection_steps(1000, 100) == [600, 700, 800, 900, 1000]
+    assert selection_steps(1050, 100) == [600, 700, 800, 900, 1000, 1050]
+    assert selection_steps(10, 100) == [10]
+
+
+def test_pretrain_keeps_the_weights_with_the_best_selection_score_ties_to_the_later():
+    import torch
+
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(3, 1)
+    x = torch.randn(8, 3)
+    scores = iter([0.5, 0.9, 0.7, 0.9, 0.6])  # steps 6, 7, 8, 9, 10: the best twice, at 7 and 9
+    snapshots = {}
+
+    def select() -> float:
+        snapshots[len(snapshots)] = [p.detach().clone() for p in lm.parameters()]
+        return next(scores)
+
+    loss = lambda rows: lm(x[rows]).pow(2).mean()  # noqa: E731
+    curve = pretrain(lm, 10, 8, loss, select, seed=0, log=lambda _m: None, select_every=1)
+    assert curve["accuracy_by_step"] == {6: 0.5, 7: 0.9, 8: 0.7, 9: 0.9, 10: 0.6}
+    assert (curve["selected_step"], curve["selected_accuracy"]) == (9, 0.9)
+    picked = snapshots[3]  # scored at step 9, then trained on: the weights must be step 9's
+    assert all(torch.equal(a, b) for a, b in zip(lm.parameters(), picked, strict=True))
+    assert not lm.training
+
+
+def test_band_names_itself_and_what_missed():
+    band = Band(greedy_min=0.85, sampled_min=0.15, sampled_max=0.6)
+    good = {"held_out_greedy_accuracy": 0.9, "held_out_sampled_accuracy": 0.35}
+    assert band.misses(good) == [] and BAND.misses(good) == []
+    band.check(good, seed=0, lm_steps=10)
+    bad = {"held_out_greedy_accuracy": 0.555, "held_out_sampled_accuracy": 0.152}  # the issue's build
+    with pytest.raises(BuildQualityError, match=r"greedy accuracy >= 0\.85.*0\.555 < 0\.85"):
+        band.check(bad, seed=3, lm_steps=10)
+    too_sharp = {"held_out_greedy_accuracy": 0.97, "held_out_sampled_accuracy": 0.8}
+    assert band.misses(too_sharp) == ["held-out sampled accuracy 0.800 outside [0.15, 0.6]"]
+
+
 @pytest.fixture(scope="module")
 def arithmetic_assets(tmp_path_factory) -> AssetPaths:
     """A quick build (few pretraining steps: the mechanics, not the accuracy, are under test)."""
-    return ensure_assets(tmp_path_factory.mktemp("demo") / "arithmetic_tiny", lm_steps=10, quiet=True)
+    root = tmp_path_factory.mktemp("demo") / "arithmetic_tiny"
+    return ensure_assets(root, lm_steps=10, check_band=False, quiet=True)
+
+
+def test_a_build_that_misses_the_band_fails_and_publishes_nothing(tmp_path):
+    root = tmp_path / "arithmetic_tiny"
+    with pytest.raises(BuildQualityError, match="missed its quality band"):
+        ensure_assets(root, lm_steps=10, quiet=True)
+    assert not root.exists() or not any(root.iterdir())
 
 
 def test_build_writes_loadable_disjoint_prompt_files(arithmetic_assets):
@@ -74,6 +151,8 @@ def test_build_writes_loadable_disjoint_prompt_files(arithmetic_assets):
     assert lm.config.vocab_size == len(tok) == 15
     m = read_manifest(a.root)
     assert m["lm_steps"] == 10 and 0.0 <= m["metrics"]["held_out_sampled_accuracy"] <= 1.0
+    assert (m["band_checked"], m["band"], m["selection"]["step"]) == (False, None, 10)
+    assert m["sizes"]["problems_selection"] == N_VAL
 
 
 def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
@@ -84,8 +163,11 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
         "eval.prompts_path": assets.eval_prompts,
         "eval.max_prompts": 24,
         "eval.samples_per_prompt": 2,
+        "eval.pass_k": "[1, 2]",
         "eval.every_steps": 1,
-        "data.prompts_per_step": 16,
+        "data.prompts_per_step": 8,  # x n = 16 samples per step
+        "rollout.sampling.n": 2,
+        "data.dynamic_sampling.filter": "none",  # exact sample counts (dynamic sampling has its own tests)
         "rollout.chunk_size": 8,
         "learner.micro_batch_size": 8,
         "run.steps": steps,
@@ -164,10 +246,15 @@ def test_config_names_the_demo_and_eval_fields():
 
     cfg = load_config(CONFIG)
     assert (cfg.model.demo_assets.demo, cfg.eval.enabled) == ("arithmetic", True)
+    # the default run: GRPO groups with dynamic sampling, and pass@k beside mean@n on the held-out set
+    assert (cfg.learner.advantage, cfg.data.dynamic_sampling.filter) == ("grpo", "nonzero_std")
+    assert cfg.rollout.sampling.n >= 4 and max(cfg.eval.pass_k) == cfg.eval.samples_per_prompt > 1
     with pytest.raises(ConfigError, match="model.demo_assets.demo: .*one of arithmetic, sentiment"):
         load_config(CONFIG, ["model.demo_assets.demo=chess"])
     with pytest.raises(ConfigError, match="eval.greedy"):
         load_config(CONFIG, ["eval.greedy=true", "rollout.engine=vllm"])
     assert not load_config(CONFIG, ["eval.prompts_path=null"]).eval.enabled
-    greedy = eval_sampling(load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3"]))
+    greedy = eval_sampling(
+        load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3", "eval.pass_k=[1]"])
+    )
     assert (greedy.top_k, greedy.n, greedy.max_new_tokens) == (1, 3, 4)
