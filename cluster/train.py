@@ -35,9 +35,12 @@ EXIT_INTERRUPTED = 130
 def preflight(cfg: RunConfig) -> None:
     """Build the demo assets if asked, then check every path the actors will open."""
     if cfg.model.demo_assets:
-        from demos import ensure_demo
+        from demos import DemoBuildError, ensure_demo
 
-        ensure_demo(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
+        try:
+            ensure_demo(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
+        except DemoBuildError as err:
+            raise ConfigError(f"model.demo_assets: {err}") from None
     checks = [("model.policy_path", cfg.model.policy_path, "config.json")]
     if cfg.model.tokenizer_path:
         checks.append(("model.tokenizer_path", cfg.model.tokenizer_path, None))

@@ -14,6 +14,11 @@ from pathlib import Path
 DEMOS = {"sentiment": "demos.sentiment", "arithmetic": "demos.arithmetic"}
 
 
+class DemoBuildError(RuntimeError):
+    """A demo's asset build finished but its result is unusable (e.g. a policy outside its quality band);
+    the message says what was measured and what was required."""
+
+
 def ensure_demo(name: str, folder: str | Path, quiet: bool = False) -> Path:
     """Build demo `name`'s assets into `folder` unless an up-to-date build is there; returns the folder."""
     if name not in DEMOS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from cluster.config import ConfigError, load_config
-from demos import ensure_demo
+from demos import DemoBuildError, ensure_demo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None:
         print(f"{args[0]} names no demo assets (model.demo_assets)")
         return 0
-    print(f"{spec.demo} assets ready in {ensure_demo(spec.demo, spec.folder)}")
+    try:
+        print(f"{spec.demo} assets ready in {ensure_demo(spec.demo, spec.folder)}")
+    except DemoBuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

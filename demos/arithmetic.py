@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from demos import DemoBuildError
 from demos.common import (
     BOS_ID,
     EOS_ID,
@@ -340,7 +341,7 @@ class Band:
             )
 
 
-class BuildQualityError(RuntimeError):
+class BuildQualityError(DemoBuildError):
     """The pretrained policy missed the band RL is tuned for (see `Band`)."""
 
 

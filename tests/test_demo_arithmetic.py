@@ -258,3 +258,19 @@ def test_config_names_the_demo_and_eval_fields():
         load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3", "eval.pass_k=[1]"])
     )
     assert (greedy.top_k, greedy.n, greedy.max_new_tokens) == (1, 3, 4)
+
+
+def test_a_build_that_misses_its_band_is_a_config_error_naming_the_field(monkeypatch):
+    """`make train` / `python -m cluster.train`: a demo build outside its band ends the start with one
+    clear line (ConfigError naming model.demo_assets), not a traceback."""
+    import demos
+    from cluster.config import ConfigError, load_config
+    from cluster.train import preflight
+
+    def missed(name, folder, quiet=False):
+        raise BuildQualityError("held-out greedy accuracy 0.555 < 0.85: missed its quality band")
+
+    monkeypatch.setattr(demos, "ensure_demo", missed)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "arithmetic_tiny.yaml")
+    with pytest.raises(ConfigError, match=r"model\.demo_assets: held-out greedy accuracy 0\.555"):
+        preflight(cfg)
