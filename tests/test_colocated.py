@@ -25,7 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # the separate run draws the same chunk with the same seed.
 SMALL = {"data.prompts_per_step": 16, "rollout.chunk_size": 16, "learner.micro_batch_size": 8}
 # Metrics that measure time or the process layout, not the arithmetic.
-NOT_ARITHMETIC = ("time/", "throughput/", "scale/", "pipeline/", "rollout/queue_depth")
+NOT_ARITHMETIC = (
+    "time/",
+    "throughput/",
+    "scale/",
+    "pipeline/",
+    "rollout/queue_depth",
+    "weights/learner_",  # the weight push's stage times
+    "weights/worker_",
+)
 
 
 def _run(cfg, folder: Path, steps: int):
