@@ -18,17 +18,15 @@ trained or filtered (or, in async mode, still outstanding: re-generated after a 
 from __future__ import annotations
 
 import collections
-import importlib
-import importlib.util
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from reward_service.rules import import_user_module
 
 BUILTIN_FILTERS = ("none", "nonzero_std")
 ALLOWED = "'none', 'nonzero_std', or 'package.module:function' / 'path/to/file.py:function'"
@@ -65,32 +63,7 @@ def nonzero_std(std_eps: float) -> GroupFilter:
 
 def _load_user_function(spec: str) -> Callable[..., Any]:
     module_name, _, func_name = spec.rpartition(":")
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        if not path.is_file():
-            raise ValueError(f"data.dynamic_sampling.filter: file {module_name!r} does not exist")
-        key = f"_dynamic_filter_{abs(hash(str(path)))}"
-        module = sys.modules.get(key)
-        if module is None:
-            mod_spec = importlib.util.spec_from_file_location(key, path)
-            if mod_spec is None or mod_spec.loader is None:
-                raise ValueError(f"data.dynamic_sampling.filter: cannot import {module_name!r}")
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[key] = module
-            try:
-                mod_spec.loader.exec_module(module)
-            except Exception as e:
-                sys.modules.pop(key, None)
-                raise ValueError(
-                    f"data.dynamic_sampling.filter: {module_name!r} failed to import: {type(e).__name__}: {e}"
-                ) from e
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:
-            raise ValueError(
-                f"data.dynamic_sampling.filter: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-            ) from e
+    module = import_user_module(module_name, "data.dynamic_sampling.filter")
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ValueError(f"data.dynamic_sampling.filter: {module_name!r} has no function {func_name!r}")

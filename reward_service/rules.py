@@ -53,30 +53,36 @@ def get_reward(name: str, module: str | None = None) -> RewardFn:
 
 def load_rule_module(spec: str) -> None:
     """Import a dotted module name or a .py file so its `@register_reward` decorators run (once per file)."""
+    import_user_module(spec, "reward.rule_module")
+
+
+def import_user_module(spec: str, field: str) -> Any:
+    """The module a user names in the config field `field`: a .py file (imported once per file) or a
+    dotted module name. Any failure is a ValueError naming `field`."""
     path = Path(spec)
     if spec.endswith(".py") or path.is_file():
         key = str(path.resolve())
         if key in _LOADED_FILES:
-            return
+            return _LOADED_FILES[key]
         if not path.is_file():
-            raise ValueError(f"reward.rule_module file {spec!r} does not exist")
-        mod_name = f"_reward_rules_{abs(hash(key))}"
+            raise ValueError(f"{field}: file {spec!r} does not exist")
+        mod_name = f"_rayppo_user_{abs(hash(key))}"
         mod_spec = importlib.util.spec_from_file_location(mod_name, path)
         if mod_spec is None or mod_spec.loader is None:
-            raise ValueError(f"cannot import reward.rule_module file {spec!r}")
+            raise ValueError(f"{field}: cannot import file {spec!r}")
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[mod_name] = module
         try:
             mod_spec.loader.exec_module(module)
         except Exception as e:
             sys.modules.pop(mod_name, None)
-            raise ValueError(f"reward.rule_module {spec!r} failed to import: {type(e).__name__}: {e}") from e
+            raise ValueError(f"{field}: {spec!r} failed to import: {type(e).__name__}: {e}") from e
         _LOADED_FILES[key] = module
-        return
+        return module
     try:
-        importlib.import_module(spec)
+        return importlib.import_module(spec)
     except Exception as e:
-        raise ValueError(f"cannot import reward.rule_module {spec!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{field}: cannot import module {spec!r}: {type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------- answer extraction and normalisation
