@@ -139,10 +139,12 @@ def test_an_architecture_that_cannot_pack_is_refused(tmp_path):
 
 class GradientTap:
     """Enough of a DeepSpeed engine for `prepare`/`ppo_update` in one process, to read gradients: at
-    each optimizer step it keeps the accumulated gradient and clears it instead of stepping."""
+    each optimizer step it keeps the accumulated gradient and clears it instead of stepping. It reports
+    the step as applied or not (`step_applied`: what `ppo_update` counts)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, step_applied: bool = False) -> None:
         self.model, self.device, self.grads = model, torch.device("cpu"), []
+        self.step_applied = step_applied
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -161,7 +163,10 @@ class GradientTap:
         self.model.zero_grad()
 
     def was_step_applied(self) -> bool:
-        return False
+        return self.step_applied
+
+    def get_global_grad_norm(self) -> float:
+        return 0.0
 
 
 def _minibatch_gradients(path, trajs, **cut) -> list[dict[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from test_learner_packing import GradientTap
 
 from learner.advantages import (
     length_shaped_scores,
@@ -209,36 +210,6 @@ def test_every_sample_filtered_gives_a_zero_loss_and_no_nan():
 # ---------------------------------------------------------------------------------- in the learner
 
 
-class GradientTap:
-    """Enough of a DeepSpeed engine for `prepare`/`ppo_update` in one process: at each optimizer step
-    it keeps the accumulated gradient and clears it instead of stepping."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.device, self.grads = model, torch.device("cpu"), []
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def train(self) -> None:
-        self.model.train()
-
-    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
-        pass
-
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None})
-        self.model.zero_grad()
-
-    def was_step_applied(self) -> bool:
-        return True
-
-    def get_global_grad_norm(self) -> float:
-        return 0.0
-
-
 @pytest.fixture(scope="module")
 def policy_path(tmp_path_factory):
     from tiny_models import build_causal_lm
@@ -276,7 +247,7 @@ def _run(path, trajs, kl_coef: float = 0.1, **overrides):
     from learner.ppo_step import ppo_update, prepare
 
     torch.manual_seed(0)
-    tap = GradientTap(PolicyWithValueHead.from_pretrained(path))
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(path), step_applied=True)
     config = LearnerConfig(
         **{"advantage": "grpo", "ppo_epochs": 1, "num_minibatches": 1, "micro_batch_size": 3, **overrides}
     )
@@ -321,7 +292,7 @@ def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gra
     from learner.ppo_step import micro_batch_loss, prepare
 
     torch.manual_seed(0)
-    tap = GradientTap(PolicyWithValueHead.from_pretrained(policy_path, value_head_std=0.1))
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(policy_path, value_head_std=0.1), step_applied=True)
     for advantage in ("gae", "grpo"):
         config = LearnerConfig(advantage=advantage, overlong_filter=True, entropy_coef=0.01)
         batch = pack_trajectories(_trajectories([True, True]), pad_id=0)
