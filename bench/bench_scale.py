@@ -298,7 +298,8 @@ class Size:
 
     def push_row(self, engine: str, path: str, version: int) -> tuple[dict, int]:
         """One (engine, path) row: a warm-up push and `reps` timed ones; returns it and the last version."""
-        from cluster.weight_sync import CollectiveWeightSync, push_weights
+        from cluster.collective_sync import CollectiveWeightSync
+        from cluster.weight_sync import push_weights
 
         a = self.args
         worker, wsamp, lsamp = self.workers[engine], self.samplers[engine], self.samplers["rank0"]

@@ -20,6 +20,7 @@ import yaml
 from .actors import Roles, launch_colocated, start_roles, stop_roles
 from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .chunks import Parts, RolloutBatch
+from .collective_sync import CollectiveWeightSync, weight_backend
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
@@ -35,15 +36,7 @@ from .startup import StartupClock
 from .stopping import StopRequest
 from .summary import RunSummary
 from .telemetry import Telemetry
-from .weight_sync import (
-    CollectiveWeightSync,
-    export_bundle,
-    load_into,
-    push_colocated,
-    push_weights,
-    verify_ack,
-    weight_backend,
-)
+from .weight_sync import export_bundle, load_into, push_colocated, push_weights, verify_ack
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "

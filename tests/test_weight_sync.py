@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from cluster.collective_sync import CollectiveWeightSync
 from cluster.weight_sync import (
-    CollectiveWeightSync,
     Fingerprint,
     WeightSyncError,
     bounded_checksum,

@@ -1,0 +1,195 @@
+"""The collective weight path (`rollout.weight_sync: collective`): learner rank 0 broadcasts each
+bundle, bucket by bucket, over a process group of its own to every process holding a rollout engine's
+weights; acknowledged and verified as the object-store path (`cluster.weight_sync`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from .pools import DEAD_ACTOR_ERRORS, wait_until
+from .weight_sync import (
+    Fingerprint,
+    SyncResult,
+    WeightSyncError,
+    bundle_facts,
+    expected_fingerprint,
+    stage_seconds,
+    verify_ack,
+)
+
+
+class _LostMembers(Exception):
+    """Workers that died during a broadcast, or stopped answering and were killed (indices into the
+    pushed workers)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        super().__init__(indices)
+        self.indices = indices
+
+
+class CollectiveWeightSync:
+    """The collective weight path: learner rank 0 broadcasts each bundle, bucket by bucket, over a
+    group of its own (`learner.weight_broadcast`) to every process holding a rollout engine's weights
+    (a hf worker; each tensor-parallel rank of a vLLM engine, inside vLLM), which loads each bucket in
+    place as it arrives; every worker acknowledges exactly as after an object-store push.
+
+    The group (gloo, or NCCL when learner and workers are on GPUs) is formed on the first push and
+    again whenever the set of workers changes or a broadcast failed. Every collective on it has the
+    `timeouts.weight_sync_s` timeout. A worker that dies during a broadcast makes it fail at once (its
+    connection closes): the group is formed again without it, the version is broadcast again to the
+    others, and it is reported in `lost` for the caller to replace. A worker that stops answering
+    (stuck in other work, or hung inside the broadcast) is found when the timeout has passed and the
+    members blocked behind it have failed their own collectives (at most one more timeout): it is
+    killed and handled as a dead one. A learner rank that does not answer fails the push.
+    """
+
+    def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo") -> None:
+        self.bucket_mb = bucket_mb
+        self.backend = backend
+        self._members: tuple | None = None  # (timeout, actor ids) of the group formed
+
+    def _form(
+        self, rank0: Any, workers: list[Any], names: list[str], timeout: float, deadline: float
+    ) -> None:
+        """(Re)form the group of `rank0` and `workers` (each taking its engine's `weight_receivers`
+        ranks) unless it already is this one; every collective on it times out after `timeout`."""
+        # the collectives' timeout is fixed when the group forms: another one forms a new group
+        members = (timeout, *(a._actor_id.hex() for a in (rank0, *workers)))
+        if members == self._members:
+            return
+        self._members = None
+        host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
+        asks = [w.weight_receivers.remote() for w in workers]
+        _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
+        counts = ray.get(asks)
+        world = 1 + sum(counts)
+        firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
+        joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend)]
+        joins += [
+            w.join_weight_group.remote(host, port, int(first), world, timeout, self.backend)
+            for w, first in zip(workers, firsts, strict=True)
+        ]
+        _drop_silent(joins[:1], joins[1:], workers, deadline, timeout, "the weight group's forming")
+        dead = []
+        for i, join in enumerate(joins[1:]):
+            try:
+                ray.get(join)
+            except DEAD_ACTOR_ERRORS:
+                dead.append(i)
+            except ray.exceptions.RayError as err:
+                raise WeightSyncError(f"{names[i]} could not join the weight group: {err}") from err
+        if dead:
+            raise _LostMembers(dead)
+        try:
+            ray.get(joins[0])
+        except ray.exceptions.RayError as err:
+            raise WeightSyncError(f"learner rank 0 could not form the weight group: {err}") from err
+        self._members = members
+
+    def push(
+        self, ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+    ) -> tuple[SyncResult, None]:
+        """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store.
+        Workers lost during the broadcast are in the result's `lost`; the rest hold v`version`."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        try:
+            expected, stages = self._broadcast(ranks, workers, names, version, dtype, timeout, deadline)
+            return SyncResult(version, expected, time.perf_counter() - t0, stages=stages), None
+        except _LostMembers as gone:
+            keep = [i for i in range(len(workers)) if i not in gone.indices]
+            if not keep:
+                raise WeightSyncError(
+                    f"every worker {names} was lost during the broadcast of v{version}"
+                ) from None
+            deadline = time.monotonic() + timeout  # a second broadcast, to the others
+            expected, stages = self._broadcast(
+                ranks, [workers[i] for i in keep], [names[i] for i in keep], version, dtype, timeout, deadline
+            )
+            return SyncResult(version, expected, time.perf_counter() - t0, gone.indices, stages), None
+
+    def _broadcast(
+        self,
+        ranks: list[Any],
+        workers: list[Any],
+        names: list[str],
+        version: int,
+        dtype: str,
+        timeout: float,
+        deadline: float,
+    ) -> tuple[Fingerprint, dict[str, float]]:
+        self._form(ranks[0], workers, names, timeout, deadline)
+        acks = [w.receive_weights.remote() for w in workers]
+        refs = [
+            r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
+        ]
+        meta_ref = ranks[0].export_fingerprint.remote()
+        try:
+            _drop_silent([*refs, meta_ref], acks, workers, deadline, timeout, f"the broadcast of v{version}")
+        except (_LostMembers, WeightSyncError):
+            self._members = None
+            raise
+        dead, refused, failed = [], [], []
+        for i, ack in enumerate(acks):
+            try:
+                ray.get(ack)
+            except DEAD_ACTOR_ERRORS:
+                dead.append(i)
+            except ray.exceptions.RayTaskError as err:  # a refusal, or the broadcast failed under it
+                group = type(err.cause).__name__ == "WeightGroupError"
+                (failed if group else refused).append(f"{names[i]} did not load v{version}: {err.cause!r}")
+        try:
+            ray.get(refs)
+        except ray.exceptions.RayTaskError as err:  # names the bucket that failed
+            failed.insert(0, f"the broadcast of v{version} failed on learner rank 0: {err.cause!r}")
+        problem = next(iter(refused + failed), None)  # a refusal names the cause best
+        if dead or problem:
+            self._members = None
+        if dead:
+            raise _LostMembers(dead)
+        if problem:
+            raise WeightSyncError(problem)
+        meta = ray.get(meta_ref)
+        expected = expected_fingerprint(meta, version, dtype)
+        values = ray.get(acks)
+        for name, ack in zip(names, values, strict=True):
+            verify_ack(name, ack, version, expected)
+        return expected, stage_seconds(meta, values)
+
+
+def _drop_silent(
+    learner: list[Any], acks: list[Any], workers: list[Any], deadline: float, grace: float, what: str
+) -> None:
+    """Wait for the `learner`'s calls and the workers' `acks` until `deadline`. Members blocked behind
+    one that stopped answering fail their own collectives within `grace` more; a worker still silent
+    then is killed and raised as lost (`_LostMembers`); a silent learner rank is a `WeightSyncError`."""
+    calls = [*learner, *acks]
+    _, pending = wait_until(calls, len(calls), deadline)
+    if pending and grace > 0:
+        _, pending = wait_until(pending, len(pending), time.monotonic() + grace)
+    silent = [i for i, a in enumerate(acks) if a in pending]
+    for i in silent:  # stuck: killed, so that it cannot join or answer later (its connections close)
+        ray.kill(workers[i], no_restart=True)
+    waiting = [r for r in learner if r in pending]
+    if silent and waiting:  # rank 0 may have been blocked on a killed one: it fails at once now
+        _, waiting = wait_until(waiting, len(waiting), time.monotonic() + max(grace, 1.0))
+    if waiting:
+        raise WeightSyncError(
+            f"{what} was not done within the timeout (timeouts.weight_sync_s): learner rank 0 did not answer"
+        )
+    if silent:
+        raise _LostMembers(silent)
+
+
+def weight_backend(cfg: Any) -> str:
+    """The weight group's backend: NCCL when learner ranks and rollout workers both have GPUs, else gloo
+    (CPU buffers at both ends)."""
+    return "nccl" if cfg.learner.num_gpus_per_rank and cfg.rollout.num_gpus_per_worker else "gloo"
+
+
+def _left(deadline: float) -> float:
+    return max(1.0, deadline - time.monotonic())
