@@ -75,9 +75,11 @@ bench-trl: $(STAMP)
 bench-async: $(STAMP)
 	$(BIN)/python bench/bench_async.py --out runs/bench-async $(ARGS)
 
-# Advantage estimators gae, grpo (n=4) and rloo (n=4) on the demo at equal samples (bench/bench_algos.py).
+# Advantage estimators at equal generated samples (bench/bench_algos.py): gae, grpo and rloo on the
+# sentiment demo; gae, grpo, grpo + dynamic sampling and rloo on the arithmetic demo (held-out accuracy).
 bench-algos: $(STAMP)
-	$(BIN)/python bench/bench_algos.py --out runs/bench-algos $(ARGS)
+	$(BIN)/python bench/bench_algos.py --demo sentiment --out runs/bench-algos/sentiment $(ARGS)
+	$(BIN)/python bench/bench_algos.py --demo arithmetic --out runs/bench-algos/arithmetic $(ARGS)
 
 # Learner tokens/s and peak memory at long-tail lengths: padded by count vs token budget vs packed and
 # balanced, 2 ranks on a Qwen2-shaped model (bench/bench_learner.py).
