@@ -49,10 +49,10 @@ def read_prompts(cfg: DataSection) -> list[tuple[int, str, dict]]:
 
 
 def pad_token_id(tokenizer) -> int:
-    """The id that fills padded positions: the tokenizer's pad, else its EOS, else 0 (masked anyway)."""
-    if tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id)
-    return int(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else 0
+    """The id the learner pads with: the tokenizer's, by the one rule every role shares (`pad_id_of`)."""
+    from learner.sequences import pad_id_of  # here, not at import: it imports torch
+
+    return pad_id_of(tokenizer)
 
 
 def tokenize_prompts(

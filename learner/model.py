@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from learner.sequences import (
     PackedRows,
-    fuse_tanh_gelu,
+    fused_gelu_kwargs,
     gather_response,
     packed_response_logits,
     response_logits,
@@ -88,11 +88,11 @@ class PolicyWithValueHead(nn.Module):
         text_cfg = config.get_text_config()
         if text_cfg is not config:
             zero_dropout(text_cfg)
+        config.update(fused_gelu_kwargs(config))  # the fused tanh-GELU kernel, as the other roles load it
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         policy = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
         )
-        fuse_tanh_gelu(policy)
         if gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x name

@@ -1,5 +1,6 @@
-"""Packing prompt+response pairs into right-padded tensors, token alignment, and the one forward
-detail every role that computes policy logprobs must share (the tanh-GELU kernel).
+"""Packing prompt+response pairs into right-padded tensors, token alignment, and the details every
+role that packs or scores tokens must share: the pad id (`pad_id_of`) and the tanh-GELU kernel
+(`fused_gelu_kwargs`).
 
 A leaf module (imports nothing of the project), shared by the learner, the reference scorer and
 the rollout engine. For a row whose prompt has p tokens, the logits/values that score response
@@ -240,29 +241,46 @@ def check_packing_exact(model: torch.nn.Module, vocab_size: int, field: str) -> 
     return diff
 
 
-class TanhGELU(torch.nn.Module):
-    """GPT-2's tanh-approximated GELU as torch's single fused kernel."""
+def pad_id_of(special) -> int:
+    """The id that fills padded positions, read from a tokenizer or a model config (anything with
+    `pad_token_id` and `eos_token_id`): its pad, else its smallest EOS id (a config may list several),
+    else 0. Padding only ever sits at masked positions, so the id changes no computed value; the driver
+    (for the learner), the rollout engine and the reference all take it through this one rule."""
+    pad = getattr(special, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    eos = getattr(special, "eos_token_id", None)
+    if isinstance(eos, list | tuple):
+        eos = min(eos, default=None)
+    return int(eos) if eos is not None else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(x, approximate="tanh")
+
+# The tanh-approximated GELU, 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x^3))), has two names in
+# transformers' activation table: "gelu_new" (`NewGELUActivation`, about eight elementwise ops in
+# Python) and "gelu_pytorch_tanh" (torch's single fused kernel; results differ by rounding, ~1e-7).
+# GPT-2-family checkpoints (GPT-2 itself, and the demo policies, built with `GPT2Config`'s default)
+# name the first; with the second the demo policy's learner forward/backward runs ~13% and its
+# reference forward ~20% faster. The choice is made at load time, not in the demo builders, so that
+# demo assets already built (their format version unchanged) and GPT-2 checkpoints from elsewhere get
+# it too. Per architecture (`model_type`): the config field its MLP reads through `ACT2FN`.
+TANH_GELU_FIELDS = {
+    "gpt2": "activation_function",
+    "gpt_neo": "activation_function",
+    "gptj": "activation_function",
+    "codegen": "activation_function",
+}
 
 
-def fuse_tanh_gelu(model: torch.nn.Module) -> int:
-    """Swap transformers' `NewGELUActivation` ("gelu_new") modules for `TanhGELU`; returns how many.
-
-    Both compute 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x^3))): NewGELU as about eight elementwise ops
-    in Python, the fused kernel in one (results differ by rounding, ~1e-7). On the demo policy it
-    makes the learner's forward/backward ~13% and the reference forward ~20% faster. The generator,
-    the reference and the learner all call it, so their logprobs keep agreeing to rounding.
-    Matched by class name, so this leaf module needs no transformers import; the config is untouched.
-    """
-    swapped = 0
-    for parent in model.modules():
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ == "NewGELUActivation":
-                setattr(parent, name, TanhGELU())
-                swapped += 1
-    return swapped
+def fused_gelu_kwargs(config) -> dict[str, str]:
+    """Config overrides (`from_pretrained` keyword arguments) that load a GPT-2-family checkpoint whose
+    config names "gelu_new" with "gelu_pytorch_tanh" instead, the same function as torch's fused kernel;
+    `{}` for every other config. The learner, the reference and the HF rollout engine all load through
+    it, so their logprobs keep agreeing to rounding. The checkpoint's files are untouched; a policy the
+    learner saves carries the fused name."""
+    field = TANH_GELU_FIELDS.get(getattr(config, "model_type", None))
+    if field is None or getattr(config, field, None) != "gelu_new":
+        return {}
+    return {field: "gelu_pytorch_tanh"}
 
 
 # A weight swap is acknowledged by what the engine computes: the generator and the learner both score

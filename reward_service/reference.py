@@ -6,15 +6,16 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.algorithms import logprobs_from_logits
 from learner.sequences import (
     check_packing_exact,
-    fuse_tanh_gelu,
+    fused_gelu_kwargs,
     pack_rows,
     pack_sequences,
     packed_response_logits,
+    pad_id_of,
     response_logits,
     response_tokens,
 )
@@ -44,19 +45,20 @@ class ReferencePolicy:
         self.temperature = float(temperature)
         self.device = pick_device()
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=_DTYPES[config.dtype], local_files_only=True, use_safetensors=True
-        )
-        fuse_tanh_gelu(self.model)  # the same GELU kernel as the generator and the learner
+            model_path,
+            dtype=_DTYPES[config.dtype],
+            local_files_only=True,
+            use_safetensors=True,
+            **fused_gelu_kwargs(AutoConfig.from_pretrained(model_path, local_files_only=True)),
+        )  # the same GELU kernel as the generator and the learner
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.packed = bool(config.pack_sequences)
         if self.packed:
             vocab = self.model.config.get_text_config().vocab_size
             check_packing_exact(self.model, vocab, "reference.pack_sequences")
-        cfg = self.model.config
         # Right padding sits after every real token, so under causal attention its id never matters.
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-        self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+        self.pad_id = pad_id_of(self.model.config)
         self._sequences = 0
         self._tokens = 0
         self._batches = 0

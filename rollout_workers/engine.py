@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from learner.sequences import pad_id_of
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.types import FinishReason
 
@@ -198,8 +199,8 @@ class RolloutEngine(ABC):
 
 def read_special_ids(model_path: str) -> tuple[frozenset[int], int]:
     """(EOS ids, pad id) of a checkpoint: EOS from the tokenizer and the generation config together,
-    so every backend stops on the same tokens. Pads only fill masked positions, so the pad falls back
-    to an EOS id when the tokenizer has none."""
+    so every backend stops on the same tokens. The pad id is the tokenizer's by the rule the driver
+    gives the learner (`learner.sequences.pad_id_of`); pads only fill masked positions."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -210,8 +211,7 @@ def read_special_ids(model_path: str) -> tuple[frozenset[int], int]:
     eos = frozenset(_as_ids(tokenizer.eos_token_id) | _as_ids(gen_eos))
     if not eos:
         raise ValueError(f"{model_path}: neither the tokenizer nor the generation config names an EOS token")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    return eos, int(pad)
+    return eos, pad_id_of(tokenizer)
 
 
 def _as_ids(x: int | list[int] | None) -> set[int]:

@@ -26,9 +26,9 @@ import inspect
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.sequences import fuse_tanh_gelu, right_padded, sequence_logprobs
+from learner.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
 from rollout_workers.weight_receiver import WeightGroupMember
@@ -50,9 +50,12 @@ class HFEngine(RolloutEngine):
         self.dtype = torch_dtype(config.dtype)
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, local_files_only=True, use_safetensors=True
-        )
-        fuse_tanh_gelu(model)  # the same GELU kernel as the learner and the reference
+            model_path,
+            dtype=self.dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            **fused_gelu_kwargs(AutoConfig.from_pretrained(model_path, local_files_only=True)),
+        )  # the same GELU kernel as the learner and the reference
         self.model = model.to(self._device).eval()
         self.model.requires_grad_(False)
         self.eos_token_ids, self._pad = read_special_ids(model_path)
