@@ -83,7 +83,7 @@ def run_side(config: str, overrides: list[str], budget: int | None, held_out: bo
     try:
         trainer.setup()
         if held_out:
-            evals.append({"step": 0, "samples": 0, "generated": 0, **trainer.evaluate()[0]})
+            evals.append({"step": 0, "samples": 0, "generated": 0, **trainer.evaluator.evaluate()[0]})
         step = 0
         while (budget is None and step < cfg.run.steps) or (budget is not None and generated < budget):
             m = trainer.iteration()
@@ -96,7 +96,7 @@ def run_side(config: str, overrides: list[str], budget: int | None, held_out: bo
             if held_out and "eval/accuracy" in m:
                 evals.append(row)
         if held_out and evals[-1]["step"] != step:
-            evals.append({"step": step, "samples": trained, "generated": generated, **trainer.evaluate()[0]})
+            evals.append({"step": step, "samples": trained, "generated": generated, **trainer.evaluator.evaluate()[0]})
     finally:
         trainer.close()
     return {"rows": rows, "evals": evals, "wall_s": time.perf_counter() - t0}

@@ -63,7 +63,7 @@ def main() -> int:
     finally:
         trainer.close()
 
-    hist = trainer.history[args.warmup :] or trainer.history
+    hist = trainer.progress.history[args.warmup :] or trainer.progress.history
     print(f"\nbenchmark: {args.config} {' '.join(args.overrides)}")
     print(f"steps measured: {len(hist)} (after {args.warmup} warm-up), start-up {t_ready:.1f}s")
     print(f"{'phase':<22}{'median s':>10}{'mean s':>10}{'share':>8}")

@@ -1,12 +1,12 @@
-"""How new weights reach the workers in async mode (`AsyncTrainer`'s weight half).
+"""How new weights reach the workers in async mode (`AsyncPublisher`, the async trainer's publisher).
 
-- `rollout.weight_sync: object_store`: every rank exports after a step (`_start_export`), the
+- `rollout.weight_sync: object_store`: every rank exports after a step (`start_export`), the
   bundle stays an object reference, and a worker that is behind loads it ahead of its next chunk
-  (`_send_weights`: a call queued before the chunk, never inside one).
+  (`send_before_chunk`: a call queued before the chunk, never inside one).
 - `rollout.weight_sync: collective`: a broadcast reaches its whole group at once, so workers cannot
-  swap one by one. When a step's training ends, no new chunk is handed out; the chunks in flight
-  finish (their samples count as usual, one version older), then learner rank 0 broadcasts to every
-  started worker and generation resumes (`_broadcast_due`). A worker that is behind (new, or a
+  swap one by one. When a step's training ends, no new chunk is handed out (`paused`); the chunks in
+  flight finish (their samples count as usual, one version older), then learner rank 0 broadcasts to
+  every started worker and generation resumes (`broadcast_due`). A worker that is behind (new, or a
   replacement) gets no chunk until a broadcast includes it: the next publication, or at once while
   the learner waits for data. Its work in hand goes to an up-to-date worker or waits for one
   (`StreamCollector.held`).
@@ -15,51 +15,76 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from .calls import Call
+from .publisher import WeightPublisher
 from .rollout import StreamCollector
 from .weight_sync import bundle_facts, load_into
 
-if TYPE_CHECKING:
-    from .streaming import _LearnerStep
+
+class PublishingStep(Protocol):
+    """What the publisher reads of the learner's step in progress (`cluster.streaming.LearnerStep`)."""
+
+    step: int
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def publishing(self) -> bool: ...
+
+    def published(self) -> None: ...
 
 
-class AsyncWeights:
-    """Mixin of `AsyncTrainer` (a `Trainer`): the weight-publication hooks of both paths."""
+class AsyncPublisher(WeightPublisher):
+    """The async trainer's publisher: besides the published version, the version each worker holds."""
 
-    def _prepare(self, kind: str, member: Any) -> list:
-        if kind == "generate" and self.collective:  # it joins the next broadcast (`_broadcast_due`)
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.collective = cfg.rollout.weight_sync == "collective"
+        self.worker_versions: dict[str, int] = {}
+        self.paused = False  # collective: no new chunk until the broadcast is done
+        self.collector: StreamCollector | None = None
+
+    def start_stream(self, collector: StreamCollector) -> None:
+        """The stream begins: every worker holds the published version; on the collective path a worker
+        that is behind gets no chunk until a broadcast has included it."""
+        self.collector = collector
+        self.worker_versions = {n: self.version for n in self.roles.workers.names}
+        if self.collective:
+            collector.may_generate = lambda m: not self.behind(m)
+
+    def prepare(self, kind: str, member: Any) -> list:
+        if kind == "generate" and self.collective:  # it joins the next broadcast (`broadcast_due`)
             self.worker_versions[member.name] = 0
             return []
         if kind == "generate":
-            self.worker_versions[member.name] = self.version if self._bundle is not None else 0
-        return super()._prepare(kind, member)
+            self.worker_versions[member.name] = self.version if self.bundle is not None else 0
+        return super().prepare(kind, member)
 
-    def _behind(self, member: Any) -> bool:
+    def behind(self, member: Any) -> bool:
         return self.worker_versions.get(member.name, 0) < self.version
 
-    def _replace_lost(self, member: Any) -> None:
-        """A worker lost during a broadcast: replaced in the background; it joins the next one. (Lost in
-        the push of a resume, before the stream's collector exists: replaced as in sync mode.)"""
-        if not isinstance(self.collector, StreamCollector):
-            return super()._replace_lost(member)
-        c, pool = self.collector, self.roles.workers
-        c.tracker.drop_actor(member.name)
-        c.replace_in_background(c.tracker, pool, pool.names.index(member.name))
-        self._faults.replacements += 1
-        self._faults.events.append(f"{member.name} lost during a weight broadcast; replaced")
+    def forget(self, names: set[str]) -> None:
+        """Workers gone (drained, or replaced under a new name) hold nothing any more."""
+        for name in names & set(self.worker_versions):
+            del self.worker_versions[name]
 
-    def _send_weights(self, member: Any) -> None:
+    def lags(self, names: list[str]) -> dict[str, int]:
+        """Versions each of `names` trails the published one."""
+        return {n: self.version - self.worker_versions.get(n, 0) for n in names}
+
+    def send_before_chunk(self, member: Any) -> None:
         """Queue the newest weights on a worker that is behind, ahead of its next chunk (the same
-        load-and-check as a new worker's; `_prepare` records the version it will hold)."""
-        if self._bundle is not None and self.worker_versions.get(member.name, 0) < self.version:
+        load-and-check as a new worker's; `prepare` records the version it will hold)."""
+        if self.bundle is not None and self.behind(member):
             c = self.collector
-            c.track_prepare(c.tracker, member, self._prepare("generate", member))
+            c.track_prepare(c.tracker, member, self.prepare("generate", member))
 
-    def _broadcast_due(self, learner: _LearnerStep) -> None:
+    def broadcast_due(self, learner: PublishingStep) -> None:
         """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:
         to every started worker, once their chunks in flight are done; none is handed out meanwhile), or
         when a started worker is behind and the learner is between steps (to those workers only: they
@@ -73,19 +98,19 @@ class AsyncWeights:
             if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
         ]
         if learner.publishing:
-            self.publishing_paused = True
+            self.paused = True
             if any(c.tracker.pending(m.name) for m in started):
                 return  # their chunks in flight finish first
-            self._broadcast(learner.step, started)
-            self.publishing_paused = False
+            self.broadcast(learner.step, started)
+            self.paused = False
             learner.published()
-        elif behind := [m for m in started if self._behind(m) and not c.tracker.pending(m.name)]:
-            self._broadcast(self.version, behind)
+        elif behind := [m for m in started if self.behind(m) and not c.tracker.pending(m.name)]:
+            self.broadcast(self.version, behind)
 
-    def _broadcast(self, version: int, members: list[Any]) -> None:
+    def broadcast(self, version: int, members: list[Any]) -> None:
         """Broadcast v`version` to `members` and record what each holds (a lost one's replacement,
         under a new name, is behind)."""
-        self.sync_weights(version, members)
+        self.push(version, members)
         present = set(self.roles.workers.names)
         for m in members:
             if m.name in present:
@@ -94,21 +119,21 @@ class AsyncWeights:
     def workers_to_current(self) -> None:
         """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
         if self.collective:
-            behind = [m for m in self.roles.workers.members if self._behind(m)]
+            behind = [m for m in self.roles.workers.members if self.behind(m)]
             ray.get([m.handle.ping.remote() for m in behind], timeout=self.cfg.timeouts.actor_start_s)
             if behind:
-                self._broadcast(self.version, behind)
+                self.broadcast(self.version, behind)
             return
         limit = self.cfg.timeouts.weight_sync_s + self.cfg.timeouts.generate_s
         for m in self.roles.workers.members:
-            if self._bundle is not None and self.worker_versions.get(m.name, 0) < self.version:
-                load_into(m.handle, m.name, self._bundle, self.version, self._checksum, limit)
+            if self.bundle is not None and self.behind(m):
+                load_into(m.handle, m.name, self.bundle, self.version, self.fingerprint, limit)
                 self.worker_versions[m.name] = self.version
 
-    def _start_export(self) -> tuple[list[Call], Any]:
+    def start_export(self) -> tuple[list[Call], Any]:
         """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs, checksum, digest) is what the workers must acknowledge. The driver tracks each rank's
-        small flag; the bundle stays an object reference it hands to the workers."""
+        (probe logprobs, checksum, digest) is what the workers must acknowledge. The driver tracks each
+        rank's small flag; the bundle stays an object reference it hands to the workers."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
         describe = bundle_facts(self.cfg.rollout.dtype)
         calls, bundle = [], None

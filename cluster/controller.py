@@ -7,7 +7,6 @@ learner's own (step, policy version, data position).
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 from pathlib import Path
@@ -18,25 +17,24 @@ import ray
 import yaml
 
 from .actors import Roles, launch_colocated, start_roles, stop_roles
-from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 from .chunks import Parts, RolloutBatch
-from .collective_sync import CollectiveWeightSync, weight_backend
 from .config import RunConfig
 from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from .dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
-from .evaluation import HeldOutEval, before_after_lines, load_eval_prompts
+from .evaluation import Evaluator, load_eval_prompts
 from .groups import shard_parts
-from .metrics import MetricsWriter, StepMetrics, truncate_metrics
+from .metrics import MetricsWriter, SyncStepTimes, sync_step_metrics, truncate_metrics
 from .placement import on_driver_node
 from .pools import DEAD_ACTOR_ERRORS, wait_until
+from .progress import Checkpointer, RunProgress
+from .publisher import WeightPublisher
 from .rollout import RolloutCollector
 from .run_folder import check_ranks_see_run_folder
 from .startup import StartupClock
 from .stopping import StopRequest
 from .summary import RunSummary
 from .telemetry import Telemetry
-from .weight_sync import export_bundle, load_into, push_colocated, push_weights, verify_ack
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "
@@ -53,40 +51,41 @@ class RewardFailureError(RuntimeError):
     """Too many rewards of one step failed (reward.max_failure_frac)."""
 
 
-class Trainer(HeldOutEval, StepMetrics):
+class Trainer:
+    """The sync pipeline (`pipeline.mode: sync`), and the run both pipelines share: set-up, scaling,
+    learner steps, checkpoints, the whole run and its summary. Its collaborators: the rollout
+    collector (`collector`), the weight publisher (`weights`), the held-out evaluator (`evaluator`),
+    the checkpointer (`checkpoints`) and the run's progress (`progress`)."""
+
     def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
         self.resume_from = resume_from
         self.run_id = current_run_id(self.run_dir)
-        self.version = 0
-        self.step = 0
-        self.samples_seen = 0
+        self.progress = RunProgress()
+        self.weights = self.make_publisher()
+        self.checkpoints = Checkpointer(self.run_dir, cfg)
         self.roles: Roles | None = None
         self.writer: MetricsWriter | None = None
         self.control: Any = None
-        self.history: list[dict[str, float]] = []
-        self.trained_prompts: collections.Counter[int] = collections.Counter()
-        # dynamic sampling: prompts whose groups were filtered (never trained), and how many in all
-        self.filtered_prompts: collections.Counter[int] = collections.Counter()
-        self.filtered_total = 0
         ds = cfg.data.dynamic_sampling
         self.group_filter = resolve_filter(ds.filter, ds.std_eps)  # None: dynamic sampling off
-        self.last_checkpoint: Path | None = None
-        self._bundle: Any = None
-        self._collective: CollectiveWeightSync | None = None  # rollout.weight_sync='collective'
-        self._resume_state: dict | None = None  # the checkpoint's state when resuming (for subclasses)
-        self._extra_state: dict = {}  # more state a subclass saves with each checkpoint
-        self._checksum: str | None = None
-        self.sync_replacements = 0
-        self.sync_stages: dict[str, float] = {}  # where the pushes since the last step row spent their time
-        self.eval_before: dict[str, float] | None = None  # held-out metrics of the initial weights
-        self.eval_after: dict[str, float] | None = None
+        self.resume_state: dict | None = None  # the checkpoint's run state when resuming
         self.t_start = time.perf_counter()
         self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
-        ck = cfg.checkpoint
-        self.stop = StopRequest(ck.stop_grace_s)  # `train.main` installs its signal handlers
-        self.cadence = Cadence(ck.every_steps, ck.every_minutes)
+        self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
+
+    def make_publisher(self) -> WeightPublisher:
+        return WeightPublisher(self.cfg)
+
+    @property
+    def version(self) -> int:
+        """The weights published to the rollout workers (the learner's after `progress.step` steps)."""
+        return self.weights.version
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
 
     # ------------------------------------------------------------------ set-up
 
@@ -104,9 +103,9 @@ class Trainer(HeldOutEval, StepMetrics):
         prompts, self.data_stats = tokenize_prompts(read_prompts(cfg.data), self.tokenizer, cfg.data)
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
-        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
         pad = pad_token_id(self.tokenizer)
-        self.roles = start_roles(cfg, pad, self.run_id, self._bring_up_to_date, launched=self.roles)
+        self.roles = start_roles(cfg, pad, self.run_id, self.weights.bring_up_to_date, launched=self.roles)
+        self.weights.bind(self.roles, self.replace_lost_worker)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
@@ -120,11 +119,19 @@ class Trainer(HeldOutEval, StepMetrics):
             )
             .remote(self._counts(), FIXED_COUNTS if self.roles.hosts else None)
         )
+        self.telemetry = Telemetry(self.run_id)
+        self.evaluator = Evaluator(
+            cfg,
+            self.tokenizer,
+            load_eval_prompts(cfg, self.tokenizer),
+            prompts,
+            self.telemetry,
+            lambda: self.make_collector(RolloutCollector),
+        )
         if self.resume_from is not None:
             self.restore(self.resume_from)
         self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
-        self.telemetry = Telemetry(self.run_id)
-        self.cadence.written()  # the minutes count from the end of set-up
+        self.checkpoints.cadence.written()  # the minutes count from the end of set-up
         self.clock.mark("actors")
         if self.roles.hosts:
             self.clock.actor = ray.get(self.roles.hosts[0].startup_timings.remote(), timeout=60)
@@ -139,42 +146,13 @@ class Trainer(HeldOutEval, StepMetrics):
             t.generate_s,
             t.score_s,
             start_timeout=t.actor_start_s,
-            prepare=self._prepare,
+            prepare=self.weights.prepare,
             one_chunk_per_worker=bool(self.roles.hosts),
         )
 
     def _counts(self) -> dict[str, int]:
         r = self.roles
         return {"rollout": len(r.workers), "reference": len(r.references), "reward": len(r.scorers)}
-
-    def _bring_up_to_date(self, handle: Any, name: str) -> None:
-        """A new or replaced worker loads the current weights before its first sample."""
-        if self.version > 0 and self._current_bundle() is not None:
-            load_into(
-                handle, name, self._bundle, self.version, self._checksum, self.cfg.timeouts.weight_sync_s
-            )
-
-    def _prepare(self, kind: str, member: Any) -> list:
-        """Calls queued on a replacement actor before its first work: a rollout worker loads the
-        current weights (checked against the bundle's checksum when it acknowledges)."""
-        if kind != "generate" or self.version == 0 or self._current_bundle() is None:
-            return []
-        version, expected = self.version, self._checksum
-        ref = member.handle.load_weights.remote(self._bundle, version)
-
-        def check(ack: Any, name: str = member.name) -> None:
-            verify_ack(name, ack, version, expected)
-
-        return [(ref, self.cfg.timeouts.weight_sync_s, check)]
-
-    def _current_bundle(self) -> Any:
-        """The current weights in the object store. The collective path leaves none there, so a new
-        or replacement worker gets them from an export made for it (the learner is idle then)."""
-        if self._bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
-            self._bundle = export_bundle(
-                self.roles.ranks, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
-            )
-        return self._bundle
 
     def close(self) -> None:
         if self.writer is not None:
@@ -189,53 +167,25 @@ class Trainer(HeldOutEval, StepMetrics):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def extra_state(self) -> dict:
+        """Run state saved with each checkpoint besides `progress` and the version: the prompt stream's
+        position (the async pipeline adds its buffer's)."""
+        return {"stream": self.stream.state_dict()}
+
     def checkpoint(self) -> Path:
         """Write the checkpoint of the current step (once: a second call at the same step returns it)."""
-        if self.last_checkpoint is not None and checkpoint_step(self.last_checkpoint) == self.step:
-            return self.last_checkpoint
-        ck = self.cfg.checkpoint
-        score = self.history[-1].get(ck.best_metric) if self.history else None
-        state = {
-            "step": self.step,
-            "version": self.version,
-            "samples_seen": self.samples_seen,
-            "stream": self.stream.state_dict(),
-            "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
-            "filtered_prompts": {str(k): v for k, v in self.filtered_prompts.items()},
-            "filtered_total": self.filtered_total,
-            "score": score,
-            **self._extra_state,
-        }
-        self.last_checkpoint = save_checkpoint(
-            self.run_dir,
-            self.step,
-            self.roles.ranks,
-            state,
-            (ck.keep_last, ck.keep_best, ck.best_mode),
-            self.cfg.timeouts.train_s,
-        )
-        self.cadence.written()
-        return self.last_checkpoint
+        return self.checkpoints.save(self.roles.ranks, self.progress, self.version, self.extra_state())
 
     def restore(self, ckpt: Path) -> None:
-        state = read_state(ckpt)
-        self._resume_state = state
-        refs = [r.load_checkpoint.remote(str(ckpt / "learner")) for r in self.roles.ranks]
-        ray.get(refs, timeout=self.cfg.timeouts.train_s)
-        self.step = int(state["step"])
-        self.samples_seen = int(state["samples_seen"])
+        state = self.checkpoints.restore(ckpt, self.roles.ranks)
+        self.resume_state = state
+        self.progress.load_state_dict(state)
         self.stream.load_state_dict(state["stream"])
-        self.trained_prompts = collections.Counter({int(k): v for k, v in state["trained_prompts"].items()})
-        self.filtered_prompts = collections.Counter(
-            {int(k): v for k, v in state.get("filtered_prompts", {}).items()}
-        )
-        self.filtered_total = int(state.get("filtered_total", 0))
-        self.last_checkpoint = ckpt
         self.sync_weights(int(state["version"]))
         # drop rows written after the checkpoint by the interrupted run
         rows = truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.history = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] >= 1]
-        self.eval_before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
+        self.progress.history = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] >= 1]
+        self.evaluator.before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
 
     # ------------------------------------------------------------------ one iteration
 
@@ -249,36 +199,10 @@ class Trainer(HeldOutEval, StepMetrics):
         return events
 
     def sync_weights(self, version: int, members: list[Any] | None = None) -> float:
-        """Push v`version` to `members` (every rollout worker when None); a worker lost on the way is
-        replaced (`_replace_lost`). Returns the push's seconds."""
-        r, rc = self.roles, self.cfg.rollout
-        members = r.workers.members if members is None else members
-        args = (
-            r.ranks,
-            [m.handle for m in members],
-            [m.name for m in members],
-            version,
-            rc.dtype,
-            self.cfg.timeouts.weight_sync_s,
-        )
-        if r.hosts:
-            result, bundle = push_colocated(r.hosts, *args[1:])
-        elif rc.weight_sync == "collective":
-            self._collective = self._collective or CollectiveWeightSync(
-                rc.weight_bucket_mb, weight_backend(self.cfg)
-            )
-            result, bundle = self._collective.push(*args)
-        else:
-            result, bundle = push_weights(*args)
-        self.version, self._bundle, self._checksum = result.version, bundle, result.checksum
-        for index in result.lost:
-            self._replace_lost(members[index])
-        self.sync_replacements = len(result.lost)
-        for stage, seconds in result.stages.items():
-            self.sync_stages[stage] = self.sync_stages.get(stage, 0.0) + seconds
-        return result.seconds
+        """Push v`version` to `members` (every rollout worker when None); see `WeightPublisher.push`."""
+        return self.weights.push(version, members)
 
-    def _replace_lost(self, member: Any) -> None:
+    def replace_lost_worker(self, member: Any) -> None:
         """A worker lost during a push: its replacement loads the weights just pushed before it samples."""
         self.roles.workers.replace(self.roles.workers.names.index(member.name))
 
@@ -316,7 +240,7 @@ class Trainer(HeldOutEval, StepMetrics):
         a rank that fails, dies or runs late stops the run."""
         pending, results = list(names), {}
         deadline = time.monotonic() + self.cfg.timeouts.train_s
-        resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
+        resume = self.checkpoints.resume_hint()
         while pending:
             ready, pending = wait_until(pending, 1, deadline)
             if not ready:
@@ -332,9 +256,9 @@ class Trainer(HeldOutEval, StepMetrics):
         return results
 
     def iteration(self) -> dict[str, float]:
-        cfg = self.cfg
+        cfg, progress = self.cfg, self.progress
         t0 = time.perf_counter()
-        step = self.step + 1
+        step = progress.step + 1
         scaling = self.apply_scaling()
         account = None
         if self.group_filter is None:
@@ -347,26 +271,30 @@ class Trainer(HeldOutEval, StepMetrics):
         learner_metrics = self.learn(batch)
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights(step)
-        self.step = step
+        progress.step = step
         kept = batch.kept
-        self.samples_seen += len(kept)
-        self.trained_prompts.update({chunk.facts[j][0] for chunk, j in kept})
-        wall = time.perf_counter() - t0
-        metrics = self.step_metrics(batch, learner_metrics, t_train, t_sync, wall)
+        progress.samples_seen += len(kept)
+        progress.trained_prompts.update({chunk.facts[j][0] for chunk, j in kept})
+        times = SyncStepTimes(train=t_train, weight_sync=t_sync, wall=time.perf_counter() - t0)
+        metrics = sync_step_metrics(
+            batch,
+            learner_metrics,
+            times,
+            self.data_stats,
+            cfg.reward,
+            self.version,
+            len(self.roles.workers),
+            self.weights.replacements,
+        )
         metrics["scale/events"] = float(len(scaling))
         if account is not None:
-            self.record_filtered(account.filtered_prompts)
+            progress.record_filtered(account.filtered_prompts)
             metrics.update(account.metrics())
-            metrics["dynamic/filtered_total"] = float(self.filtered_total)
-        if self.eval_due(step):
-            metrics.update(self.evaluate()[0])
+            metrics["dynamic/filtered_total"] = float(progress.filtered_total)
+        if self.evaluator.due(step):
+            metrics.update(self.evaluator.evaluate()[0])
         self.finish_step(step, metrics)
         return metrics
-
-    def record_filtered(self, indices: list[int]) -> None:
-        """Dynamic sampling: prompts whose groups were filtered (drawn and used up, never trained)."""
-        self.filtered_prompts.update(indices)
-        self.filtered_total += len(indices)
 
     def collect_informative(self, step: int) -> tuple[RolloutBatch, StepAccount]:
         """Dynamic sampling, sync: collect, drop the groups the filter refuses, draw exactly the missing
@@ -403,12 +331,11 @@ class Trainer(HeldOutEval, StepMetrics):
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
-        metrics.update({f"weights/{stage}": s for stage, s in self.sync_stages.items()})
-        self.sync_stages = {}
+        metrics.update({f"weights/{stage}": s for stage, s in self.weights.take_stages().items()})
         self.writer.write(step, metrics)
         self.telemetry.record_step(metrics, worker_lags=worker_lags)
-        self.history.append(metrics)
-        if self.cadence.due(step):
+        self.progress.history.append(metrics)
+        if self.checkpoints.due(step):
             self.checkpoint()
 
     def check_reward_failures(self, step: int, errors: list[str], total: int) -> None:
@@ -424,9 +351,9 @@ class Trainer(HeldOutEval, StepMetrics):
 
     def train(self) -> RunSummary:
         if self.step == 0:
-            self.eval_before = self.report_eval("before")
-            if self.eval_before is not None:
-                self.writer.write(0, self.eval_before)
+            before = self.evaluator.report("before")
+            if before is not None:
+                self.writer.write(0, before)
             self.clock.mark("held-out eval")
         bar = None
         if self.cfg.run.progress_bar:
@@ -463,27 +390,25 @@ class Trainer(HeldOutEval, StepMetrics):
             timeout=self.cfg.timeouts.train_s,
         )
         self.workers_to_current()
-        self.eval_after = self.report_eval("after")
+        self.evaluator.report("after")
         return self.summary(final_dir=final_dir)
 
     def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
-        tail = self.history[-5:]
+        tail = self.progress.history[-5:]
         prob = [m["rollout/reward_prob_mean"] for m in tail if "rollout/reward_prob_mean" in m]
         return RunSummary(
             run_dir=str(self.run_dir),
             steps=self.step,
-            samples=self.samples_seen,
+            samples=self.progress.samples_seen,
             wall_s=time.perf_counter() - self.t_start,
             final_reward=float(np.mean([m["rollout/reward_mean"] for m in tail])) if tail else math.nan,
             final_reward_prob=float(np.mean(prob)) if prob else None,
             final_kl=float(np.mean([m.get("objective/kl", math.nan) for m in tail])) if tail else math.nan,
             policy_path=str(final_dir) if final_dir else None,
             metrics_path=str(self.run_dir / "metrics.jsonl"),
-            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            checkpoint=str(self.checkpoints.last) if self.checkpoints.last else None,
             interrupted=interrupted,
-            extra=before_after_lines(
-                self.eval_before, self.eval_after, f"held-out ({len(self.eval_prompts)} prompts)"
-            )
+            extra=self.evaluator.summary_lines()
             + ([self.clock.line()] if "step 1" in self.clock.marks else []),
         )
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -211,31 +213,52 @@ def _pass_keys(m: dict) -> list[str]:
     return sorted(keys, key=lambda k: int(k.rsplit("@", 1)[1]))
 
 
-class HeldOutEval:
-    """The sync trainer's held-out evaluation hooks (a mixin of `cluster.controller.Trainer`, which
-    provides cfg, eval_prompts, prompts, tokenizer, telemetry and make_collector)."""
+class Evaluator:
+    """Held-out evaluation of the weights the workers hold (both pipelines): when it is due, one
+    evaluation, and the before/after reports. `make_collector` builds a sync collector over the run's
+    pools (the async trainer evaluates through its stream instead, with `EvalRound`)."""
 
-    def eval_due(self, step: int) -> bool:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        tokenizer: Any,
+        eval_prompts: list[Prompt],
+        train_prompts: list[Prompt],
+        telemetry: Any,
+        make_collector: Callable[[], RolloutCollector],
+    ) -> None:
+        self.cfg, self.tokenizer, self.telemetry = cfg, tokenizer, telemetry
+        self.prompts, self.train_prompts = eval_prompts, train_prompts
+        self.make_collector = make_collector
+        self.before: dict[str, float] | None = None  # held-out metrics of the initial weights
+        self.after: dict[str, float] | None = None
+
+    def due(self, step: int) -> bool:
         """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
         every = self.cfg.eval.every_steps
-        return bool(self.eval_prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
+        return bool(self.prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 
     def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
         """Score the held-out prompts with the weights the workers hold now; never trained on."""
-        return evaluate(self.make_collector(RolloutCollector), self.eval_prompts, self.cfg)
+        return evaluate(self.make_collector(), self.prompts, self.cfg)
 
-    def report_eval(self, when: str) -> dict[str, float] | None:
-        """Before/after training: the held-out evaluation (returned), or without held-out prompts the
-        first training prompts sampled with a fixed seed (printed only)."""
-        if self.eval_prompts:
+    def report(self, when: str) -> dict[str, float] | None:
+        """Before/after training: the held-out evaluation (returned, and kept as `before`/`after`), or
+        without held-out prompts the first training prompts sampled with a fixed seed (printed only)."""
+        m = None
+        if self.prompts:
             m, batch = self.evaluate()
             self.telemetry.record_eval(m)
             print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
-            return m
-        if self.cfg.run.sample_log_count:
-            fixed = self.prompts[: self.cfg.run.sample_log_count]
-            _, batch = evaluate(
-                self.make_collector(RolloutCollector), fixed, self.cfg, self.cfg.rollout.sampling
-            )
+        elif self.cfg.run.sample_log_count:
+            fixed = self.train_prompts[: self.cfg.run.sample_log_count]
+            _, batch = evaluate(self.make_collector(), fixed, self.cfg, self.cfg.rollout.sampling)
             print_eval(f"fixed training prompts {when} training", None, batch, self.tokenizer, self.cfg)
-        return None
+        if when == "before":
+            self.before = m
+        else:
+            self.after = m
+        return m
+
+    def summary_lines(self) -> list[str]:
+        return before_after_lines(self.before, self.after, f"held-out ({len(self.prompts)} prompts)")

@@ -1,10 +1,11 @@
-"""Per-step metrics: what a trained step reports (`StepMetrics`), written to JSONL (always) and
-TensorBoard (when installed)."""
+"""Per-step metrics: what a trained step reports (`sample_metrics`, `sync_step_metrics`), written to
+JSONL (always) and TensorBoard (when installed)."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,54 +62,69 @@ def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]
     return rows
 
 
-class StepMetrics:
-    """The metrics of a trained step, the same in both pipelines (a mixin of
-    `cluster.controller.Trainer`, which provides cfg, data_stats, version and roles)."""
+def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> dict[str, float]:
+    """The metrics of a step's samples (`parts`, as the learner took them) and of the data, the same in
+    both pipelines: from the chunks' facts and scores, never the samples themselves. `reward` is the
+    run's reward section (how a score maps to a probability, when it does)."""
+    trained = kept(parts)
+    scores = np.array([float(c.scores.scores[j]) for c, j in trained])
+    lengths = np.array([c.facts[j][2] for c, j in trained])
+    finish = [c.facts[j][3] for c, j in trained]
+    failures = sum(len(pos) for _c, pos in parts) - len(trained)
+    m = {
+        "rollout/reward_mean": float(scores.mean()),
+        "rollout/reward_std": float(scores.std()),
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
+        "rollout/samples": float(len(scores)),
+        "rollout/reward_failures": float(failures),
+        "throughput/tokens_per_s": float(lengths.sum()) / wall,
+        "throughput/samples_per_s": len(scores) / wall,
+        "data/empty_prompts": float(data_stats.empty),
+        "data/truncated_prompts": float(data_stats.truncated),
+        "data/skipped_prompts": float(data_stats.skipped_long),
+    }
+    probs = reward_to_prob(scores, reward.kind, reward.score)
+    if probs is not None:
+        m["rollout/reward_prob_mean"] = float(probs.mean())
+    return m
 
-    def sample_metrics(self, parts: Parts, wall: float) -> dict[str, float]:
-        """The metrics of a step's samples (`parts`, as the learner took them) and of the data, the
-        same in both modes: from the chunks' facts and scores, never the samples themselves."""
-        trained = kept(parts)
-        scores = np.array([float(c.scores.scores[j]) for c, j in trained])
-        lengths = np.array([c.facts[j][2] for c, j in trained])
-        finish = [c.facts[j][3] for c, j in trained]
-        failures = sum(len(pos) for _c, pos in parts) - len(trained)
-        stats = self.data_stats
-        m = {
-            "rollout/reward_mean": float(scores.mean()),
-            "rollout/reward_std": float(scores.std()),
-            "rollout/response_length": float(lengths.mean()),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
-            "rollout/samples": float(len(scores)),
-            "rollout/reward_failures": float(failures),
-            "throughput/tokens_per_s": float(lengths.sum()) / wall,
-            "throughput/samples_per_s": len(scores) / wall,
-            "data/empty_prompts": float(stats.empty),
-            "data/truncated_prompts": float(stats.truncated),
-            "data/skipped_prompts": float(stats.skipped_long),
-        }
-        probs = reward_to_prob(scores, self.cfg.reward.kind, self.cfg.reward.score)
-        if probs is not None:
-            m["rollout/reward_prob_mean"] = float(probs.mean())
-        return m
 
-    def step_metrics(
-        self, batch: RolloutBatch, learner: dict, t_train: float, t_sync: float, wall: float
-    ) -> dict:
-        staleness = [self.version - 1 - c.facts[j][1] for c, j in batch.kept]
-        return {
-            **self.sample_metrics(batch.parts, wall),
-            "rollout/queue_depth": float(batch.queue_depth),
-            "rollout/staleness_mean": float(np.mean(staleness)),
-            **learner,
-            "time/generate": batch.time_generate,
-            "time/score": batch.time_score,
-            "time/train": t_train,
-            "time/weight_sync": t_sync,
-            "time/step": wall,
-            "policy_version": float(self.version),
-            "scale/rollout_workers": float(len(self.roles.workers)),
-            "faults/actor_replacements": float(batch.replacements + self.sync_replacements),
-            "faults/redispatched_chunks": float(batch.redispatched),
-            "faults/lost_chunks": float(batch.lost),
-        }
+@dataclass(frozen=True)
+class SyncStepTimes:
+    """Seconds of one sync step's phases (generation and scoring come with the batch)."""
+
+    train: float
+    weight_sync: float
+    wall: float
+
+
+def sync_step_metrics(
+    batch: RolloutBatch,
+    learner: dict[str, float],
+    times: SyncStepTimes,
+    data_stats: Any,
+    reward: Any,
+    version: int,
+    workers: int,
+    sync_replacements: int,
+) -> dict[str, float]:
+    """The row of a sync step: its samples', the learner's, and the step's times and faults; `version`
+    is the one just published (the samples were drawn with `version - 1`)."""
+    staleness = [version - 1 - c.facts[j][1] for c, j in batch.kept]
+    return {
+        **sample_metrics(batch.parts, times.wall, data_stats, reward),
+        "rollout/queue_depth": float(batch.queue_depth),
+        "rollout/staleness_mean": float(np.mean(staleness)),
+        **learner,
+        "time/generate": batch.time_generate,
+        "time/score": batch.time_score,
+        "time/train": times.train,
+        "time/weight_sync": times.weight_sync,
+        "time/step": times.wall,
+        "policy_version": float(version),
+        "scale/rollout_workers": float(workers),
+        "faults/actor_replacements": float(batch.replacements + sync_replacements),
+        "faults/redispatched_chunks": float(batch.redispatched),
+        "faults/lost_chunks": float(batch.lost),
+    }

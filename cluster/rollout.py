@@ -157,7 +157,7 @@ class RolloutCollector:
                 raise cls(
                     f"{call.kind} of chunk {chunk.index} failed {chunk.attempts[call.kind]} times; last: {call.actor} {why}"
                 )
-        pool = self._pool_of(call.actor)
+        pool = self.pool_of(call.actor)
         if pool is None:  # the actor was already replaced (another of its calls failed first)
             if call.kind in self.pools and self.resubmit(tracker, call, None):
                 stats.redispatched += 1
@@ -175,7 +175,7 @@ class RolloutCollector:
             ):
                 stats.redispatched += 1
 
-    def _pool_of(self, actor: str) -> ActorPool | None:
+    def pool_of(self, actor: str) -> ActorPool | None:
         for pool in self.pools.values():
             if actor in pool.names:
                 return pool
@@ -207,7 +207,7 @@ class RolloutCollector:
         try:
             value = ray.get(call.ref)
         except DEAD_ACTOR_ERRORS:
-            pool = self._pool_of(call.actor)
+            pool = self.pool_of(call.actor)
             if call.kind in ("start", "prepare") and pool is not None:
                 member = pool.members[pool.names.index(call.actor)]
                 if member.restarts >= self.max_attempts:  # replacements keep dying: give up

@@ -33,10 +33,10 @@ class DemoAssetsSection(_Strict):
     @field_validator("demo")
     @classmethod
     def _known(cls, name: str) -> str:
-        from demos import DEMOS
+        from .demo_assets import known_demos
 
-        if name not in DEMOS:
-            raise ValueError(f"unknown demo {name!r}; one of {', '.join(sorted(DEMOS))}")
+        if name not in known_demos():
+            raise ValueError(f"unknown demo {name!r}; one of {', '.join(known_demos())}")
         return name
 
 

@@ -10,8 +10,8 @@ One event loop on the driver moves small facts; samples travel between actors as
   they arrive, not waited for.
 - Faults: the sync collector's machinery (deadlines from when a call starts, background
   replacement, re-dispatch with the same seed).
-- Weights: `cluster.async_weights` (object store: each worker swaps between its chunks; collective:
-  a broadcast to all workers once their chunks in flight are done).
+- Weights: `cluster.async_weights.AsyncPublisher` (object store: each worker swaps between its
+  chunks; collective: a broadcast to all workers once their chunks in flight are done).
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from typing import Any
 import numpy as np
 import ray
 
-from .async_weights import AsyncWeights
+from .async_weights import AsyncPublisher
 from .calls import Call
 from .chunks import Chunk, RolloutBatch, kept, reward_errors
 from .controller import LearnerStepError, Trainer
 from .dynamic_sampling import async_rounds
 from .evaluation import EvalRound
+from .metrics import sample_metrics
 from .rollout import StreamCollector
 from .stream_buffer import StreamBuffer, Taken
-from .weight_sync import expected_fingerprint
+from .weight_sync import Fingerprint, expected_fingerprint
 
 LEARNER_KINDS = ("train", "export")
 
@@ -43,15 +44,22 @@ def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Tr
     return cls(cfg, run_dir, resume_from=resume_from)
 
 
-class AsyncTrainer(AsyncWeights, Trainer):
+class AsyncTrainer(Trainer):
+    """The async pipeline (`pipeline.mode: async`): the sync trainer's run, set-up, learner steps and
+    checkpoints, with the stream's collaborators: `StreamCollector` (dispatch), `StreamBuffer`
+    (admission, staleness), `AsyncPublisher` (per-worker versions) and `LearnerStep` (one step's
+    learner side)."""
+
+    weights: AsyncPublisher
+
+    def make_publisher(self) -> AsyncPublisher:
+        return AsyncPublisher(self.cfg)
+
     def setup(self) -> None:
         super().setup()
         cfg = self.cfg
         self.collector = self.make_collector(StreamCollector)
-        self.collective = cfg.rollout.weight_sync == "collective"
-        self.publishing_paused = False  # collective: no new chunk until the broadcast is done
-        if self.collective:
-            self.collector.may_generate = lambda m: not self._behind(m)
+        self.weights.start_stream(self.collector)
         self.buffer = StreamBuffer(
             self.stream,
             cfg.data.prompts_per_step,
@@ -61,12 +69,12 @@ class AsyncTrainer(AsyncWeights, Trainer):
             group_filter=self.group_filter,
             max_rounds=cfg.data.dynamic_sampling.max_rounds,
         )
-        if self._resume_state is not None:
-            st = self._resume_state
+        if self.resume_state is not None:
+            st = self.resume_state
             outstanding = [self.prompts_by_index[i] for i in st.get("outstanding", [])]
             self.buffer.restore(self.version, outstanding, int(st.get("chunks", 0)), int(st.get("pulled", 0)))
-        self.worker_versions = {n: self.version for n in self.roles.workers.names}
         self.busy = {"generate": 0.0, "score": 0.0}
+        self.faults = RolloutBatch()  # the step's faults (replacements, re-dispatches, losses)
         self.t_last = time.perf_counter()
         self.eval_queue: collections.deque[Chunk] = collections.deque()  # dispatched first
         self.eval_round: EvalRound | None = None
@@ -78,13 +86,27 @@ class AsyncTrainer(AsyncWeights, Trainer):
     def prompts_by_index(self) -> dict[int, Any]:
         return {p.index: p for p in self.prompts}
 
-    def checkpoint(self) -> Path:
-        self._extra_state = {
+    def extra_state(self) -> dict:
+        return {
+            **super().extra_state(),
             "outstanding": self.buffer.outstanding(),
             "chunks": self.buffer.chunks,
             "pulled": self.buffer.pulled,
         }
-        return super().checkpoint()
+
+    def replace_lost_worker(self, member: Any) -> None:
+        """A worker lost during a broadcast: replaced in the background; it joins the next one. (Lost in
+        the push of a resume, before the stream's collector exists: replaced as in sync mode.)"""
+        if not isinstance(self.collector, StreamCollector):
+            return super().replace_lost_worker(member)
+        c, pool = self.collector, self.roles.workers
+        c.tracker.drop_actor(member.name)
+        c.replace_in_background(c.tracker, pool, pool.names.index(member.name))
+        self.faults.replacements += 1
+        self.faults.events.append(f"{member.name} lost during a weight broadcast; replaced")
+
+    def workers_to_current(self) -> None:
+        self.weights.workers_to_current()
 
     def apply_scaling(self) -> list[str]:
         """Grow in the background (new workers load the current weights, then pull); shrink by
@@ -110,22 +132,21 @@ class AsyncTrainer(AsyncWeights, Trainer):
     def _reap_drained(self) -> None:
         """Remove drained members whose calls are all done (and forget replaced workers' versions)."""
         c = self.collector
+        gone = set()
         for name in list(c.draining):
             if c.tracker.pending(name) == 0:
-                pool = c._pool_of(name)
+                pool = c.pool_of(name)
                 if pool is not None:
                     pool.remove(name)
-                self.worker_versions.pop(name, None)
+                gone.add(name)
                 c.draining.discard(name)
-        names = set(self.roles.workers.names)
-        for name in [n for n in self.worker_versions if n not in names]:  # replaced workers
-            del self.worker_versions[name]
+        self.weights.forget(gone | (set(self.weights.worker_versions) - set(self.roles.workers.names)))
 
     # ------------------------------------------------------------------ the stream
 
     def _dispatch(self) -> None:
         c, limit = self.collector, self.cfg.pipeline.max_inflight_per_worker
-        while not self.publishing_paused:
+        while not self.weights.paused:
             idle = [m for m in c.live("generate") if c.tracker.pending(m.name, "generate") < limit]
             if not idle:
                 return
@@ -138,7 +159,7 @@ class AsyncTrainer(AsyncWeights, Trainer):
                 chunk = self.buffer.next_chunk(self.version)
             if chunk is None:
                 return
-            self._send_weights(member)
+            self.weights.send_before_chunk(member)
             c.submit(c.tracker, "generate", chunk, member)
 
     def _on_done(self, call: Call) -> Any:
@@ -149,7 +170,7 @@ class AsyncTrainer(AsyncWeights, Trainer):
         now = time.monotonic()
         if call.started is not None and call.kind in c.pools:
             self.busy["generate" if call.kind == "generate" else "score"] += now - call.started
-        chunk = c.record(c.tracker, call, self._faults)
+        chunk = c.record(c.tracker, call, self.faults)
         if chunk is None:
             return None
         if call.kind == "generate":
@@ -177,7 +198,7 @@ class AsyncTrainer(AsyncWeights, Trainer):
             self.eval_ready, self.eval_round = m, None
 
     def _learner_value(self, call: Call) -> Any:
-        resume = f"; resume with --resume {self.run_dir}" if self.last_checkpoint else ""
+        resume = self.checkpoints.resume_hint()
         try:
             return ray.get(call.ref)
         except ray.exceptions.RayTaskError as err:
@@ -185,7 +206,7 @@ class AsyncTrainer(AsyncWeights, Trainer):
         except ray.exceptions.RayError as err:
             raise LearnerStepError(f"{call.extra['name']} died during step {self.step + 1}{resume}") from err
 
-    def _start_train(self, taken: Taken) -> list[Call]:
+    def start_train(self, taken: Taken) -> list[Call]:
         """Every rank trains on its shard of `taken` (as in sync mode), tracked like any call."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.train_s
         return [
@@ -203,15 +224,15 @@ class AsyncTrainer(AsyncWeights, Trainer):
     # ------------------------------------------------------------------ one learner step
 
     def iteration(self) -> dict[str, float]:
-        c = self.collector
-        step = self.step + 1
-        self._faults = RolloutBatch()
+        c, progress = self.collector, self.progress
+        step = progress.step + 1
+        self.faults = RolloutBatch()
         scaling = self.apply_scaling()
         busy0 = dict(self.busy)
-        learner = _LearnerStep(self, step)
+        learner = LearnerStep(self, step)
         while not learner.done:
-            if self.collective:
-                self._broadcast_due(learner)
+            if self.weights.collective:
+                self.weights.broadcast_due(learner)
                 if learner.done:
                     break
             self._dispatch()
@@ -230,24 +251,25 @@ class AsyncTrainer(AsyncWeights, Trainer):
                     learner.finished(call, value)
             if not learner.done:
                 self._check_learner_deadlines()
-                c.expire(c.tracker, self._faults)
+                c.expire(c.tracker, self.faults)
                 self._reap_drained()
-        self.step = step
+        progress.step = step
         taken = learner.taken
         metrics = self._metrics(learner, busy0)
-        self.samples_seen += int(metrics["rollout/samples"])
+        progress.samples_seen += int(metrics["rollout/samples"])
         # One count per buffer entry trained (a prompt with at least one sample kept), so a prompt
         # that entered the buffer twice would show as trained twice.
         trained = {chunk.facts[j][0] for chunk, j in kept(taken.parts)}
-        self.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
+        progress.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
         if self.group_filter is not None:
             metrics.update(self._dynamic_metrics(taken))
         metrics["scale/events"] = float(len(scaling))
         if self.eval_ready is not None:  # a held-out round that finished during this step
             metrics.update(self.eval_ready)
             self.eval_ready = None
-        self.finish_step(step, metrics, worker_lags=self._worker_lags)
-        if self.eval_due(step):
+        live = [n for n in self.roles.workers.names if n not in self.collector.draining]
+        self.finish_step(step, metrics, worker_lags=self.weights.lags(live))
+        if self.evaluator.due(step):
             self._queue_eval(step)
         return metrics
 
@@ -255,21 +277,28 @@ class AsyncTrainer(AsyncWeights, Trainer):
         """Dynamic sampling: the prompts filtered during this step (each gave its admission slot to a new
         prompt from the stream: the step's extra prompts) are recorded as used up."""
         filtered = self.buffer.drain_filtered()
-        self.record_filtered([p.index for p in filtered])
+        self.progress.record_filtered([p.index for p in filtered])
         P = self.cfg.data.prompts_per_step
         return {
             "dynamic/filtered_groups": float(len(filtered)),
             "dynamic/extra_prompts": float(len(filtered)),
             "dynamic/rounds": float(async_rounds(len(taken.items), taken.filtered, P)),
             "dynamic/shortfall_groups": float(P - len(taken.items)),
-            "dynamic/filtered_total": float(self.filtered_total),
+            "dynamic/filtered_total": float(self.progress.filtered_total),
         }
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
         self.check_reward_failures(step, reward_errors(taken.parts), total)
 
-    def _metrics(self, step: _LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
+    def give_back(self, taken: Taken, lost: set[int]) -> None:
+        """A batch no rank could train (inputs lost with their node): the lost chunks' prompts are
+        generated again, the rest of the batch returns to the buffer."""
+        self.buffer.give_back(taken, lost)
+        self.faults.lost += len(lost)
+        self.faults.events.append(f"learner inputs of chunks {sorted(lost)} lost; generating them again")
+
+    def _metrics(self, step: LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
         taken, depth = step.taken, step.depth
         now = time.perf_counter()
         wall, self.t_last = now - self.t_last, now
@@ -278,10 +307,9 @@ class AsyncTrainer(AsyncWeights, Trainer):
         gen_busy = self.busy["generate"] - busy0["generate"]
         eta = self.cfg.pipeline.max_staleness
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
-        lags = [self.version - self.worker_versions.get(n, 0) for n in live]
-        self._worker_lags = dict(zip(live, lags, strict=True))
+        lags = list(self.weights.lags(live).values())
         return {
-            **self.sample_metrics(taken.parts, wall),
+            **sample_metrics(taken.parts, wall, self.data_stats, self.cfg.reward),
             "rollout/queue_depth": float(depth),
             "rollout/staleness_mean": float(staleness.mean()),
             **step.metrics,
@@ -301,17 +329,18 @@ class AsyncTrainer(AsyncWeights, Trainer):
             "time/step": wall,
             "policy_version": float(self.version),
             "scale/rollout_workers": float(len(self.roles.workers) - len(self.collector.draining)),
-            "faults/actor_replacements": float(self._faults.replacements),
-            "faults/redispatched_chunks": float(self._faults.redispatched),
-            "faults/lost_chunks": float(self._faults.lost),
+            "faults/actor_replacements": float(self.faults.replacements),
+            "faults/redispatched_chunks": float(self.faults.redispatched),
+            "faults/lost_chunks": float(self.faults.lost),
             "staleness/dropped_samples": float(step.stale_samples),
             "staleness/requeued_prompts": float(step.stale_prompts),
         }
 
 
-class _LearnerStep:
+class LearnerStep:
     """The learner's side of one async step: wait for a batch, train on every rank, export and
-    publish the new weights (then `done`). Times each phase."""
+    publish the new weights (then `done`). Times each phase. Talks to the trainer through
+    `start_train` and `give_back`, and to its publisher through `start_export` and `published`."""
 
     def __init__(self, trainer: AsyncTrainer, step: int) -> None:
         self.trainer, self.step = trainer, step
@@ -320,6 +349,7 @@ class _LearnerStep:
         self.train_calls: list[Call] = []
         self.export_calls: list[Call] = []
         self.bundle: Any = None
+        self.fingerprint: Fingerprint | None = None
         self.metrics: dict[str, float] = {}
         self.stale_samples = self.stale_prompts = 0
         self.lost: set[int] = set()  # chunk indices whose objects a rank could not get
@@ -343,23 +373,14 @@ class _LearnerStep:
         self.t_sync = time.perf_counter() - self.t2
         self.done = True
 
-    def _give_back(self) -> None:
-        """The batch could not be trained (inputs lost with their node): the lost chunks' prompts are
-        generated again, the rest of the batch returns to the buffer, and the step waits again."""
-        tr = self.trainer
-        tr.buffer.give_back(self.taken, self.lost)
-        tr._faults.lost += len(self.lost)
-        tr._faults.events.append(f"learner inputs of chunks {sorted(self.lost)} lost; generating them again")
-        self.taken, self.metrics, self.lost, self.aborted = None, {}, set(), False
-
     def start(self, taken: Taken, depth: int) -> None:
         self.taken, self.depth = taken, depth
         self.t_wait = time.perf_counter() - self.t0
         self.t1 = time.perf_counter()
-        self.train_calls = self.trainer._start_train(taken)
+        self.train_calls = self.trainer.start_train(taken)
 
     def finished(self, call: Call, value: Any) -> None:
-        tr = self.trainer
+        weights = self.trainer.weights
         if call.kind == "train":
             self.train_calls.remove(call)
             if "lost_parts" in value:  # no rank trained: some input's object is gone
@@ -369,20 +390,21 @@ class _LearnerStep:
                 self.metrics = self.metrics or value  # every rank returns the same global metrics
             if self.train_calls:
                 return
-            if self.aborted:
-                self._give_back()
+            if self.aborted:  # the step waits for a batch again
+                self.trainer.give_back(self.taken, self.lost)
+                self.taken, self.metrics, self.lost, self.aborted = None, {}, set(), False
                 return
             self.t_train = time.perf_counter() - self.t1
             self.t2 = time.perf_counter()
-            if tr.collective:
-                self.publishing = True  # `AsyncTrainer._broadcast_due` broadcasts
+            if weights.collective:
+                self.publishing = True  # `AsyncPublisher.broadcast_due` broadcasts
             else:
-                self.export_calls, self.bundle = tr._start_export()
+                self.export_calls, self.bundle = weights.start_export()
             return
         self.export_calls.remove(call)
         if call.extra["name"] == "fingerprint":
-            tr._checksum = expected_fingerprint(value, self.step, tr.cfg.rollout.dtype)
+            self.fingerprint = expected_fingerprint(value, self.step, self.trainer.cfg.rollout.dtype)
         if not self.export_calls:  # published: workers load it before their next chunk
             self.t_sync = time.perf_counter() - self.t2
-            tr._bundle, tr.version = self.bundle, self.step
+            weights.published(self.step, self.bundle, self.fingerprint)
             self.done = True

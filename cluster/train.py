@@ -35,11 +35,11 @@ EXIT_INTERRUPTED = 130
 def preflight(cfg: RunConfig) -> None:
     """Build the demo assets if asked, then check every path the actors will open."""
     if cfg.model.demo_assets:
-        from demos import DemoBuildError, ensure_demo
+        from .demo_assets import DemoAssetsError, build_demo_assets
 
         try:
-            ensure_demo(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
-        except DemoBuildError as err:
+            build_demo_assets(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
+        except DemoAssetsError as err:
             raise ConfigError(f"model.demo_assets: {err}") from None
     checks = [("model.policy_path", cfg.model.policy_path, "config.json")]
     if cfg.model.tokenizer_path:

@@ -67,11 +67,6 @@ class SyncResult:
     lost: list[int] = field(default_factory=list)  # workers that died or hung: the caller replaces them
     stages: dict[str, float] = field(default_factory=dict)  # `stage_seconds`
 
-    @property
-    def checksum(self) -> Fingerprint:
-        """The expected acknowledgement (`verify_ack`'s `expected`); the name predates fingerprints."""
-        return self.expected
-
 
 def stage_seconds(meta: dict, acks: list[Any]) -> dict[str, float]:
     """Where a push's time went: learner rank 0's stages ('learner_probe_s', 'learner_gather_s',

@@ -171,10 +171,10 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
     drawn = collections.Counter(
         p.index for p in fresh.next_batch(position["epoch"] * len(trainer.prompts) + position["offset"])
     )
-    assert trainer.trained_prompts + collections.Counter(outstanding) == drawn, why
+    assert trainer.progress.trained_prompts + collections.Counter(outstanding) == drawn, why
     assert len(outstanding) <= (cfg.pipeline.max_staleness + 1) * PROMPTS_PER_STEP, why
     if mode == "sync":  # one epoch of 20 x 8 prompts, each trained once
-        assert trainer.trained_prompts == collections.Counter({p.index: 1 for p in trainer.prompts}), why
+        assert trainer.progress.trained_prompts == collections.Counter({p.index: 1 for p in trainer.prompts}), why
     for name, versions in seen.items():
         assert versions == sorted(versions), f"{name} went back: {versions}; {why}"
     replaced = sum(m["faults/actor_replacements"] for m in rows)

@@ -97,7 +97,7 @@ def test_colocated_two_ranks_share_the_bundle_with_the_second_host(ray_local, de
         rows = [trainer.iteration() for _ in range(2)]
         versions = ray.get([h.version.remote() for h in trainer.roles.workers.handles], timeout=60)
         assert len(trainer.roles.hosts) == 2
-        assert trainer._bundle is not None  # the shared copy the second host loaded
+        assert trainer.weights.bundle is not None  # the shared copy the second host loaded
     finally:
         trainer.close()
     assert versions == [2, 2]

@@ -192,7 +192,7 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
     try:
         trainer.setup()
         summary = trainer.train()
-        metrics, batch = trainer.evaluate()
+        metrics, batch = trainer.evaluator.evaluate()
         samples = [s for c in batch.chunks for s in ray_local.get(c.samples_ref)]  # the driver needs none
     finally:
         trainer.close()
@@ -210,7 +210,7 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
         assert 0.0 <= m["eval/accuracy"] <= 1.0 and 1.0 <= m["eval/response_length"] <= 4.0
     assert rows[0]["eval/policy_version"] == 0 and rows[1]["eval/policy_version"] == 1
     assert metrics["eval/policy_version"] == 2 and metrics == pytest.approx(
-        {**trainer.eval_after, "time/eval": metrics["time/eval"]}
+        {**trainer.evaluator.after, "time/eval": metrics["time/eval"]}
     )  # the same seeds and weights give the same answers
     out = capsys.readouterr().out
     assert "held-out prompts before training" in out and "held-out prompts after training" in out

@@ -268,7 +268,7 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
     state = json.loads((ckpt / "state.json").read_text())
     assert state["filtered_total"] == 4 and sorted(map(int, state["filtered_prompts"])) == [0, 3, 6, 9]
     resumed = run(Trainer(cfg, tmp_path / "run", resume_from=ckpt), 2)
-    assert resumed.step == 4 and dict(first.filtered_prompts) == {0: 1, 3: 1, 6: 1, 9: 1}
+    assert resumed.step == 4 and dict(first.progress.filtered_prompts) == {0: 1, 3: 1, 6: 1, 9: 1}
     for groups in batches:
         assert len(groups) == 4  # exactly prompts_per_step groups
         assert all(
@@ -279,8 +279,8 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
         assert m["dynamic/shortfall_groups"] == 0 and m["rollout/samples"] == 8
     assert [m["dynamic/filtered_total"] for m in rows] == [2, 4, 6, 8]
     # over the epoch every drawn prompt is trained or filtered exactly once, as the rule implies
-    assert resumed.trained_prompts == {i: 1 for i in range(24) if i not in flat}
-    assert resumed.filtered_prompts == {i: 1 for i in flat}
+    assert resumed.progress.trained_prompts == {i: 1 for i in range(24) if i not in flat}
+    assert resumed.progress.filtered_prompts == {i: 1 for i in flat}
     assert resumed.stream.state_dict() == {"epoch": 0, "offset": 24}
 
 
@@ -306,13 +306,13 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
     )
     trainer = AsyncTrainer(cfg, tmp_path / "run")
     batches = []
-    start_train = trainer._start_train
+    start_train = trainer.start_train
 
     def spy(taken):
         batches.append(_groups_of(taken.parts))
         return start_train(taken)
 
-    trainer._start_train = spy
+    trainer.start_train = spy
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(4)]
@@ -329,15 +329,15 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
         assert m["dynamic/extra_prompts"] == m["dynamic/filtered_groups"]
     assert (
         sum(m["dynamic/filtered_groups"] for m in rows)
-        == trainer.filtered_total
-        == len(trainer.filtered_prompts)
+        == trainer.progress.filtered_total
+        == len(trainer.progress.filtered_prompts)
     )
-    assert set(trainer.filtered_prompts) <= flat and set(trainer.filtered_prompts.values()) == {1}
-    assert trainer.filtered_total >= 4  # 16 informative prompts trained: at least 24 drawn, 8 of them flat
-    assert set(trainer.trained_prompts.values()) == {1} and len(trainer.trained_prompts) == 16
+    assert set(trainer.progress.filtered_prompts) <= flat and set(trainer.progress.filtered_prompts.values()) == {1}
+    assert trainer.progress.filtered_total >= 4  # 16 informative prompts trained: at least 24 drawn, 8 of them flat
+    assert set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 16
     # one epoch of 48 in order, not wrapped: the drawn prompts are 0 .. pulled-1, each in exactly one place
     assert pulled < 48
-    ends = [*trainer.trained_prompts, *trainer.filtered_prompts, *outstanding]
+    ends = [*trainer.progress.trained_prompts, *trainer.progress.filtered_prompts, *outstanding]
     assert sorted(ends) == list(range(pulled))
     # what the rule implies: every flat prompt drawn and scored is filtered
-    assert set(trainer.filtered_prompts) == flat & set(range(pulled)) - set(outstanding)
+    assert set(trainer.progress.filtered_prompts) == flat & set(range(pulled)) - set(outstanding)

@@ -73,10 +73,10 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
         model.load_state_dict(bundle, strict=True)
     finally:
         trainer.close()
-    rewards = [h["rollout/reward_mean"] for h in trainer.history]
+    rewards = [h["rollout/reward_mean"] for h in trainer.progress.history]
     # Fixed seed: the classifier logit difference climbs by far more than this margin in 6 steps.
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 1.0, rewards
-    assert trainer.history[-1]["objective/kl"] > 0
+    assert trainer.progress.history[-1]["objective/kl"] > 0
 
 
 def test_cli_trains_and_saves_a_loadable_policy(ray_local, demo_assets, tmp_path, capsys):

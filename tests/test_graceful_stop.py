@@ -163,7 +163,7 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     try:
         resumed.setup()
         done = resumed.train()
-        last = resumed.last_checkpoint
+        last = resumed.checkpoints.last
         stamp = (last / "state.json").stat().st_mtime_ns
         assert resumed.checkpoint() == last  # the step's checkpoint exists: not written again
         assert (last / "state.json").stat().st_mtime_ns == stamp
@@ -171,8 +171,8 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
         resumed.close()
     assert not done.interrupted and done.steps == 3 and last.name == "step-000003"
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002", "step-000003"]  # keep_last 2
-    assert set(resumed.trained_prompts.values()) == {1}
-    assert set(resumed.trained_prompts) == {p.index for p in resumed.prompts}
+    assert set(resumed.progress.trained_prompts.values()) == {1}
+    assert set(resumed.progress.trained_prompts) == {p.index for p in resumed.prompts}
 
 
 FAILING_RULE = """

@@ -72,3 +72,16 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     found = project_imports(src)
     assert [m for _l, m in found if not allowed("rollout_workers", m)] == ["cluster.calls", "learner.rank"]
     assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
+
+
+def test_cluster_reaches_the_demos_only_through_its_one_hook():
+    """`cluster/` imports `demos` in `cluster/demo_assets.py` only (building a config's demo assets)."""
+    hook = ROOT / "cluster" / "demo_assets.py"
+    users = sorted(
+        f"{f.relative_to(ROOT)}:{line}"
+        for f in (ROOT / "cluster").rglob("*.py")
+        for line, module in project_imports(f)
+        if module.split(".")[0] in ("demos", "bench") and f != hook
+    )
+    assert not users, f"import demos through cluster/demo_assets.py: {users}"
+    assert any(m.startswith("demos") for _l, m in project_imports(hook))

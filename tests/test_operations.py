@@ -114,8 +114,8 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
     assert any(".r" in n for n in names)
     assert versions == [3, 3]
     # One epoch of 24 prompts in 3 steps of 8: each prompt trained on exactly once.
-    assert sorted(trainer.trained_prompts) == sorted(p.index for p in trainer.prompts)
-    assert set(trainer.trained_prompts.values()) == {1}
+    assert sorted(trainer.progress.trained_prompts) == sorted(p.index for p in trainer.prompts)
+    assert set(trainer.progress.trained_prompts.values()) == {1}
 
 
 def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, demo_assets, tmp_path):
@@ -149,7 +149,7 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, d
     assert got["faults/lost_chunks"] == 1 and want["faults/lost_chunks"] == 0
     for key in [*COMPARED, "rollout/samples"]:
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    assert set(trainer.trained_prompts.values()) == {1} and len(trainer.trained_prompts) == 8
+    assert set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 8
 
 
 def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):

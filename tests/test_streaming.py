@@ -112,8 +112,8 @@ def test_no_trained_sample_is_older_than_the_bound(ray_local, demo_assets, tmp_p
     assert any(m["staleness/max"] == 1 for m in rows)  # generation did run ahead of the learner
     # 6 x 8 prompts = one epoch of 48, however chunks finished: each trained exactly once.
     # (What is outstanding now belongs to the next epoch.)
-    assert set(trainer.trained_prompts.values()) == {1}
-    assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
+    assert set(trainer.progress.trained_prompts.values()) == {1}
+    assert set(trainer.progress.trained_prompts) == {p.index for p in trainer.prompts}
     assert len(outstanding) <= eta * 8
 
 
@@ -156,7 +156,7 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
         m6 = trainer.iteration()
         assert m6["scale/rollout_workers"] == 1
         record()
-        trained_before = dict(trainer.trained_prompts)
+        trained_before = dict(trainer.progress.trained_prompts)
     finally:
         trainer.close()
     for versions in seen_versions.values():
@@ -176,8 +176,8 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
     finally:
         resumed.close()
     # One epoch of 64 prompts in 8 steps of 8: each trained exactly once over the resumed run.
-    assert set(resumed.trained_prompts.values()) == {1}
-    assert set(resumed.trained_prompts) == {p.index for p in resumed.prompts}
+    assert set(resumed.progress.trained_prompts.values()) == {1}
+    assert set(resumed.progress.trained_prompts) == {p.index for p in resumed.prompts}
     assert len(trained_before) == 6 * 8 and len(outstanding) <= 8
 
 
@@ -229,8 +229,8 @@ def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_a
     # generate calls that sat on it (max_inflight_per_worker; its weight loads count nothing).
     assert 1 <= redispatched <= replaced * trainer.cfg.pipeline.max_inflight_per_worker
     # 3 x 8 prompts = one epoch of 24: each trained exactly once.
-    assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
-    assert set(trainer.trained_prompts.values()) == {1}
+    assert set(trainer.progress.trained_prompts) == {p.index for p in trainer.prompts}
+    assert set(trainer.progress.trained_prompts.values()) == {1}
 
 
 def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
@@ -263,14 +263,14 @@ def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
             seen.setdefault(m.name, []).append(version)
             assert version <= trainer.version
             # what the trainer believes a worker holds is what it holds (behind ones get no chunk)
-            assert version == trainer.worker_versions.get(m.name, 0)
+            assert version == trainer.weights.worker_versions.get(m.name, 0)
         return set(got)
 
     rows = []
     try:
         trainer.setup()
         rows.append(trainer.iteration())
-        assert record() == {1} and trainer._bundle is None
+        assert record() == {1} and trainer.weights.bundle is None
         ray.get(trainer.control.set_target.remote("rollout", 3), timeout=60)
         rows += [trainer.iteration() for _ in range(2)]  # scaled to 3 at step 2's start
         record()
@@ -289,5 +289,5 @@ def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
     for m in rows:
         assert m["staleness/max"] <= eta
         assert sum(m[f"staleness/hist_{k}"] for k in range(eta + 1)) == m["rollout/samples"]
-    assert set(trainer.trained_prompts.values()) == {1}
-    assert set(trainer.trained_prompts) == {p.index for p in trainer.prompts}
+    assert set(trainer.progress.trained_prompts.values()) == {1}
+    assert set(trainer.progress.trained_prompts) == {p.index for p in trainer.prompts}

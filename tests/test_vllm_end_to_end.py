@@ -67,9 +67,9 @@ def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weig
             verify_ack(name, ack, steps, expected)
     finally:
         trainer.close()
-    rewards = [h["rollout/reward_mean"] for h in trainer.history]
+    rewards = [h["rollout/reward_mean"] for h in trainer.progress.history]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 1.0, rewards
-    assert trainer.history[-1]["objective/kl"] > 0
+    assert trainer.progress.history[-1]["objective/kl"] > 0
 
 
 def test_two_colocated_ranks_train_on_the_whole_batch_beside_vllm(ray_local, demo_assets, tmp_path):

@@ -1,0 +1,98 @@
+"""The trainer's weight publisher: which weights the rollout workers must hold, and getting them there.
+
+`WeightPublisher` owns the published version, its bundle (an object reference, or None on the
+collective path) and the fingerprint every worker must acknowledge for it. The sync pipeline calls
+`push` after each step; a new or replacement worker loads the current weights before its first
+sample (`prepare`, `bring_up_to_date`). The async pipeline's publisher (`cluster.async_weights`)
+extends it with per-worker versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .collective_sync import CollectiveWeightSync, weight_backend
+from .weight_sync import Fingerprint, export_bundle, load_into, push_colocated, push_weights, verify_ack
+
+
+class WeightPublisher:
+    """Publishes the learner's weights to the rollout workers (object store, collective, or in-process
+    for colocated hosts) and records what each push cost."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.version = 0
+        self.bundle: Any = None  # the current weights in the object store, when there
+        self.fingerprint: Fingerprint | None = None  # what a worker must acknowledge for `version`
+        self.replacements = 0  # workers lost (and replaced) in the last push
+        self.stages: dict[str, float] = {}  # where the pushes since the last `take_stages` spent their time
+        self.roles: Any = None
+        self._on_lost: Callable[[Any], None] | None = None
+        self._collective: CollectiveWeightSync | None = None
+
+    def bind(self, roles: Any, on_lost: Callable[[Any], None]) -> None:
+        """The run's actors, once started; `on_lost(member)` replaces a worker lost during a push."""
+        self.roles, self._on_lost = roles, on_lost
+
+    def push(self, version: int, members: list[Any] | None = None) -> float:
+        """Push v`version` to `members` (every rollout worker when None); a worker lost on the way is
+        handed to `on_lost`. Returns the push's seconds."""
+        r, rc, limit = self.roles, self.cfg.rollout, self.cfg.timeouts.weight_sync_s
+        members = r.workers.members if members is None else members
+        handles, names = [m.handle for m in members], [m.name for m in members]
+        if r.hosts:
+            result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit)
+        elif rc.weight_sync == "collective":
+            self._collective = self._collective or CollectiveWeightSync(
+                rc.weight_bucket_mb, weight_backend(self.cfg)
+            )
+            result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit)
+        else:
+            result, bundle = push_weights(r.ranks, handles, names, version, rc.dtype, limit)
+        self.published(result.version, bundle, result.expected)
+        for index in result.lost:
+            self._on_lost(members[index])
+        self.replacements = len(result.lost)
+        for stage, seconds in result.stages.items():
+            self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+        return result.seconds
+
+    def published(self, version: int, bundle: Any, fingerprint: Fingerprint | None) -> None:
+        """v`version` is the current weights: `bundle` (None: not in the object store) and what a worker
+        that loads them must acknowledge."""
+        self.version, self.bundle, self.fingerprint = version, bundle, fingerprint
+
+    def take_stages(self) -> dict[str, float]:
+        """The push stages' seconds since the previous call (for the step's `weights/*` metrics)."""
+        stages, self.stages = self.stages, {}
+        return stages
+
+    def current_bundle(self) -> Any:
+        """The current weights in the object store. The collective path leaves none there, so a new
+        or replacement worker gets them from an export made for it (the learner is idle then)."""
+        if self.bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
+            self.bundle = export_bundle(
+                self.roles.ranks, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
+            )
+        return self.bundle
+
+    def bring_up_to_date(self, handle: Any, name: str) -> None:
+        """A new or replaced worker loads the current weights before its first sample."""
+        if self.version > 0 and self.current_bundle() is not None:
+            load_into(
+                handle, name, self.bundle, self.version, self.fingerprint, self.cfg.timeouts.weight_sync_s
+            )
+
+    def prepare(self, kind: str, member: Any) -> list:
+        """Calls queued on a replacement actor before its first work: a rollout worker loads the
+        current weights (checked against their fingerprint when it acknowledges)."""
+        if kind != "generate" or self.version == 0 or self.current_bundle() is None:
+            return []
+        version, expected = self.version, self.fingerprint
+        ref = member.handle.load_weights.remote(self.bundle, version)
+
+        def check(ack: Any, name: str = member.name) -> None:
+            verify_ack(name, ack, version, expected)
+
+        return [(ref, self.cfg.timeouts.weight_sync_s, check)]
