@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray  # noqa: E402
 
-from cluster.config import load_config  # noqa: E402
-from cluster.streaming import make_trainer  # noqa: E402
+from cluster.config.schema import load_config  # noqa: E402
+from cluster.pipeline.async_trainer import make_trainer  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 CONFIGS = {"sentiment": "configs/sentiment_tiny.yaml", "arithmetic": "configs/arithmetic_tiny.yaml"}
@@ -96,7 +96,9 @@ def run_side(config: str, overrides: list[str], budget: int | None, held_out: bo
             if held_out and "eval/accuracy" in m:
                 evals.append(row)
         if held_out and evals[-1]["step"] != step:
-            evals.append({"step": step, "samples": trained, "generated": generated, **trainer.evaluator.evaluate()[0]})
+            evals.append(
+                {"step": step, "samples": trained, "generated": generated, **trainer.evaluator.evaluate()[0]}
+            )
     finally:
         trainer.close()
     return {"rows": rows, "evals": evals, "wall_s": time.perf_counter() - t0}

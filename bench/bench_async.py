@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray  # noqa: E402
 from machine import machine_busy_s  # noqa: E402
 
-from cluster.config import load_config  # noqa: E402
-from cluster.streaming import make_trainer  # noqa: E402
+from cluster.config.schema import load_config  # noqa: E402
+from cluster.pipeline.async_trainer import make_trainer  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 

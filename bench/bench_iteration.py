@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray  # noqa: E402
 
-from cluster.config import load_config  # noqa: E402
-from cluster.controller import Trainer  # noqa: E402
+from cluster.config.schema import load_config  # noqa: E402
+from cluster.pipeline.trainer import Trainer  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 PHASES = ["time/generate", "time/score", "time/train", "time/weight_sync", "time/step"]

@@ -298,8 +298,8 @@ class Size:
 
     def push_row(self, engine: str, path: str, version: int) -> tuple[dict, int]:
         """One (engine, path) row: a warm-up push and `reps` timed ones; returns it and the last version."""
-        from cluster.collective_sync import CollectiveWeightSync
-        from cluster.weight_sync import push_weights
+        from cluster.weights.collective import CollectiveWeightSync
+        from cluster.weights.push import push_weights
 
         a = self.args
         worker, wsamp, lsamp = self.workers[engine], self.samplers[engine], self.samplers["rank0"]
@@ -423,7 +423,7 @@ def main() -> int:
 
     # The actors' classes (torch, transformers, DeepSpeed; not vLLM) imported before the first size,
     # so each size's driver growth is its own, not the imports'.
-    import cluster.weight_sync  # noqa: F401
+    import cluster.weights.push  # noqa: F401
     import learner.rank  # noqa: F401
     import rollout_workers.worker  # noqa: F401
 

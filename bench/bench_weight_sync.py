@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from machine import PeakRSS  # noqa: E402
 
-from cluster.collective_sync import CollectiveWeightSync  # noqa: E402
-from cluster.weight_sync import push_weights  # noqa: E402
+from cluster.weights.collective import CollectiveWeightSync  # noqa: E402
+from cluster.weights.push import push_weights  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.rank import LearnerRank  # noqa: E402
 from rollout_workers.config import RolloutConfig  # noqa: E402

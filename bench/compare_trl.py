@@ -126,7 +126,7 @@ def prompt_order(cfg: Any, steps: int) -> list[list[int]]:
     """Token ids of every prompt this project trains on, in order; n samples = n repeats in a row."""
     from transformers import AutoTokenizer
 
-    from cluster.data import PromptStream, read_prompts, tokenize_prompts
+    from cluster.pipeline.data import PromptStream, read_prompts, tokenize_prompts
 
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
     stream = PromptStream(
@@ -171,9 +171,9 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     """In a fresh subprocess: `steps` iterations of the real Ray pipeline, each one recorded."""
     import ray
 
-    from cluster.config import load_config
-    from cluster.controller import Trainer
-    from cluster.startup import StartupClock
+    from cluster.config.schema import load_config
+    from cluster.pipeline.trainer import Trainer
+    from cluster.run.startup import StartupClock
     from cluster.train import init_ray, preflight
 
     clock = StartupClock()
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.side_ours:
         run_ours_inprocess(config, args.overrides, args.steps, Path(args.side_ours))
         return 0
-    from cluster.config import load_config
+    from cluster.config.schema import load_config
     from cluster.train import preflight
 
     cfg = load_config(config, [*quiet_overrides(args.steps), *args.overrides])

@@ -13,7 +13,7 @@ import math
 import sys
 from pathlib import Path
 
-from .metrics import read_metrics
+from cluster.run.metrics import read_metrics
 
 # (panel title, [(metric key, legend label)])
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [

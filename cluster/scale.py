@@ -12,7 +12,7 @@ import argparse
 import shlex
 import sys
 
-from .control import NAMESPACE, ROLES, control_name
+from cluster.pipeline.control import NAMESPACE, ROLES, control_name
 
 
 def parse_assignments(items: list[str]) -> dict[str, int]:

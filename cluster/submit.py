@@ -33,8 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .config import ConfigError, RunConfig, load_config
-from .train import add_run_arguments, run_dir_for
+from cluster.config.schema import ConfigError, RunConfig, load_config
+from cluster.train import add_run_arguments, run_dir_for
 
 if TYPE_CHECKING:
     from ray.job_submission import JobStatus, JobSubmissionClient

@@ -4,7 +4,7 @@ Everything that can be checked before an actor starts is checked first; a bad co
 missing file exits with code 2 and a message that names the field or file.
 
 Exit codes: 0 done; 1 the run failed; 2 bad input; 130 stopped by SIGINT; 143 stopped by SIGTERM
-(`cluster/stopping.py`: the current step ends, a checkpoint is written, `--resume` continues it).
+(`cluster/pipeline/stopping.py`: the current step ends, a checkpoint is written, `--resume` continues it).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import time
 import traceback
 from pathlib import Path
 
-from .checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
-from .config import ConfigError, RunConfig, load_config
-from .job_env import (
+from cluster.config.schema import ConfigError, RunConfig, load_config
+from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
+from cluster.run.folder import resolve_paths
+from cluster.run.job_env import (
     SharedSessionError,
     check_every_node_shares,
     in_place_working_dir,
     override_job_runtime_env,
 )
-from .run_folder import resolve_paths
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -35,7 +35,7 @@ EXIT_INTERRUPTED = 130
 def preflight(cfg: RunConfig) -> None:
     """Build the demo assets if asked, then check every path the actors will open."""
     if cfg.model.demo_assets:
-        from .demo_assets import DemoAssetsError, build_demo_assets
+        from cluster.demo_assets import DemoAssetsError, build_demo_assets
 
         try:
             build_demo_assets(cfg.model.demo_assets.demo, cfg.model.demo_assets.folder)
@@ -70,7 +70,7 @@ def preflight(cfg: RunConfig) -> None:
 def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
     """Logical CPUs and custom resources of a local Ray: what the placement plan asks for (one
     local node is every node type at once), and at least the cores."""
-    from .placement import demand
+    from cluster.placement.plan import demand
 
     want = demand(cfg)
     cpus = float(max(os.cpu_count() or 1, math.ceil(want.pop("CPU", 0.0))))  # Ray wants whole CPUs
@@ -169,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from .controller import LearnerStepError, RewardFailureError
-    from .pools import ActorStartError
-    from .rollout import RolloutError
-    from .run_folder import SharedStorageError
-    from .streaming import make_trainer
-    from .weight_sync import WeightSyncError
+    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.collector import RolloutError
+    from cluster.pipeline.trainer import LearnerStepError, RewardFailureError
+    from cluster.placement.pools import ActorStartError
+    from cluster.run.folder import SharedStorageError
+    from cluster.weights.push import WeightSyncError
 
     RUN_ERRORS = (
         LearnerStepError,
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from .startup import StartupClock
+    from cluster.run.startup import StartupClock
 
     clock = StartupClock()
     clock.mark("driver start")
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
     trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
     trainer.clock = clock
-    trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/stopping.py)
+    trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
     try:
         trainer.setup()
         if cfg.cluster.placement == "separate":
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary.lines():
         print(line, flush=True)
     try:
-        from .plot import plot_run
+        from cluster.plot import plot_run
 
         print(f"curves       {plot_run(run_dir)}", flush=True)
     except ImportError:  # matplotlib is optional (the 'plot' extra)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cluster.config import ConfigError, load_config
+from cluster.config.schema import ConfigError, load_config
 from demos import DemoBuildError, ensure_demo
 
 

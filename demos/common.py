@@ -143,8 +143,8 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 def load_prompts(path: str | Path) -> list[str]:
     """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
-    from cluster.config import DataSection
-    from cluster.data import read_prompts
+    from cluster.config.schema import DataSection
+    from cluster.pipeline.data import read_prompts
 
     return [text for _, text, _ in read_prompts(DataSection(prompts_path=str(path)))]
 

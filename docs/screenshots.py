@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from cluster.config import load_config
-    from cluster.streaming import make_trainer
+    from cluster.config.schema import load_config
+    from cluster.pipeline.async_trainer import make_trainer
     from cluster.watch import watching
 
     temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")  # short: Ray's unix sockets live under it

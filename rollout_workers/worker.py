@@ -211,7 +211,7 @@ class RolloutWorker:
     def join_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
     ) -> None:
-        """Join learner rank 0's weight group (`cluster.collective_sync.CollectiveWeightSync`) with ranks
+        """Join learner rank 0's weight group (`cluster.weights.collective.CollectiveWeightSync`) with ranks
         `first_rank ..` (one per process holding the engine's weights)."""
         with self._lock:
             self._engine.join_weight_group(host, port, first_rank, world_size, timeout_s, backend)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.groups import group_runs, shard_by_group
+from cluster.pipeline.groups import group_runs, shard_by_group
 from learner.advantages import (
     estimate,
     group_advantages,
@@ -318,7 +318,7 @@ def test_group_baseline_properties(data, n, G):
 
 
 def test_config_refuses_combinations_that_cannot_work():
-    from cluster.config import ConfigError, build_config
+    from cluster.config.schema import ConfigError, build_config
     from learner.config import LearnerConfig
 
     tree = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}

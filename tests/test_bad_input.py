@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tiny_models import build_tokenizer
 
-from cluster.checkpoint import COMPLETE, STATE_FILE, CheckpointError, latest_checkpoint, read_state
-from cluster.config import ConfigError, DataSection
-from cluster.data import PromptStream, read_prompts, tokenize_prompts
+from cluster.config.schema import ConfigError, DataSection
+from cluster.pipeline.checkpoint import COMPLETE, STATE_FILE, CheckpointError, latest_checkpoint, read_state
+from cluster.pipeline.data import PromptStream, read_prompts, tokenize_prompts
 from cluster.train import main
 
 

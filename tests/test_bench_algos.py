@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
+from cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"

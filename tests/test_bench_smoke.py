@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from demo_run import CONFIG, demo_overrides
 
-from cluster.config import load_config
+from cluster.config.schema import load_config
 
 pytestmark = pytest.mark.slow
 

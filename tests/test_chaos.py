@@ -25,9 +25,9 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
-from cluster.config import load_config
-from cluster.data import PromptStream
-from cluster.streaming import make_trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.data import PromptStream
 
 pytestmark = pytest.mark.slow
 
@@ -174,7 +174,9 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
     assert trainer.progress.trained_prompts + collections.Counter(outstanding) == drawn, why
     assert len(outstanding) <= (cfg.pipeline.max_staleness + 1) * PROMPTS_PER_STEP, why
     if mode == "sync":  # one epoch of 20 x 8 prompts, each trained once
-        assert trainer.progress.trained_prompts == collections.Counter({p.index: 1 for p in trainer.prompts}), why
+        assert trainer.progress.trained_prompts == collections.Counter(
+            {p.index: 1 for p in trainer.prompts}
+        ), why
     for name, versions in seen.items():
         assert versions == sorted(versions), f"{name} went back: {versions}; {why}"
     replaced = sum(m["faults/actor_replacements"] for m in rows)

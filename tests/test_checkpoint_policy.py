@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import checkpoint as ckpt_mod
-from cluster.checkpoint import (
+from cluster.config.schema import ConfigError, load_config
+from cluster.pipeline import checkpoint as ckpt_mod
+from cluster.pipeline.checkpoint import (
     COMPLETE,
     STATE_FILE,
     Cadence,
@@ -25,9 +26,8 @@ from cluster.checkpoint import (
     read_state,
     to_prune,
 )
-from cluster.config import ConfigError, load_config
-from cluster.run_folder import resolve_paths
-from cluster.stopping import EXIT_CODES, StopRequest
+from cluster.pipeline.stopping import EXIT_CODES, StopRequest
+from cluster.run.folder import resolve_paths
 from cluster.submit import CHECKPOINT_MARGIN_S, job_stop_wait_s
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.yaml"

@@ -16,9 +16,9 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides
 
-from cluster.colocated import RoleView
-from cluster.config import ConfigError, load_config
-from cluster.streaming import make_trainer
+from cluster.config.schema import ConfigError, load_config
+from cluster.pipeline.async_trainer import make_trainer
+from cluster.placement.colocated import RoleView
 
 ROOT = Path(__file__).resolve().parent.parent
 # One chunk per step: the colocated placement splits a batch evenly over its workers (one here), so
@@ -126,8 +126,8 @@ def test_views_ask_for_two_returns_where_the_roles_return_two():
     return (facts, payload) (the driver reads the first only), one for every other method."""
     import inspect
 
-    from cluster import role_actors
-    from cluster.colocated import TWO_RETURNS
+    from cluster.placement import role_actors
+    from cluster.placement.colocated import TWO_RETURNS
 
     classes = (
         role_actors.StreamingRolloutWorker,
@@ -149,7 +149,7 @@ def test_the_driver_imports_no_framework():
     processes that compute (its tokenizer loads transformers later, while the actors start)."""
     code = (
         "import json, sys\n"
-        "import cluster.train, cluster.controller, cluster.streaming, cluster.actors, cluster.colocated\n"
+        "import cluster.train, cluster.pipeline.trainer, cluster.pipeline.async_trainer, cluster.placement.actors, cluster.placement.colocated\n"
         "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -181,7 +181,7 @@ def test_sleep_level_needs_colocation(demo_assets):
     with pytest.raises(ConfigError, match="rollout.sleep_level=1 .*cluster.placement='colocated'"):
         load_config(CONFIG, [*demo_overrides(demo_assets, 1), "rollout.sleep_level=1"])
     sets = {"cluster.placement": "colocated", "learner.num_gpus_per_rank": 1}
-    from cluster.rollout_placement import worker_config
+    from cluster.placement.rollout_gpus import worker_config
 
     on_gpus = load_config(CONFIG, demo_overrides(demo_assets, 1, **sets))
     assert worker_config(on_gpus).sleep_level == 1  # unset: colocated on GPUs sleeps

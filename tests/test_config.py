@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ConfigError, apply_overrides, build_config, load_config
+from cluster.config.schema import ConfigError, apply_overrides, build_config, load_config
 from cluster.train import main
 
 BASE = {

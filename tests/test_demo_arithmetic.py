@@ -183,9 +183,9 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
 
 @pytest.mark.slow
 def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmetic_assets, tmp_path, capsys):
-    from cluster.config import load_config
-    from cluster.metrics import read_metrics
-    from cluster.streaming import make_trainer
+    from cluster.config.schema import load_config
+    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.run.metrics import read_metrics
 
     cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
     trainer = make_trainer(cfg, tmp_path / "run")
@@ -219,8 +219,8 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
 
 @pytest.mark.slow
 def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tmp_path):
-    from cluster.config import load_config
-    from cluster.streaming import make_trainer
+    from cluster.config.schema import load_config
+    from cluster.pipeline.async_trainer import make_trainer
 
     cfg = load_config(
         CONFIG,
@@ -241,8 +241,8 @@ def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tm
 
 
 def test_config_names_the_demo_and_eval_fields():
-    from cluster.config import ConfigError, load_config
-    from cluster.evaluation import eval_sampling
+    from cluster.config.schema import ConfigError, load_config
+    from cluster.pipeline.evaluation import eval_sampling
 
     cfg = load_config(CONFIG)
     assert (cfg.model.demo_assets.demo, cfg.eval.enabled) == ("arithmetic", True)
@@ -264,7 +264,7 @@ def test_a_build_that_misses_its_band_is_a_config_error_naming_the_field(monkeyp
     """`make train` / `python -m cluster.train`: a demo build outside its band ends the start with one
     clear line (ConfigError naming model.demo_assets), not a traceback."""
     import demos
-    from cluster.config import ConfigError, load_config
+    from cluster.config.schema import ConfigError, load_config
     from cluster.train import preflight
 
     def missed(name, folder, quiet=False):

@@ -26,8 +26,8 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
-from cluster.config import load_config
-from cluster.streaming import make_trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.async_trainer import make_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cluster.config import ConfigError, build_config
-from cluster.data import Prompt, PromptStream
-from cluster.dynamic_sampling import (
+from cluster.config.schema import ConfigError, build_config
+from cluster.pipeline.data import Prompt, PromptStream
+from cluster.pipeline.dynamic_sampling import (
     DynamicSamplingError,
     StepAccount,
     check_filter_spec,
@@ -201,7 +201,7 @@ def _flat_prompts(assets, folder, n):
 def _dyn_cfg(assets, tmp_path, steps, n_prompts, **extra):
     from demo_run import CONFIG, demo_overrides
 
-    from cluster.config import load_config
+    from cluster.config.schema import load_config
 
     module = tmp_path / "flat_rule.py"
     module.write_text(FLAT_RULE)
@@ -241,8 +241,8 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
     """24 prompts in order, every third flat, 4 per step: each step draws 4, filters the 2 flat ones,
     draws 2 more (2 rounds), trains 4 groups with spread; 4 steps use the epoch exactly, each prompt
     trained or filtered once, including across a resume from step 2's checkpoint."""
-    from cluster.checkpoint import latest_checkpoint
-    from cluster.controller import Trainer
+    from cluster.pipeline.checkpoint import latest_checkpoint
+    from cluster.pipeline.trainer import Trainer
 
     cfg, flat = _dyn_cfg(demo_assets, tmp_path, 4, 24, **{"checkpoint.every_steps": 2})
     batches, rows = [], []
@@ -289,7 +289,7 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
     """Async, eta = 1, 2 workers: flat groups never reach the buffer, their slots go to new prompts,
     every step trains 4 groups with spread and within the staleness bound, and each drawn prompt is
     trained, filtered or outstanding exactly once."""
-    from cluster.streaming import AsyncTrainer
+    from cluster.pipeline.async_trainer import AsyncTrainer
 
     eta = 1
     cfg, flat = _dyn_cfg(
@@ -332,9 +332,15 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
         == trainer.progress.filtered_total
         == len(trainer.progress.filtered_prompts)
     )
-    assert set(trainer.progress.filtered_prompts) <= flat and set(trainer.progress.filtered_prompts.values()) == {1}
-    assert trainer.progress.filtered_total >= 4  # 16 informative prompts trained: at least 24 drawn, 8 of them flat
-    assert set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 16
+    assert set(trainer.progress.filtered_prompts) <= flat and set(
+        trainer.progress.filtered_prompts.values()
+    ) == {1}
+    assert (
+        trainer.progress.filtered_total >= 4
+    )  # 16 informative prompts trained: at least 24 drawn, 8 of them flat
+    assert (
+        set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 16
+    )
     # one epoch of 48 in order, not wrapped: the drawn prompts are 0 .. pulled-1, each in exactly one place
     assert pulled < 48
     ends = [*trainer.progress.trained_prompts, *trainer.progress.filtered_prompts, *outstanding]

@@ -16,8 +16,8 @@ import torch
 from demo_run import CONFIG, demo_overrides
 from transformers import AutoModelForCausalLM
 
-from cluster.config import load_config
-from cluster.controller import Trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.trainer import Trainer
 from cluster.train import main
 from rollout_workers.weights import state_checksum
 

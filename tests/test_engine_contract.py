@@ -335,9 +335,9 @@ def test_vllm_tensor_parallel_swap_loads_every_shard(policies):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_low_precision_engines_pass_the_probe_and_stale_weights_do_not(policies, engine, dtype):
-    """The acknowledgement tolerance (cluster.weight_sync.PROBE_TOLERANCE) admits a bf16/fp16 engine on
+    """The acknowledgement tolerance (cluster.weights.push.PROBE_TOLERANCE) admits a bf16/fp16 engine on
     the float32 learner's weights and still names one that kept other weights."""
-    from cluster.weight_sync import WeightSyncError, expected_fingerprint, verify_ack
+    from cluster.weights.push import WeightSyncError, expected_fingerprint, verify_ack
 
     a, b = policies
     worker = RolloutWorker(a, RolloutConfig(engine=engine, dtype=dtype))
@@ -369,7 +369,7 @@ def test_one_optimizer_step_is_told_apart_and_a_stale_engine_refused(policies, e
     """Digests tell v from v+1 after one step in both dtypes and both engines: hf reads its weights
     back under the bundle's names (exact); vLLM's own (fused, renamed) parameters must change when the
     bundle does. An engine whose load became a no-op is refused; the honest loads pass."""
-    from cluster.weight_sync import Fingerprint, WeightSyncError, verify_ack
+    from cluster.weights.push import Fingerprint, WeightSyncError, verify_ack
     from rollout_workers.weights import sampled_digest, torch_dtype
 
     a, _ = policies

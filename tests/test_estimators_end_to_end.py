@@ -14,8 +14,8 @@ import math
 import pytest
 from demo_run import CONFIG, demo_overrides
 
-from cluster.config import load_config
-from cluster.streaming import make_trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.async_trainer import make_trainer
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import psutil
 import pytest
 from demo_run import CONFIG, demo_overrides
 
-from cluster.checkpoint import latest_checkpoint, list_checkpoints
-from cluster.stopping import EXIT_CODES
+from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
+from cluster.pipeline.stopping import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 
@@ -131,8 +131,8 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     """The stop hook shared by both trainers: a stop asked for while step 1 runs ends the run after
     it with a checkpoint (async: the prompts in flight are recorded); the resumed run completes the
     epoch with each prompt trained once, and its final checkpoint is written once."""
-    from cluster.config import load_config
-    from cluster.streaming import make_trainer
+    from cluster.config.schema import load_config
+    from cluster.pipeline.async_trainer import make_trainer
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(demo_assets.prompts.read_text().splitlines()[:24]) + "\n")

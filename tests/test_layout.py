@@ -65,12 +65,12 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     src.write_text(
         "from learner import sequences\n"
         "def f():\n"
-        "    import cluster.calls\n"
+        "    import cluster.pipeline.calls\n"
         "    from learner.rank import LearnerRank\n"
         "    from . import engine\n"
     )
     found = project_imports(src)
-    assert [m for _l, m in found if not allowed("rollout_workers", m)] == ["cluster.calls", "learner.rank"]
+    assert [m for _l, m in found if not allowed("rollout_workers", m)] == ["cluster.pipeline.calls", "learner.rank"]
     assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
 
 

@@ -13,9 +13,9 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides
 
-from cluster.checkpoint import latest_checkpoint, list_checkpoints
-from cluster.config import load_config
-from cluster.controller import LearnerStepError, RewardFailureError, Trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
+from cluster.pipeline.trainer import LearnerStepError, RewardFailureError, Trainer
 from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
@@ -149,7 +149,9 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, d
     assert got["faults/lost_chunks"] == 1 and want["faults/lost_chunks"] == 0
     for key in [*COMPARED, "rollout/samples"]:
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    assert set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 8
+    assert (
+        set(trainer.progress.trained_prompts.values()) == {1} and len(trainer.progress.trained_prompts) == 8
+    )
 
 
 def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.packing import UNIT, PackingUndecided, pack
+from cluster.placement.packing import UNIT, PackingUndecided, pack
 
 
 def cpus(*amounts: float) -> list[dict[str, float]]:

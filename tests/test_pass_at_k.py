@@ -11,9 +11,15 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from cluster.config import ConfigError, build_config
-from cluster.data import Prompt
-from cluster.evaluation import EvalRound, before_after_lines, correctness_metrics, headline, pass_at_k
+from cluster.config.schema import ConfigError, build_config
+from cluster.pipeline.data import Prompt
+from cluster.pipeline.evaluation import (
+    EvalRound,
+    before_after_lines,
+    correctness_metrics,
+    headline,
+    pass_at_k,
+)
 from reward_service.scorer import ScoreBatch
 
 
@@ -93,7 +99,7 @@ def config(**eval_fields):
 def test_pass_k_defaults_and_validation_names_the_field():
     cfg = config()
     assert cfg.eval.samples_per_prompt == 1 and cfg.eval.pass_k == [1]
-    from cluster.sections import EvalSection
+    from cluster.config.sections import EvalSection
 
     for name in ("samples_per_prompt", "pass_k", "correct_at"):
         assert EvalSection.model_fields[name].description

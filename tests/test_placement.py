@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from cluster.config import ConfigError, build_config
-from cluster.placement import PlacementPlan, demand
+from cluster.config.schema import ConfigError, build_config
+from cluster.placement.plan import PlacementPlan, demand
 from cluster.train import local_resources
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.config import build_config
-from cluster.placement import PlacementPlan
-from cluster.rollout_placement import RolloutPlacement, worker_config
+from cluster.config.schema import build_config
+from cluster.placement.plan import PlacementPlan
+from cluster.placement.rollout_gpus import RolloutPlacement, worker_config
 
 
 def _cfg(**rollout):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from demo_run import CONFIG, demo_overrides
 
-from cluster.config import load_config
-from cluster.control import RunControl  # a small actor of the run to host the probe (it reads none of it)
-from cluster.run_folder import SharedStorageError, check_ranks_see_run_folder, resolve_paths
+from cluster.config.schema import load_config
+from cluster.pipeline.control import (
+    RunControl,  # a small actor of the run to host the probe (it reads none of it)
+)
+from cluster.run.folder import SharedStorageError, check_ranks_see_run_folder, resolve_paths
 
 pytestmark = pytest.mark.slow
 

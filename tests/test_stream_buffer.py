@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from cluster.data import Prompt, PromptStream
-from cluster.rollout import chunk_seed
-from cluster.stream_buffer import StreamBuffer
+from cluster.pipeline.collector import chunk_seed
+from cluster.pipeline.data import Prompt, PromptStream
+from cluster.pipeline.stream_buffer import StreamBuffer
 
 
 class _Scores:
@@ -194,7 +194,7 @@ def _finish_rewards(buf, chunk, version, flat, n=2):
 
 
 def _filtering_buffer(n_prompts=24, P=4, chunk=2, eta=1, max_rounds=8, shuffle=False):
-    from cluster.dynamic_sampling import nonzero_std
+    from cluster.pipeline.dynamic_sampling import nonzero_std
 
     stream = PromptStream(_prompts(n_prompts), seed=5, shuffle=shuffle)
     return StreamBuffer(
@@ -248,7 +248,7 @@ def test_a_batch_is_taken_short_after_max_rounds_and_refused_when_nothing_is_kep
     _finish_rewards(buf, chunks[2], 1, flat=set(range(8, 12)))
     more = [buf.next_chunk(1) for _ in range(1)]
     _finish_rewards(buf, more[0], 1, flat={p.index for p in more[0].prompts})
-    from cluster.dynamic_sampling import DynamicSamplingError
+    from cluster.pipeline.dynamic_sampling import DynamicSamplingError
 
     with pytest.raises(DynamicSamplingError, match="data.dynamic_sampling.max_rounds"):
         buf.take(1)

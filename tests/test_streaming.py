@@ -11,10 +11,10 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
-from cluster.checkpoint import latest_checkpoint
-from cluster.config import ConfigError, load_config
+from cluster.config.schema import ConfigError, load_config
+from cluster.pipeline.async_trainer import AsyncTrainer, make_trainer
+from cluster.pipeline.checkpoint import latest_checkpoint
 from cluster.scale import main as scale_main
-from cluster.streaming import AsyncTrainer, make_trainer
 
 pytestmark = pytest.mark.slow
 

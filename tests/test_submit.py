@@ -17,8 +17,8 @@ import yaml
 from ray_head import free_port
 from ray_head import ray_head as start_ray_head
 
-from cluster.config import load_config
-from cluster.job_env import (
+from cluster.config.schema import load_config
+from cluster.run.job_env import (
     JOB_CONFIG_VAR,
     SharedSessionError,
     check_every_node_shares,
@@ -109,7 +109,7 @@ def test_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, demo_assets, tmp_p
 
     from demo_run import CONFIG, demo_overrides
 
-    from cluster.checkpoint import latest_checkpoint
+    from cluster.pipeline.checkpoint import latest_checkpoint
 
     run_dir = tmp_path / "run"
     client = connect(ray_head)

@@ -24,8 +24,8 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides
 
-from cluster.config import load_config
-from cluster.streaming import make_trainer
+from cluster.config.schema import load_config
+from cluster.pipeline.async_trainer import make_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,8 @@ class OneProcessLoop:
         import torch
         from transformers import AutoTokenizer
 
-        from cluster.data import PromptStream, pad_token_id, read_prompts, tokenize_prompts
-        from cluster.rollout_placement import worker_config
+        from cluster.pipeline.data import PromptStream, pad_token_id, read_prompts, tokenize_prompts
+        from cluster.placement.rollout_gpus import worker_config
         from learner.rank import LearnerRank
         from reward_service.reference import ReferencePolicy
         from reward_service.scorer import RewardScorer
@@ -66,7 +66,7 @@ class OneProcessLoop:
         import numpy as np
         import torch
 
-        from cluster.rollout import chunk_seed
+        from cluster.pipeline.collector import chunk_seed
         from learner.trajectory import Trajectory
 
         cfg, rows = self.cfg, []

@@ -16,9 +16,9 @@ import pytest
 import ray
 from demo_run import CONFIG, demo_overrides
 
-from cluster.config import load_config
-from cluster.controller import Trainer
-from cluster.weight_sync import expected_fingerprint, verify_ack
+from cluster.config.schema import load_config
+from cluster.pipeline.trainer import Trainer
+from cluster.weights.push import expected_fingerprint, verify_ack
 
 pytestmark = [
     pytest.mark.vllm,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.collective_sync import CollectiveWeightSync
-from cluster.weight_sync import (
+from cluster.weights.collective import CollectiveWeightSync
+from cluster.weights.push import (
     Fingerprint,
     WeightSyncError,
     bounded_checksum,
@@ -220,8 +220,8 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
 ):
     from demo_run import CONFIG, demo_overrides
 
-    from cluster.config import load_config
-    from cluster.controller import Trainer
+    from cluster.config.schema import load_config
+    from cluster.pipeline.trainer import Trainer
 
     ray = ray_local
     sets = {

@@ -22,10 +22,10 @@ from typing import Any
 
 import ray
 
-from .calls import Call, CallTracker
-from .chunks import Chunk, RolloutBatch, chunk_seed
-from .data import Prompt
-from .pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
+from cluster.pipeline.calls import Call, CallTracker
+from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
+from cluster.pipeline.data import Prompt
+from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 
 
 class RolloutError(RuntimeError):

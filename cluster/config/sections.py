@@ -1,4 +1,4 @@
-"""The run-level sections of the run schema (`cluster.config.RunConfig` composes them with each
+"""The run-level sections of the run schema (`cluster.config.schema.RunConfig` composes them with each
 role's own section): run, model, data, cluster, timeouts, pipeline, checkpoint, eval."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class DemoAssetsSection(_Strict):
     @field_validator("demo")
     @classmethod
     def _known(cls, name: str) -> str:
-        from .demo_assets import known_demos
+        from cluster.demo_assets import known_demos
 
         if name not in known_demos():
             raise ValueError(f"unknown demo {name!r}; one of {', '.join(known_demos())}")
@@ -72,7 +72,7 @@ class DynamicSamplingSection(_Strict):
     @field_validator("filter")
     @classmethod
     def _known_filter(cls, spec: str) -> str:
-        from .dynamic_sampling import check_filter_spec
+        from cluster.pipeline.dynamic_sampling import check_filter_spec
 
         return check_filter_spec(spec)
 
@@ -124,7 +124,7 @@ class ClusterSection(_Strict):
         description="'separate': one Ray actor per role replica (each scales and fails on its own; needed by "
         "pipeline.mode='async'). 'colocated': one actor per learner rank also holding rollout worker, reference "
         "and reward replica i (a hybrid engine: one process and its devices shared by all roles, which take "
-        "turns; sync pipeline only, fixed role counts; see cluster/colocated.py).",
+        "turns; sync pipeline only, fixed role counts; see cluster/placement/colocated.py).",
     )
     autoscaling: bool = Field(
         False,

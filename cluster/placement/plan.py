@@ -31,10 +31,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from .config import RunConfig
-from .packing import PackingUndecided, pack
-from .pools import ActorStartError, wait_until
-from .rollout_placement import RolloutPlacement
+from cluster.config.schema import RunConfig
+from cluster.placement.packing import PackingUndecided, pack
+from cluster.placement.pools import ActorStartError, wait_until
+from cluster.placement.rollout_gpus import RolloutPlacement
 
 ROLE_ORDER = ("learner", "rollout", "reference", "reward")  # bundle order in the plan's group
 _HIDDEN = ("memory", "object_store_memory")  # node resources no role asks for by name

@@ -8,7 +8,7 @@ They share the rank's devices and take turns, as the synchronous pipeline does a
 score, (rollout engine sleeps), train, (engine wakes), new weights. verl's hybrid engine and
 OpenRLHF's `--colocate_all_models` make the same trade.
 
-The roles are the classes the separate placement runs as actors (`cluster.role_actors`: each role's
+The roles are the classes the separate placement runs as actors (`cluster.placement.role_actors`: each role's
 plain class with the adapters that keep samples out of the driver), built here as they are there.
 The host only runs each call with that role's torch thread count (one process has one thread
 setting; as the roles take turns, each may use the learner rank's threads), and moves a new version from the learner to its own worker in memory (`push_local`):
@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from .config import RunConfig
+from cluster.config.schema import RunConfig
 
 # The host's environment: quiet transformers, and one OpenMP/BLAS thread for whatever does not take
 # its thread count from torch (numpy's BLAS). Ray would set OMP_NUM_THREADS to the host's CPUs
@@ -55,7 +55,7 @@ def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
 
 class ColocatedHost:
     """Learner rank `rank` and the roles `held_roles(cfg, rank)` in one process (a plain class;
-    `cluster.actors` runs it as a Ray actor)."""
+    `cluster.placement.actors` runs it as a Ray actor)."""
 
     def __init__(
         self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int | None = None
@@ -63,7 +63,7 @@ class ColocatedHost:
         t0 = time.perf_counter()
         import torch
 
-        from .role_actors import (
+        from cluster.placement.role_actors import (
             StreamingLearnerRank,
             StreamingReference,
             StreamingRolloutWorker,
@@ -75,7 +75,7 @@ class ColocatedHost:
         if pad_token_id is None:  # the driver's rule, on the same tokenizer (it loads it meanwhile)
             from transformers import AutoTokenizer
 
-            from .data import pad_token_id as pad_of
+            from cluster.pipeline.data import pad_token_id as pad_of
 
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
         lc, temperature = cfg.learner, cfg.rollout.sampling.temperature
@@ -161,7 +161,7 @@ class ColocatedHost:
         return self.call("rollout", "wake_up") if "rollout" in self.roles else None
 
 
-# The roles' methods that return two objects (`@ray.method(num_returns=2)` in `cluster.role_actors`:
+# The roles' methods that return two objects (`@ray.method(num_returns=2)` in `cluster.placement.role_actors`:
 # a payload and a small fact about it, so the driver can read the fact alone). Named here because
 # the driver never imports the roles' module; tests/test_colocated.py checks the two agree.
 TWO_RETURNS = frozenset({"generate_chunk", "sample_logprobs", "export_split"})

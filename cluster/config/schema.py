@@ -12,11 +12,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from learner.config import LearnerConfig
-from reward_service.config import ReferenceConfig, RewardConfig
-from rollout_workers.config import RolloutConfig
-
-from .sections import (
+from cluster.config.sections import (
     CheckpointSection,
     ClusterSection,
     DataSection,
@@ -27,6 +23,9 @@ from .sections import (
     TimeoutSection,
     _Strict,
 )
+from learner.config import LearnerConfig
+from reward_service.config import ReferenceConfig, RewardConfig
+from rollout_workers.config import RolloutConfig
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 

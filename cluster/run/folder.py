@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from .config import RunConfig
+from cluster.config.schema import RunConfig
 
 PATH_FIELDS = (  # attribute paths from the run config
     ("run", "output_dir"),

@@ -19,14 +19,14 @@ from typing import Any, Protocol
 
 import ray
 
-from .calls import Call
-from .publisher import WeightPublisher
-from .rollout import StreamCollector
-from .weight_sync import bundle_facts, load_into
+from cluster.pipeline.calls import Call
+from cluster.pipeline.collector import StreamCollector
+from cluster.weights.publisher import WeightPublisher
+from cluster.weights.push import bundle_facts, load_into
 
 
 class PublishingStep(Protocol):
-    """What the publisher reads of the learner's step in progress (`cluster.streaming.LearnerStep`)."""
+    """What the publisher reads of the learner's step in progress (`cluster.pipeline.async_trainer.LearnerStep`)."""
 
     step: int
 

@@ -1,6 +1,6 @@
 """The collective weight path (`rollout.weight_sync: collective`): learner rank 0 broadcasts each
 bundle, bucket by bucket, over a process group of its own to every process holding a rollout engine's
-weights; acknowledged and verified as the object-store path (`cluster.weight_sync`)."""
+weights; acknowledged and verified as the object-store path (`cluster.weights.push`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from .pools import DEAD_ACTOR_ERRORS, wait_until
-from .weight_sync import (
+from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.weights.push import (
     Fingerprint,
     SyncResult,
     WeightSyncError,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import Prompt
+from cluster.pipeline.data import Prompt
 
 
 @dataclass(eq=False)

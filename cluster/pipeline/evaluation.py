@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 import ray
 
+from cluster.config.schema import RunConfig
+from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
+from cluster.pipeline.collector import RolloutCollector
+from cluster.pipeline.data import Prompt, read_prompts, tokenize_prompts
+from cluster.run.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
-
-from .chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
-from .config import RunConfig
-from .data import Prompt, read_prompts, tokenize_prompts
-from .rollout import RolloutCollector
-from .summary import reward_to_prob
 
 # The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.
 EVAL_SEED_STEP = 10**9

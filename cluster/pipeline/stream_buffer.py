@@ -1,5 +1,5 @@
 """The streaming data plane's bookkeeping: the admission rule and the trajectory buffer of chunks
-(`cluster.rollout.Chunk`, the record of a chunk in both pipelines).
+(`cluster.pipeline.collector.Chunk`, the record of a chunk in both pipelines).
 
 Pure Python, no Ray: the controller feeds it events and asks it what to do next, and the tests
 drive it directly.
@@ -13,7 +13,7 @@ Staleness (eta, in policy versions) is bounded twice:
   taken is never trained: it is dropped, counted, and its prompt re-queued (ahead of new prompts),
   so every prompt of an epoch is still trained exactly once.
 
-Dynamic sampling (`group_filter`, see `cluster.dynamic_sampling`): a scored chunk's groups that the
+Dynamic sampling (`group_filter`, see `cluster.pipeline.dynamic_sampling`): a scored chunk's groups that the
 filter refuses never enter the buffer; each gives its admission slot back (as a stale prompt does),
 so a new prompt from the stream takes it and the stream cannot stall, and the bound above still holds
 for every admitted prompt. A filtered prompt is used up: recorded in `filtered` (drained by the
@@ -27,9 +27,9 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-from .chunks import Chunk, Parts, chunk_seed
-from .data import Prompt, PromptStream
-from .dynamic_sampling import DynamicSamplingError, GroupFilter, split_chunk
+from cluster.pipeline.chunks import Chunk, Parts, chunk_seed
+from cluster.pipeline.data import Prompt, PromptStream
+from cluster.pipeline.dynamic_sampling import DynamicSamplingError, GroupFilter, split_chunk
 
 
 @dataclass

@@ -16,11 +16,10 @@ from typing import Any
 
 import ray
 
+from cluster.config.schema import RunConfig
+from cluster.placement.plan import PlacementPlan
+from cluster.placement.pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
 from learner.trajectory import Trajectory
-
-from .config import RunConfig
-from .placement import PlacementPlan
-from .pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -73,7 +72,7 @@ def make_pools(
     on_worker_start: Callable[[Any, str], None] | None = None,
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
-    from .role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
+    from cluster.placement.role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
 
     ref, rew = cfg.reference, cfg.reward
     temperature = cfg.rollout.sampling.temperature
@@ -114,7 +113,7 @@ def make_pools(
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
-    from .role_actors import StreamingLearnerRank
+    from cluster.placement.role_actors import StreamingLearnerRank
 
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s
@@ -151,7 +150,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
     """cluster.placement='colocated': reserve the plan and create one `ColocatedHost` per learner rank
     (named like the rank), without waiting: they import and load while the driver tokenizes. Each
     host holds its rank and replica i of every other role, and finds the pad id itself."""
-    from .colocated import HOST_ENV, ColocatedHost, RoleView
+    from cluster.placement.colocated import HOST_ENV, ColocatedHost, RoleView
 
     plan = PlacementPlan(cfg)
     plan.reserve()
@@ -192,7 +191,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
 
 def finish_colocated(cfg: RunConfig, roles: Roles) -> None:
     """Form the launched hosts' learner world and fill the pools with views of their roles."""
-    from .colocated import RoleView
+    from cluster.placement.colocated import RoleView
 
     plan = roles.plan
     names = [f"{plan.shapes['learner'].prefix}-{rank}" for rank in range(len(roles.hosts))]

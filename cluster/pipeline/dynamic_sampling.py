@@ -2,7 +2,7 @@
 the learner sees them, and the step's batch is refilled with more prompts (DAPO's dynamic sampling,
 OpenRLHF's dynamic filtering, slime's check_reward_nonzero_std).
 
-Pure Python, no Ray, in the style of `cluster.stream_buffer`: the filter rules, the split of a scored
+Pure Python, no Ray, in the style of `cluster.pipeline.stream_buffer`: the filter rules, the split of a scored
 chunk into kept and filtered groups, and the per-step accounting. Both pipelines use it:
 - sync (`Trainer.iteration`): rounds of collect -> filter -> draw exactly the missing number of prompts,
   until the batch holds `data.prompts_per_step` informative groups or `max_rounds` rounds ran;

@@ -3,7 +3,7 @@
 `RunProgress` is the bookkeeping both pipelines share (steps, samples, which prompts were trained or
 filtered; the metric rows written); `Checkpointer` writes it with the learner's DeepSpeed state when
 the cadence says so and reads it back on resume. The published weight version is the publisher's
-(`cluster.publisher`); the prompt stream's position and the async buffer's state come as `extra`.
+(`cluster.weights.publisher`); the prompt stream's position and the async buffer's state come as `extra`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from .checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
+from cluster.pipeline.checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
 
 
 @dataclass

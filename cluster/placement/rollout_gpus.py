@@ -25,9 +25,8 @@ from typing import Any
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.config.schema import RunConfig
 from rollout_workers.config import RolloutConfig
-
-from .config import RunConfig
 
 
 def worker_config(cfg: RunConfig) -> RolloutConfig:

@@ -3,7 +3,7 @@
 `WeightPublisher` owns the published version, its bundle (an object reference, or None on the
 collective path) and the fingerprint every worker must acknowledge for it. The sync pipeline calls
 `push` after each step; a new or replacement worker loads the current weights before its first
-sample (`prepare`, `bring_up_to_date`). The async pipeline's publisher (`cluster.async_weights`)
+sample (`prepare`, `bring_up_to_date`). The async pipeline's publisher (`cluster.weights.async_publisher`)
 extends it with per-worker versions.
 """
 
@@ -12,8 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .collective_sync import CollectiveWeightSync, weight_backend
-from .weight_sync import Fingerprint, export_bundle, load_into, push_colocated, push_weights, verify_ack
+from cluster.weights.collective import CollectiveWeightSync, weight_backend
+from cluster.weights.push import (
+    Fingerprint,
+    export_bundle,
+    load_into,
+    push_colocated,
+    push_weights,
+    verify_ack,
+)
 
 
 class WeightPublisher:

@@ -16,25 +16,25 @@ import numpy as np
 import ray
 import yaml
 
-from .actors import Roles, launch_colocated, start_roles, stop_roles
-from .chunks import Parts, RolloutBatch
-from .config import RunConfig
-from .control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
-from .data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
-from .dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
-from .evaluation import Evaluator, load_eval_prompts
-from .groups import shard_parts
-from .metrics import MetricsWriter, SyncStepTimes, sync_step_metrics, truncate_metrics
-from .placement import on_driver_node
-from .pools import DEAD_ACTOR_ERRORS, wait_until
-from .progress import Checkpointer, RunProgress
-from .publisher import WeightPublisher
-from .rollout import RolloutCollector
-from .run_folder import check_ranks_see_run_folder
-from .startup import StartupClock
-from .stopping import StopRequest
-from .summary import RunSummary
-from .telemetry import Telemetry
+from cluster.config.schema import RunConfig
+from cluster.pipeline.chunks import Parts, RolloutBatch
+from cluster.pipeline.collector import RolloutCollector
+from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
+from cluster.pipeline.data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
+from cluster.pipeline.dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
+from cluster.pipeline.evaluation import Evaluator, load_eval_prompts
+from cluster.pipeline.groups import shard_parts
+from cluster.pipeline.progress import Checkpointer, RunProgress
+from cluster.pipeline.stopping import StopRequest
+from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
+from cluster.placement.plan import on_driver_node
+from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.run.folder import check_ranks_see_run_folder
+from cluster.run.metrics import MetricsWriter, SyncStepTimes, sync_step_metrics, truncate_metrics
+from cluster.run.startup import StartupClock
+from cluster.run.summary import RunSummary
+from cluster.run.telemetry import Telemetry
+from cluster.weights.publisher import WeightPublisher
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "

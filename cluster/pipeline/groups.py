@@ -87,7 +87,7 @@ def shard_parts(
     """A learner batch split over `num_shards` ranks as each rank's `train_parts` argument.
 
     `parts` is the batch as both pipelines hand it over: (chunk, sample positions) in chunk order,
-    the chunks as `cluster.rollout.Chunk` (facts, scores, prompts and the two object references).
+    the chunks as `cluster.pipeline.collector.Chunk` (facts, scores, prompts and the two object references).
     Samples whose reward failed are left out; groups (a prompt's run of samples in one chunk) stay
     whole and shards balance tokens (`shard_batch`). Consecutive samples of one chunk travel as one
     part: (samples ref, reference-logprobs ref, [(position, score, group id), ...]). Returns per rank

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import Parts, RolloutBatch, kept
-from .summary import reward_to_prob
+from cluster.pipeline.chunks import Parts, RolloutBatch, kept
+from cluster.run.summary import reward_to_prob
 
 
 class MetricsWriter:

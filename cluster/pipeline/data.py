@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, DataSection
+from cluster.config.schema import ConfigError, DataSection
 
 
 @dataclass

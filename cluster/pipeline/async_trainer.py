@@ -10,7 +10,7 @@ One event loop on the driver moves small facts; samples travel between actors as
   they arrive, not waited for.
 - Faults: the sync collector's machinery (deadlines from when a call starts, background
   replacement, re-dispatch with the same seed).
-- Weights: `cluster.async_weights.AsyncPublisher` (object store: each worker swaps between its
+- Weights: `cluster.weights.async_publisher.AsyncPublisher` (object store: each worker swaps between its
   chunks; collective: a broadcast to all workers once their chunks in flight are done).
 """
 
@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 import ray
 
-from .async_weights import AsyncPublisher
-from .calls import Call
-from .chunks import Chunk, RolloutBatch, kept, reward_errors
-from .controller import LearnerStepError, Trainer
-from .dynamic_sampling import async_rounds
-from .evaluation import EvalRound
-from .metrics import sample_metrics
-from .rollout import StreamCollector
-from .stream_buffer import StreamBuffer, Taken
-from .weight_sync import Fingerprint, expected_fingerprint
+from cluster.pipeline.calls import Call
+from cluster.pipeline.chunks import Chunk, RolloutBatch, kept, reward_errors
+from cluster.pipeline.collector import StreamCollector
+from cluster.pipeline.dynamic_sampling import async_rounds
+from cluster.pipeline.evaluation import EvalRound
+from cluster.pipeline.stream_buffer import StreamBuffer, Taken
+from cluster.pipeline.trainer import LearnerStepError, Trainer
+from cluster.run.metrics import sample_metrics
+from cluster.weights.async_publisher import AsyncPublisher
+from cluster.weights.push import Fingerprint, expected_fingerprint
 
 LEARNER_KINDS = ("train", "export")
 

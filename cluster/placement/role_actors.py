@@ -5,7 +5,7 @@ In both pipelines samples travel between actors as object references, never thro
 worker returns (small per-sample facts, samples) as two objects, and the reference, the scorer and
 the learner read the samples object themselves. The roles keep their own interfaces; converting one
 role's records into the next one's input is cluster/'s job, so it lives in these thin subclasses. This module imports torch, transformers and DeepSpeed (the
-roles' own modules): `cluster.actors` imports it only when it starts actors, so a driver that
+roles' own modules): `cluster.placement.actors` imports it only when it starts actors, so a driver that
 starts none of them (the colocated placement) never pays for those imports.
 """
 
@@ -15,13 +15,12 @@ from typing import Any
 
 import ray
 
+from cluster.placement.actors import to_trajectory
+from cluster.placement.pools import LOST_OBJECT_ERRORS
 from learner.rank import LearnerRank
 from reward_service.reference import ReferencePolicy
 from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
-
-from .actors import to_trajectory
-from .pools import LOST_OBJECT_ERRORS
 
 
 class StreamingRolloutWorker(RolloutWorker):

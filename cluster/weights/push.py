@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from .pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
 
 # (atol, rtol) in nats for |worker - learner| probe logprobs, by the coarser of the two dtypes.
 # Measured against a float32 learner on the demo policy (probe |logprob| up to 18): float32 engines
@@ -112,7 +112,7 @@ def push_weights(
 def push_colocated(
     hosts: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
 ) -> tuple[SyncResult, Any]:
-    """The colocated placement's push (`cluster.colocated`): every host exports from its learner rank
+    """The colocated placement's push (`cluster.placement.colocated`): every host exports from its learner rank
     and rank 0's host loads the bundle into its own rollout worker in memory (waking its engine
     first); workers on other hosts load an object-store copy, which is also the returned bundle ref
     (None with one host: nothing leaves the process). Acknowledged and verified as `push_weights`."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from .pools import wait_until
+from cluster.placement.pools import wait_until
 
 FORMAT = 1
 STATE_FILE = "state.json"
