@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cluster.config.schema import ConfigError, build_config
+from cluster.pipeline.chunks import SampleFacts
 from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.dynamic_sampling import (
     DynamicSamplingError,
@@ -85,7 +86,7 @@ def test_config_names_the_field_and_refuses_one_sample_per_prompt():
 
 def _chunk(prompts, rewards, ok=None):
     """A scored chunk: `rewards[i]` are prompt i's samples' rewards."""
-    facts = [(p.index, 0, 3, "stop") for p, rs in zip(prompts, rewards, strict=True) for _ in rs]
+    facts = [SampleFacts(p.index, 0, 3, "stop") for p, rs in zip(prompts, rewards, strict=True) for _ in rs]
     flat = [r for rs in rewards for r in rs]
     ok = np.ones(len(flat), dtype=bool) if ok is None else np.asarray(ok)
     scores = SimpleNamespace(scores=np.asarray(flat, dtype=np.float32), ok=ok)
@@ -232,7 +233,7 @@ def _groups_of(parts):
     for c, pos in parts:
         for j in pos:
             if c.scores.ok[j]:
-                out[c.facts[j][0]].append(float(c.scores.scores[j]))
+                out[c.facts[j].prompt_index].append(float(c.scores.scores[j]))
     return out
 
 

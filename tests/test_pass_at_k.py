@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.config.schema import ConfigError, build_config
+from cluster.pipeline.chunks import SampleFacts
 from cluster.pipeline.data import Prompt
 from cluster.pipeline.evaluation import (
     EvalRound,
@@ -131,7 +132,7 @@ def score_like_a_worker(round_: EvalRound, rewards: dict[int, list[float]], fail
     metrics = None
     for chunk in round_.chunks:
         n = chunk.sampling.n
-        chunk.facts = [(p.index, 3, 2 + s, "stop") for p in chunk.prompts for s in range(n)]
+        chunk.facts = [SampleFacts(p.index, 3, 2 + s, "stop") for p in chunk.prompts for s in range(n)]
         flat = [(p.index, s, rewards[p.index][s]) for p in chunk.prompts for s in range(n)]
         batch = ScoreBatch.empty(len(flat))
         for i, (index, s, r) in enumerate(flat):

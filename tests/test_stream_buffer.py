@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from cluster.pipeline.chunks import SampleFacts
 from cluster.pipeline.collector import chunk_seed
 from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.stream_buffer import StreamBuffer
@@ -27,7 +28,7 @@ def _buffer(n_prompts=12, P=4, chunk=2, eta=1):
 
 
 def _finish(buf, chunk, version, n=1):
-    chunk.facts = [(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
+    chunk.facts = [SampleFacts(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
     chunk.samples_ref = chunk.ref_logprobs_ref = object()
     chunk.scores = _Scores(len(chunk.facts))
     buf.add_scored(chunk)
@@ -187,7 +188,7 @@ class _Rewards:
 
 def _finish_rewards(buf, chunk, version, flat, n=2):
     """Score `chunk` with n samples per prompt: all-equal rewards for prompts in `flat`, spread otherwise."""
-    chunk.facts = [(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
+    chunk.facts = [SampleFacts(p.index, version, 3, "stop") for p in chunk.prompts for _ in range(n)]
     chunk.samples_ref = chunk.ref_logprobs_ref = object()
     chunk.scores = _Rewards([1.0 if f[0] in flat else float(k % 2) for k, f in enumerate(chunk.facts)])
     buf.add_scored(chunk)

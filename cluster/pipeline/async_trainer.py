@@ -259,7 +259,7 @@ class AsyncTrainer(Trainer):
         progress.samples_seen += int(metrics["rollout/samples"])
         # One count per buffer entry trained (a prompt with at least one sample kept), so a prompt
         # that entered the buffer twice would show as trained twice.
-        trained = {chunk.facts[j][0] for chunk, j in kept(taken.parts)}
+        trained = {chunk.facts[j].prompt_index for chunk, j in kept(taken.parts)}
         progress.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
         if self.group_filter is not None:
             metrics.update(self._dynamic_metrics(taken))

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cluster.pipeline.data import Prompt
+
+
+class SampleFacts(NamedTuple):
+    """What the driver learns of one sample (a rollout worker returns these beside the samples object,
+    which the driver never fetches)."""
+
+    prompt_index: int
+    version: int  # the policy version that sampled it
+    length: int  # response tokens
+    finish_reason: str  # 'stop' or 'length'
 
 
 @dataclass(eq=False)
@@ -31,7 +41,7 @@ class Chunk:
     # failing one kind of work is given up; faults of different roles do not add up
     attempts: collections.Counter = field(default_factory=collections.Counter)
     # filled as the chunk moves through the pipeline
-    facts: list[tuple] | None = None  # per sample: (prompt index, version, length, finish reason)
+    facts: list[SampleFacts] | None = None  # per sample, what the driver reads
     samples_ref: Any = None  # the samples' object: read by the reference, the scorer and the learner
     ref_logprobs_ref: Any = None  # the reference logprobs' object: read by the learner
     scores: Any = None  # ScoreBatch (small: fetched by the driver)
@@ -46,7 +56,7 @@ class Chunk:
 
     @property
     def version(self) -> int:
-        return min(f[1] for f in self.facts) if self.facts else -1
+        return min(f.version for f in self.facts) if self.facts else -1
 
     @property
     def scored(self) -> bool:

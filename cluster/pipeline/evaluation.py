@@ -90,8 +90,8 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
     oldest weights that answered; eval/reward_failures: samples whose reward failed (not counted in the others)."""
     scored = kept(parts)
     scores = np.array([float(c.scores.scores[j]) for c, j in scored])
-    lengths = np.array([c.facts[j][2] for c, j in scored])
-    versions = [c.facts[j][1] for c, j in scored]
+    lengths = np.array([c.facts[j].length for c, j in scored])
+    versions = [c.facts[j].version for c, j in scored]
     m = {
         "eval/reward_mean": float(scores.mean()) if len(scores) else float("nan"),
         "eval/response_length": float(lengths.mean()) if len(lengths) else float("nan"),
@@ -102,7 +102,9 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
     if cfg.reward.kind == "rule":
         correct = scores >= cfg.eval.correct_at
         m["eval/accuracy"] = float(np.mean(correct)) if len(scores) else float("nan")
-        prompts = [(c.index, c.facts[j][0]) for c, j in scored]  # a chunk never splits a prompt's samples
+        prompts = [
+            (c.index, c.facts[j].prompt_index) for c, j in scored
+        ]  # a chunk never splits a prompt's samples
         m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
@@ -169,7 +171,11 @@ def print_eval(title: str, metrics: dict | None, batch: RolloutBatch, tokenizer,
     scored, scores = batch.kept, batch.scores
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     # each prompt's first sample (a prompt's samples are consecutive in its chunk), when it was scored
-    firsts = [i for i, (c, j) in enumerate(scored) if j == 0 or c.facts[j - 1][0] != c.facts[j][0]]
+    firsts = [
+        i
+        for i, (c, j) in enumerate(scored)
+        if j == 0 or c.facts[j - 1].prompt_index != c.facts[j].prompt_index
+    ]
     firsts = firsts[: cfg.run.sample_log_count]
     # only the chunks printed from come to the driver
     chunks = list({id(scored[i][0]): scored[i][0] for i in firsts}.values())

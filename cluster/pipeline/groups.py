@@ -93,9 +93,11 @@ def shard_parts(
     part: (samples ref, reference-logprobs ref, [(position, score, group id), ...]). Returns per rank
     (its parts, the chunk of each part: a rank names a lost input by its part's position)."""
     items = [(chunk, j) for chunk, pos in parts for j in pos if chunk.scores.ok[j]]
-    group = group_runs([(chunk.index, chunk.facts[j][0]) for chunk, j in items])
+    group = group_runs([(chunk.index, chunk.facts[j].prompt_index) for chunk, j in items])
     prompt_len = {(c.index, p.index): len(p.ids) for c, _ in parts for p in c.prompts}
-    tokens = [prompt_len[chunk.index, chunk.facts[j][0]] + chunk.facts[j][2] for chunk, j in items]
+    tokens = [
+        prompt_len[chunk.index, chunk.facts[j].prompt_index] + chunk.facts[j].length for chunk, j in items
+    ]
     out = []
     for shard in shard_batch(group, tokens, num_shards, how):
         runs = [

@@ -176,7 +176,7 @@ class StreamBuffer:
                 parts.append((chunk, list(positions)))
         for _chunk, positions in parts:
             positions.sort()
-        staleness = [version - c.facts[j][1] for c, pos in parts for j in pos]
+        staleness = [version - c.facts[j].version for c, pos in parts for j in pos]
         return Taken(
             parts, items, stale_samples, stale_prompts, staleness, filtered
         )  # parts copied positions

@@ -274,7 +274,7 @@ class Trainer:
         progress.step = step
         kept = batch.kept
         progress.samples_seen += len(kept)
-        progress.trained_prompts.update({chunk.facts[j][0] for chunk, j in kept})
+        progress.trained_prompts.update({chunk.facts[j].prompt_index for chunk, j in kept})
         times = SyncStepTimes(train=t_train, weight_sync=t_sync, wall=time.perf_counter() - t0)
         metrics = sync_step_metrics(
             batch,

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from cluster.pipeline.chunks import SampleFacts
 from cluster.placement.actors import to_trajectory
 from cluster.placement.pools import LOST_OBJECT_ERRORS
 from learner.rank import LearnerRank
@@ -27,11 +28,14 @@ class StreamingRolloutWorker(RolloutWorker):
     @ray.method(num_returns=2)
     def generate_chunk(
         self, prompt_indices: list[int], prompts: list, seed: int, sampling: Any = None
-    ) -> tuple[list[tuple], list]:
+    ) -> tuple[list[SampleFacts], list]:
         """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
         the samples). The driver fetches only the facts."""
         samples = self.generate(prompt_indices, prompts, seed, sampling)
-        facts = [(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason) for s in samples]
+        facts = [
+            SampleFacts(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason)
+            for s in samples
+        ]
         return facts, samples
 
 

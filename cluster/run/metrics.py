@@ -68,8 +68,8 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
     run's reward section (how a score maps to a probability, when it does)."""
     trained = kept(parts)
     scores = np.array([float(c.scores.scores[j]) for c, j in trained])
-    lengths = np.array([c.facts[j][2] for c, j in trained])
-    finish = [c.facts[j][3] for c, j in trained]
+    lengths = np.array([c.facts[j].length for c, j in trained])
+    finish = [c.facts[j].finish_reason for c, j in trained]
     failures = sum(len(pos) for _c, pos in parts) - len(trained)
     m = {
         "rollout/reward_mean": float(scores.mean()),
@@ -111,7 +111,7 @@ def sync_step_metrics(
 ) -> dict[str, float]:
     """The row of a sync step: its samples', the learner's, and the step's times and faults; `version`
     is the one just published (the samples were drawn with `version - 1`)."""
-    staleness = [version - 1 - c.facts[j][1] for c, j in batch.kept]
+    staleness = [version - 1 - c.facts[j].version for c, j in batch.kept]
     return {
         **sample_metrics(batch.parts, times.wall, data_stats, reward),
         "rollout/queue_depth": float(batch.queue_depth),
