@@ -15,7 +15,8 @@ from demo_run import CONFIG, demo_overrides
 
 from cluster.config.schema import load_config
 from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
-from cluster.pipeline.trainer import LearnerStepError, RewardFailureError, Trainer
+from cluster.pipeline.learner_calls import LearnerStepError
+from cluster.pipeline.trainer import RewardFailureError, Trainer
 from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
@@ -130,17 +131,18 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, d
     finally:
         straight.close()
     trainer = Trainer(small(demo_assets, 1), tmp_path / "lossy")
-    real, lost = trainer.train_calls, []
-
-    def lose_first_chunk_once(parts):
-        if lost:
-            return real(parts)
-        lost.append((parts[0][0], parts[0][0].samples_ref))
-        return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
-
-    trainer.train_calls = lose_first_chunk_once
+    lost = []
     try:
         trainer.setup()
+        real = trainer.learner.train_calls
+
+        def lose_first_chunk_once(parts):
+            if lost:
+                return real(parts)
+            lost.append((parts[0][0], parts[0][0].samples_ref))
+            return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
+
+        trainer.learner.train_calls = lose_first_chunk_once
         got = trainer.iteration()
     finally:
         trainer.close()

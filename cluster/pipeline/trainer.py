@@ -1,8 +1,8 @@
 """The synchronous PPO loop: prompts -> rollout -> scoring -> learner -> weight push.
 
-The controller owns no model; it moves records between roles, times every phase, applies
-scaling requests between iterations, and keeps the only state needed to resume besides the
-learner's own (step, policy version, data position).
+The trainer owns no model; it moves records between roles, times every phase, applies scaling
+requests between iterations, and keeps the only state needed to resume besides the learner's own
+(step, policy version, data position).
 """
 
 from __future__ import annotations
@@ -17,18 +17,17 @@ import ray
 import yaml
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chunks import Parts, RolloutBatch
+from cluster.pipeline.chunks import RolloutBatch
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from cluster.pipeline.data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
 from cluster.pipeline.dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
 from cluster.pipeline.evaluation import Evaluator, load_eval_prompts
-from cluster.pipeline.groups import shard_parts
+from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
-from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
 from cluster.run.folder import check_ranks_see_run_folder
 from cluster.run.metrics import MetricsWriter, SyncStepTimes, sync_step_metrics, truncate_metrics
 from cluster.run.startup import StartupClock
@@ -41,10 +40,6 @@ FIXED_COUNTS = (
     "a learner rank's process, so their counts are fixed (start the run with cluster.placement='separate' "
     "to scale roles while it trains)"
 )
-
-
-class LearnerStepError(RuntimeError):
-    """The learner failed or timed out; the run stops (its last checkpoint stays resumable)."""
 
 
 class RewardFailureError(RuntimeError):
@@ -106,6 +101,7 @@ class Trainer:
         pad = pad_token_id(self.tokenizer)
         self.roles = start_roles(cfg, pad, self.run_id, self.weights.bring_up_to_date, launched=self.roles)
         self.weights.bind(self.roles, self.replace_lost_worker)
+        self.learner = LearnerRanks(cfg, self.roles, self.checkpoints.resume_hint)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
         self.collector = self.make_collector(RolloutCollector)
         self.control = (
@@ -206,55 +202,6 @@ class Trainer:
         """A worker lost during a push: its replacement loads the weights just pushed before it samples."""
         self.roles.workers.replace(self.roles.workers.names.index(member.name))
 
-    def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
-        """Start a learner step on `parts` (both pipelines): each rank gets its shard as object
-        references with (position, score, group) triples and assembles its trajectories itself
-        (`train_parts`), so no sample passes through the driver. Returns per rank (its name, the
-        call's reference, the chunk of each of its parts)."""
-        shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)
-        return [
-            (f"learner-rank-{i}", rank.train_parts.remote(args), chunks)
-            for i, (rank, (args, chunks)) in enumerate(zip(self.roles.ranks, shards, strict=True))
-        ]
-
-    def learn(self, batch: RolloutBatch) -> dict[str, float]:
-        """Train every rank on `batch`. An input lost with its node (the ranks agree on it before
-        their first collective, so none trained) is generated and scored again, same seeds, and the
-        step retried, as the async pipeline does; that time counts as training time."""
-        # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
-        # so it runs first); a no-op unless rollout.sleep_level > 0
-        sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
-        while True:
-            calls = self.train_calls(batch.parts)
-            results = self._rank_results({ref: name for name, ref, _chunks in calls})
-            lost = {chunks[k].index for _n, ref, chunks in calls for k in results[ref].get("lost_parts", ())}
-            if not lost:
-                break
-            self.collector.regather(batch, lost)
-        # done before the steps (same actors): raises if an engine failed to sleep
-        ray.get(sleeps, timeout=self.cfg.timeouts.train_s)
-        return results[calls[0][1]]
-
-    def _rank_results(self, names: dict[Any, str]) -> dict[Any, dict]:
-        """The value of each rank's call (`names`: reference -> rank name) within timeouts.train_s;
-        a rank that fails, dies or runs late stops the run."""
-        pending, results = list(names), {}
-        deadline = time.monotonic() + self.cfg.timeouts.train_s
-        resume = self.checkpoints.resume_hint()
-        while pending:
-            ready, pending = wait_until(pending, 1, deadline)
-            if not ready:
-                raise LearnerStepError(
-                    f"learner step not done within {self.cfg.timeouts.train_s:.0f}s (timeouts.train_s){resume}"
-                )
-            try:
-                results[ready[0]] = ray.get(ready[0])
-            except DEAD_ACTOR_ERRORS as err:
-                raise LearnerStepError(f"{names[ready[0]]} died during step {self.step + 1}{resume}") from err
-            except ray.exceptions.RayTaskError as err:
-                raise LearnerStepError(f"{names[ready[0]]} failed: {err.cause!r}{resume}") from err
-        return results
-
     def iteration(self) -> dict[str, float]:
         cfg, progress = self.cfg, self.progress
         t0 = time.perf_counter()
@@ -268,7 +215,7 @@ class Trainer:
         else:
             batch, account = self.collect_informative(step)
         t1 = time.perf_counter()
-        learner_metrics = self.learn(batch)
+        learner_metrics = self.learner.learn(batch, step, self.collector.regather)
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights(step)
         progress.step = step

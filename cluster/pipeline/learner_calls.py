@@ -1,0 +1,84 @@
+"""The learner ranks as the driver sees them: start a step on a batch's parts, take each rank's answer
+(a rank that fails, dies or runs past `timeouts.train_s` stops the run with a resumable message), and
+in sync mode retry a step whose inputs were lost with their node."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from cluster.pipeline.chunks import Parts, RolloutBatch
+from cluster.pipeline.groups import shard_parts
+from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+
+
+class LearnerStepError(RuntimeError):
+    """The learner failed or timed out; the run stops (its last checkpoint stays resumable)."""
+
+
+class LearnerRanks:
+    """Learner steps over the run's ranks (`roles.ranks`; colocated hosts in `roles.hosts`).
+    `resume_hint()` is the tail of a stopping error: how to continue the run."""
+
+    def __init__(self, cfg: Any, roles: Any, resume_hint: Callable[[], str]) -> None:
+        self.cfg, self.roles, self.resume_hint = cfg, roles, resume_hint
+
+    def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
+        """Start a learner step on `parts` (both pipelines): each rank gets its shard as object
+        references with (position, score, group) triples and assembles its trajectories itself
+        (`train_parts`), so no sample passes through the driver. Returns per rank (its name, the
+        call's reference, the chunk of each of its parts)."""
+        shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)
+        return [
+            (f"learner-rank-{i}", rank.train_parts.remote(args), chunks)
+            for i, (rank, (args, chunks)) in enumerate(zip(self.roles.ranks, shards, strict=True))
+        ]
+
+    def learn(
+        self, batch: RolloutBatch, step: int, regather: Callable[[RolloutBatch, set[int]], None]
+    ) -> dict:
+        """Sync: train every rank on `batch` (step `step`). An input lost with its node (the ranks agree on
+        it before their first collective, so none trained) is generated and scored again by `regather`,
+        same seeds, and the step retried, as the async pipeline does; that time counts as training time."""
+        # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
+        # so it runs first); a no-op unless rollout.sleep_level > 0
+        sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
+        while True:
+            calls = self.train_calls(batch.parts)
+            results = self._results({ref: name for name, ref, _chunks in calls}, step)
+            lost = {chunks[k].index for _n, ref, chunks in calls for k in results[ref].get("lost_parts", ())}
+            if not lost:
+                break
+            regather(batch, lost)
+        # done before the steps (same actors): raises if an engine failed to sleep
+        ray.get(sleeps, timeout=self.cfg.timeouts.train_s)
+        return results[calls[0][1]]
+
+    def value(self, ref: Any, name: str, step: int) -> Any:
+        """The answer of rank `name`'s finished call `ref` in step `step`, or the error that stops the run."""
+        resume = self.resume_hint()
+        try:
+            return ray.get(ref)
+        except DEAD_ACTOR_ERRORS as err:
+            raise LearnerStepError(f"{name} died during step {step}{resume}") from err
+        except ray.exceptions.RayTaskError as err:
+            raise LearnerStepError(f"{name} failed: {err.cause!r}{resume}") from err
+        except ray.exceptions.RayError as err:
+            raise LearnerStepError(f"{name} died during step {step}{resume}") from err
+
+    def _results(self, names: dict[Any, str], step: int) -> dict[Any, dict]:
+        """The value of each rank's call (`names`: reference -> rank name) within timeouts.train_s."""
+        pending, results = list(names), {}
+        limit = self.cfg.timeouts.train_s
+        deadline = time.monotonic() + limit
+        while pending:
+            ready, pending = wait_until(pending, 1, deadline)
+            if not ready:
+                raise LearnerStepError(
+                    f"learner step not done within {limit:.0f}s (timeouts.train_s){self.resume_hint()}"
+                )
+            results[ready[0]] = self.value(ready[0], names[ready[0]], step)
+        return results
