@@ -1,0 +1,220 @@
+"""One model size's measurement for `bench_scale.py`: its learner ranks and rollout workers as Ray
+actors, one learner step (RSS at rest and the step's peak), the weight pushes per (engine, path) (a
+warm-up, then timed pushes: seconds, GB/s, peak RSS of the worker and learner rank 0), and stopping
+every actor so the next size starts from a clean machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+MIB = 2**20
+
+
+def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> list:
+    """`n` trajectories of random tokens (ids from 3: past the special ids), one group each."""
+    import numpy as np
+
+    from learner.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    return [
+        Trajectory(
+            rng.integers(3, vocab, size=prompt_len),
+            rng.integers(3, vocab, size=response_len),
+            rng.normal(-10.0, 0.5, response_len).astype(np.float32),
+            rng.normal(-10.0, 0.5, response_len).astype(np.float32),
+            float(rng.normal()),
+            group=i,
+        )
+        for i in range(n)
+    ]
+
+
+def pid_of(actor, timeout: float) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=timeout)
+
+
+def stop_actors(actors: list, ranks: list, timeout: float) -> None:
+    """Learner ranks leave their process group (and drop their /dev/shm buffers); then every actor is
+    killed and its process waited for, so its memory is back before the next size."""
+    import psutil
+    import ray
+
+    if ranks:
+        try:
+            ray.get([r.shutdown.remote() for r in ranks], timeout=min(timeout, 120))
+        except Exception as err:  # a failed rank: killed below anyway
+            print(f"learner shutdown: {err!r}", file=sys.stderr)
+    procs = []
+    for a in actors:
+        with contextlib.suppress(Exception):  # dead already
+            procs.append(psutil.Process(pid_of(a, 30)))
+        ray.kill(a)
+    psutil.wait_procs(procs, timeout=60)
+
+
+class Size:
+    """The actors and samplers of one size; `run` fills `rows`."""
+
+    def __init__(self, name: str, policy: str, facts: dict, args, memcpy: float) -> None:
+        self.name, self.policy, self.facts, self.args, self.memcpy = name, policy, facts, args, memcpy
+        self.ranks: list = []
+        self.workers: dict[str, object] = {}
+        self.samplers: dict[str, object] = {}
+        self.rows: list[dict] = []  # filled as it goes: a failure keeps the rows before it
+        self.start_s: dict[str, float] = {}  # seconds to start (and set up) the learner and each worker
+
+    def start_learner(self) -> None:
+        import ray
+        from machine import PeakRSS
+
+        from learner.config import LearnerConfig
+        from learner.rank import LearnerRank
+
+        a = self.args
+        cfg = LearnerConfig(
+            zero_stage=3,
+            dtype="float32",
+            backend="gloo",
+            torch_threads=a.threads,
+            ppo_epochs=1,
+            micro_batch_size=a.micro_batch,
+            dist_timeout_s=a.timeout,
+        )
+        t0 = time.perf_counter()
+        actor = ray.remote(LearnerRank).options(num_cpus=1)
+        self.ranks = [actor.remote(r, 2, self.policy, cfg) for r in range(2)]
+        host, port = ray.get(self.ranks[0].node_address.remote(), timeout=a.timeout)
+        ray.get([r.setup.remote(host, port) for r in self.ranks], timeout=a.timeout)
+        self.start_s["learner"] = time.perf_counter() - t0
+        for r, rank in enumerate(self.ranks):
+            self.samplers[f"rank{r}"] = PeakRSS(pid_of(rank, a.timeout))
+
+    def start_worker(self, engine: str) -> None:
+        import ray
+        from machine import PeakRSS
+
+        from rollout_workers.config import RolloutConfig, VLLMConfig
+        from rollout_workers.worker import RolloutWorker
+
+        a = self.args
+        # vLLM's KV cache on CPU is 0.25 GiB by default: max_model_len as the cluster sets it (prompt +
+        # response), not the model's own limit (131072 positions for Qwen2-0.5B would not fit).
+        vllm = VLLMConfig(max_model_len=a.prompt_tokens + a.response_tokens)
+        cfg = RolloutConfig(engine=engine, dtype=a.dtype, torch_threads=a.threads, vllm=vllm)
+        t0 = time.perf_counter()
+        worker = ray.remote(RolloutWorker).options(num_cpus=0.5).remote(self.policy, cfg)
+        ray.get(worker.ping.remote(), timeout=a.timeout)
+        self.start_s[engine] = time.perf_counter() - t0
+        self.workers[engine] = worker
+        self.samplers[engine] = PeakRSS(pid_of(worker, a.timeout))
+
+    def stop_worker(self, engine: str) -> None:
+        self.samplers.pop(engine).close()
+        stop_actors([self.workers.pop(engine)], [], self.args.timeout)
+
+    def learner_step(self) -> list[dict]:
+        import ray
+
+        a = self.args
+        batch = make_batch(a.samples, a.prompt_tokens, a.response_tokens, self.facts["vocab_size"])
+        half = len(batch) // 2
+        shards = [batch[:half], batch[half:]]
+        samplers = [self.samplers["rank0"], self.samplers["rank1"]]
+        for s in samplers:
+            s.reset()
+        t0 = time.perf_counter()
+        ray.get(
+            [r.train_step.remote(sh) for r, sh in zip(self.ranks, shards, strict=True)], timeout=a.timeout
+        )
+        seconds = time.perf_counter() - t0
+        return [
+            {
+                "size": self.name,
+                "kind": "learner",
+                "rank": r,
+                "sequences": len(shards[r]),
+                "tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in shards[r]),
+                "step_s": seconds,
+                "rest_rss_mib": s.base / MIB,
+                "step_peak_over_rest_mib": s.extra() / MIB,
+            }
+            for r, s in enumerate(samplers)
+        ]
+
+    def push_row(self, engine: str, path: str, version: int) -> tuple[dict, int]:
+        """One (engine, path) row: a warm-up push and `reps` timed ones; returns it and the last version."""
+        from cluster.weights.collective import CollectiveWeightSync
+        from cluster.weights.push import push_weights
+
+        a = self.args
+        worker, wsamp, lsamp = self.workers[engine], self.samplers[engine], self.samplers["rank0"]
+        nbytes = self.facts["bundle_bytes"][a.dtype]
+        sync = CollectiveWeightSync(a.bucket_mb) if path == "collective" else None
+        row = {"size": self.name, "kind": "push", "path": path, "engine": engine, "dtype": a.dtype}
+        row["bytes"] = nbytes
+        seconds, wext, lext, stages = [], [], [], []
+        try:
+            for i in range(a.reps + 1):
+                version += 1
+                wsamp.reset()
+                lsamp.reset()
+                if sync is None:
+                    result, bundle = push_weights(self.ranks, [worker], [engine], version, a.dtype, a.timeout)
+                    del bundle  # the object store frees it
+                else:
+                    result, _ = sync.push(self.ranks, [worker], [engine], version, a.dtype, a.timeout)
+                if result.lost:
+                    raise RuntimeError(f"{engine} worker lost during push v{version}")
+                if i == 0:
+                    row["first_s"] = result.seconds
+                    continue
+                seconds.append(result.seconds)
+                stages.append(result.stages)
+                wext.append(wsamp.extra())
+                lext.append(lsamp.extra())
+        except Exception as err:  # reported in the row; the other rows go on
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"[{self.name}] {path} -> {engine} failed: {row['error']}", file=sys.stderr, flush=True)
+            return row, version
+        sec = statistics.median(seconds)
+        row.update(
+            seconds=sec,
+            seconds_all=seconds,
+            gb_per_s=nbytes / sec / 1e9,
+            memcpy_fraction=nbytes / sec / 1e9 / self.memcpy,
+            worker_peak_over_before_mib=max(wext) / MIB,
+            learner0_peak_over_rest_mib=max(lext) / MIB,
+            stages={k: statistics.median(s.get(k, 0.0) for s in stages) for k in stages[0]},
+        )
+        return row, version
+
+    def run(self) -> None:
+        a = self.args
+        rows = self.rows
+        try:
+            self.start_learner()
+            if not a.serial_engines:
+                for engine in a.engines:
+                    self.start_worker(engine)
+            if not a.skip_step:
+                rows += self.learner_step()
+            version = 0
+            for engine in a.engines:
+                if a.serial_engines:
+                    self.start_worker(engine)
+                for path in a.paths:
+                    row, version = self.push_row(engine, path, version)
+                    rows.append(row)
+                if a.serial_engines:
+                    self.stop_worker(engine)
+        finally:
+            for s in self.samplers.values():
+                s.close()
+            stop_actors([*self.ranks, *self.workers.values()], self.ranks, a.timeout)
