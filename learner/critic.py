@@ -3,7 +3,7 @@ reward moments merged step by step (Chan et al.), score normalisation, the value
 returns' spread and the critic's explained variance.
 
 The cross-rank functions take `reduce_sum`, which sums a list of numbers over the learner world and
-returns them as a float64 tensor (`ppo_step.all_reduce` bound to "sum"; an identity in one process),
+returns them as a float64 tensor (`forward.all_reduce` bound to "sum"; an identity in one process),
 so they run in a single process too. Nothing here holds torch.distributed state.
 """
 

@@ -136,7 +136,7 @@ class LearnerRank:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on at least one (a collective: all ranks call it)."""
-        from learner.ppo_step import all_reduce
+        from learner.forward import all_reduce
 
         return bool(all_reduce([float(flag)], "max", self._require_engine().device)[0] > 0)
 

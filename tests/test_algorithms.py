@@ -13,7 +13,6 @@ from learner.algorithms import (
     LOG_RATIO_CLAMP,
     AdaptiveKLController,
     FixedKLController,
-    aggregate_loss,
     compute_gae,
     entropy_from_logits,
     kl_penalty,
@@ -21,10 +20,9 @@ from learner.algorithms import (
     masked_mean,
     masked_var,
     masked_whiten,
-    policy_loss,
     shape_rewards,
-    value_loss,
 )
+from learner.losses import aggregate_loss, policy_loss, value_loss
 
 T = torch.tensor
 

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.algorithms import value_loss
 from learner.config import LearnerConfig
 from learner.critic import (
     RunningMoments,
@@ -22,7 +21,8 @@ from learner.critic import (
     normalize_scores,
     value_clip_radius,
 )
-from learner.ppo_step import all_reduce
+from learner.forward import all_reduce
+from learner.losses import value_loss
 
 # One process: moments_over_ranks over a world of one rank.
 batch_moments = functools.partial(moments_over_ranks, reduce_sum=functools.partial(all_reduce, op="sum"))

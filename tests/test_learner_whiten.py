@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from learner.algorithms import masked_whiten
 from learner.deepspeed_setup import free_port
-from learner.ppo_step import distributed_whiten
+from learner.prepare import distributed_whiten
 
 
 def _whiten_worker(rank: int, port: int, xs, masks, queue) -> None:

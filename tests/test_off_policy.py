@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.algorithms import LOG_RATIO_CLAMP, off_policy_weights, policy_loss
+from learner.algorithms import LOG_RATIO_CLAMP
+from learner.losses import off_policy_weights, policy_loss
 
 # Row 0: rho = pi_prox / mu = [2, 1, 3]; row 1: rho = [0.25, 1] then one padded position.
 PROX = torch.log(torch.tensor([[1.0, 0.5, 0.9], [0.1, 0.4, 0.7]]))

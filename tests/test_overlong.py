@@ -17,9 +17,9 @@ from learner.advantages import (
     overlong_filter_mask,
     overlong_penalty,
 )
-from learner.algorithms import aggregate_loss, policy_loss, value_loss
 from learner.batch import pack_trajectories
 from learner.config import LearnerConfig
+from learner.losses import aggregate_loss, policy_loss, value_loss
 from learner.trajectory import Trajectory
 
 VOCAB = 28  # tests/tiny_models' word-level tokenizer
@@ -244,7 +244,8 @@ def _trajectories(truncated: list[bool], max_new: int = 6, seed: int = 0, swap: 
 
 def _run(path, trajs, kl_coef: float = 0.1, **overrides):
     from learner.model import PolicyWithValueHead
-    from learner.ppo_step import ppo_update, prepare
+    from learner.ppo_step import ppo_update
+    from learner.prepare import prepare
 
     torch.manual_seed(0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(path), step_applied=True)
@@ -289,7 +290,8 @@ def test_every_sample_filtered_takes_no_step_and_reports_a_zero_loss(policy_path
 
 def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gradients(policy_path):
     from learner.model import PolicyWithValueHead
-    from learner.ppo_step import micro_batch_loss, prepare
+    from learner.ppo_step import micro_batch_loss
+    from learner.prepare import prepare
 
     torch.manual_seed(0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(policy_path, value_head_std=0.1), step_applied=True)
@@ -299,7 +301,7 @@ def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gra
         prepare(tap, batch, config, 0.1, 1.0, 0, tap.device)
         mb = batch.take(torch.arange(2))
         loss, _scored, local = micro_batch_loss(tap, mb, config, 1.0, 0.0, 0.0)
-        assert float(loss.detach()) == 0.0 and all(np.isfinite(local))
+        assert float(loss.detach()) == 0.0 and all(np.isfinite(local.as_tensor().numpy()))
         tap.model.zero_grad()
         loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in tap.model.parameters() if p.grad is not None)

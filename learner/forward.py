@@ -1,0 +1,86 @@
+"""What both phases of a PPO step (`learner.prepare`, then `learner.ppo_step`) run on a rank's shard: the
+forward that scores response tokens, the cut of rows into micro-batches it runs in, and the float64
+all_reduce through which the ranks agree on counts and sums."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from learner.algorithms import entropy_from_logits, logprobs_from_logits
+from learner.batch import Batch
+from learner.config import LearnerConfig
+from learner.micro_batches import plan_micro_batches
+from learner.sequences import pack_rows, response_tokens
+
+
+def world_size() -> int:
+    """Ranks in the learner world (1 in a single process without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(values: Sequence[float] | torch.Tensor, op: str = "sum", device="cpu") -> torch.Tensor:
+    """float64 all_reduce over the learner world (a no-op in a single process without a world)."""
+    if isinstance(values, torch.Tensor):
+        t = values.detach().to(device=device, dtype=torch.float64).clone()
+    else:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.cpu()
+
+
+class Scored(NamedTuple):
+    """What one forward gives the PPO loss, in the padded `[B, R]` layout of the micro-batch."""
+
+    logprobs: torch.Tensor  # float32 log-probabilities of the response tokens
+    values: torch.Tensor  # float32 values
+    entropy: torch.Tensor | None  # per-token entropy (with grad), only when asked for
+    logits: torch.Tensor  # the forward's logits ([B, R, V] padded, [K, V] packed)
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """Sum of the logits: backward(anchor * 0) reaches every policy parameter (only zero-weight
+        and poisoned micro-batches need it, so it is not computed on every forward)."""
+        return self.logits.float().sum()
+
+
+def forward_scores(
+    model, b: Batch, temperature: float, extra: int = 0, packed: bool = False, entropy: bool = False
+) -> Scored:
+    """Log-probabilities and values (and entropies with `entropy`) of the response tokens of `b`.
+
+    With `extra=1` every output has R+1 positions: position `len_i` of row i then holds what the
+    state after its last token gives (the value a truncated response bootstraps from). `packed`: one
+    padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions."""
+    R = b.mask.shape[1] + extra
+    if packed:
+        counts = b.mask.sum(1).long() + extra
+        rows = pack_rows(b.input_ids.cpu(), b.attention_mask.cpu(), b.prompt_lens.cpu(), counts.cpu(), R)
+        rows = rows.to(b.input_ids.device)
+        logits, values = model(None, None, None, R, temperature, packed=rows)
+        tokens, place = rows.targets, rows.unpack  # outputs back into the padded layout
+    else:
+        logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
+        tokens, place = response_tokens(b.input_ids, b.prompt_lens, R), _as_is
+    ent = place(entropy_from_logits(logits)) if entropy else None
+    return Scored(place(logprobs_from_logits(logits, tokens)), place(values.float()), ent, logits)
+
+
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def micro_batch_rows(batch: Batch, idx: torch.Tensor, config: LearnerConfig) -> list[torch.Tensor]:
+    """Rows `idx` of `batch` cut by count or under the token budget (`learner.micro_batches`)."""
+    lengths = batch.attention_mask[idx].sum(1).tolist()
+    plan = plan_micro_batches(
+        lengths,
+        max_rows=config.micro_batch_size,
+        max_tokens=config.max_tokens_per_micro_batch,
+        packed=config.pack_sequences,
+    )
+    return [idx[torch.tensor(members, dtype=torch.long)] for members in plan]

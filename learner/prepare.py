@@ -1,0 +1,203 @@
+"""The first phase of a PPO step on one learner rank: what the epochs train on, computed once per batch.
+
+The no-grad proximal pass (old log-probabilities and values), the length-shaped and normalised scores,
+the KL-shaped rewards, advantages and returns by `learner.advantage`, whitening over all ranks' valid
+tokens, the off-policy weights, and the batch's global statistics. Every rank runs it concurrently on its
+own shard; the counts, sums and moments are all_reduced, so every returned statistic is global.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from learner.advantages import estimate, length_shaped_scores, needs_critic, overlong_filter_mask
+from learner.algorithms import shape_rewards, whiten_with
+from learner.batch import Batch, dummy_batch
+from learner.config import LearnerConfig
+from learner.critic import (
+    RunningMoments,
+    critic_stats,
+    moments_over_ranks,
+    normalized_scores,
+    value_clip_radius,
+)
+from learner.forward import all_reduce, forward_scores, micro_batch_rows
+from learner.losses import off_policy_weights
+
+
+@torch.no_grad()
+def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device):
+    """No-grad `old_logprobs` and `values` `[B, R]` of the shard, in micro-batches (same count on all ranks),
+    and `[B]` values of the state after each row's last token (the bootstrap of a truncated response).
+
+    Values are 0 when the estimator has no critic; the bootstrap values are only computed (one more
+    output position) with truncation='bootstrap'."""
+    micro = micro_batch_rows(batch, torch.arange(len(batch)), config)
+    n = int(all_reduce([len(micro)], "max", device)[0])
+    critic = needs_critic(config.advantage)
+    extra = int(critic and config.truncation == "bootstrap")
+    B, R = batch.mask.shape
+    old_lp = torch.zeros((B, R), dtype=torch.float32)
+    values = torch.zeros((B, R + extra), dtype=torch.float32)
+    for i in range(n):
+        if i < len(micro):
+            mb = batch.take(micro[i])
+            lp, v, _, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
+            r = mb.mask.shape[1]
+            old_lp[micro[i], :r] = lp[:, :r].cpu()
+            if critic:
+                values[micro[i], : r + extra] = v.cpu()
+        else:
+            forward_scores(engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences)
+    lengths = batch.mask.sum(-1).long()
+    boot = values.gather(1, lengths.clamp(max=R + extra - 1).unsqueeze(1)).squeeze(1) if extra else None
+    return old_lp, values[:, :R], boot
+
+
+def distributed_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, device="cpu"
+) -> torch.Tensor:
+    """`algorithms.masked_whiten` over the valid tokens of ALL ranks' shards (two-pass moments, float64)."""
+    count, mean, m2 = moments_over_ranks(x, mask, functools.partial(all_reduce, op="sum", device=device))
+    sq = m2 / max(count, 1.0)
+    var = sq * count / (count - 1) if count >= 2 else sq
+    return whiten_with(x.double(), mask, mean, var, shift_mean).to(x.dtype)
+
+
+def prepare(
+    engine,
+    batch: Batch,
+    config: LearnerConfig,
+    kl_coef: float,
+    temperature: float,
+    pad_id: int,
+    device,
+    reward_moments: RunningMoments | None = None,
+) -> dict[str, float]:
+    """Proximal pass, shaped rewards, advantages by `config.advantage`, global whitening. Fills
+    `batch.tokens`; returns global stats."""
+    old_lp, values, boot = proximal_pass(engine, batch, config, temperature, pad_id, device)
+    mask = batch.mask
+    reduce_sum = functools.partial(all_reduce, op="sum", device=device)
+    truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)
+    lengths = mask.sum(-1)
+    # missing_eos_penalty and the overlong ramp add (learner.advantages.length_shaped_scores)
+    penalized, overlong = length_shaped_scores(
+        batch.scores,
+        truncated,
+        lengths,
+        eos_penalty=config.missing_eos_penalty,
+        max_tokens=config.overlong_max_tokens,
+        buffer=config.overlong_buffer,
+        factor=config.overlong_penalty,
+    )
+    scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
+    beta = kl_coef if config.kl.mode == "reward" else 0.0
+    rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
+    adv, returns = estimate(
+        config.advantage,
+        scores=scores,
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        gamma=config.gamma,
+        lam=config.lam,
+        groups=batch.groups,
+        log_rho=old_lp - batch.tokens["behaviour_logprobs"],
+        bootstrap=None if boot is None else torch.where(truncated, boot, torch.zeros_like(boot)),
+        group_std=config.group_std_normalize,
+        rho_clip=config.vtrace_rho_clip,
+        c_clip=config.vtrace_c_clip,
+        whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
+    )
+    valid = mask.to(torch.bool)
+    gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
+    local = [
+        mask.sum(),  # tokens
+        float(len(batch)),  # sequences
+        batch.scores.sum(),
+        kl.sum(),  # per-sequence sums, summed
+        gap.sum(),
+        (values * mask).sum(),
+        (returns * mask).sum(),
+        (adv * mask).sum(),
+        overlong.sum(),
+        float(truncated.sum()) if config.overlong_filter else 0.0,  # samples filtered out of the loss
+        (mask * truncated.unsqueeze(-1)).sum() if config.overlong_filter else 0.0,  # their tokens
+        float(_overlong_mismatch(lengths, truncated, config)),
+    ]
+    g = all_reduce(local, "sum", device).tolist()
+    if g[11] > 0:  # the same global count on every rank: all ranks stop here together
+        raise ValueError(
+            f"learner.overlong_max_tokens={config.overlong_max_tokens} is not rollout.sampling.max_new_tokens: "
+            f"{int(g[11])} sample(s) were longer, or truncated at another length"
+        )
+    tokens, seqs = max(g[0], 1.0), max(g[1], 1.0)
+    stats = {
+        "train/tokens": g[0] - g[10],
+        "train/sequences": g[1],
+        "rollout/reward_mean": g[2] / seqs,
+        "objective/kl": g[3] / seqs,
+        "rollout/logprob_gap": g[4] / tokens,
+        "values/mean": g[5] / tokens,
+        "returns/mean": g[6] / tokens,
+        "advantages/mean": g[7] / tokens,
+    }
+    if config.overlong_buffer > 0:
+        stats["train/overlong_penalty_mean"] = g[8] / seqs
+    if config.overlong_filter:
+        stats["train/overlong_filtered"] = g[9]
+    stats.update(norm_stats)
+    stats.update(critic_stats(values, returns, mask, reduce_sum))
+    if config.value_clip == "relative":
+        radius = value_clip_radius("relative", config.value_clip_eps, stats["returns/std"])
+        batch.tokens["value_clip"] = torch.full_like(returns, radius)
+        stats["values/clip_radius"] = radius
+    if config.whiten_advantages and needs_critic(config.advantage):
+        adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
+    batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
+    # One computation of the off-policy weights, for the loss (applied unless the mode is 'none') and for
+    # the statistics (reported in every mode). 'auto' is resolved by the run config; here it reads as 'none'.
+    mode = "none" if config.off_policy == "auto" else config.off_policy
+    weights, weight_stats = off_policy_weights(
+        old_lp,
+        batch.tokens["behaviour_logprobs"],
+        mask,
+        mode,
+        config.off_policy_cap,
+        config.off_policy_geo_bounds,
+    )
+    if mode != "none":
+        batch.tokens["is_weights"] = weights
+    stats.update(_off_policy_stats(weight_stats, mask, device))
+    if config.overlong_filter:
+        # DAPO overlong filtering: from here on (the PPO epochs) a truncated row has no valid token, so it
+        # adds nothing to any loss term nor to the global token/sequence counts the losses divide by.
+        batch.mask = overlong_filter_mask(mask, truncated)
+    return stats
+
+
+def _overlong_mismatch(lengths: torch.Tensor, truncated: torch.Tensor, config: LearnerConfig) -> int:
+    """Samples that show learner.overlong_max_tokens is not the workers' max_new_tokens: longer than it, or
+    truncated (which the workers do exactly at max_new_tokens) at another length. 0 when the ramp is off."""
+    if config.overlong_buffer == 0:
+        return 0
+    L = config.overlong_max_tokens
+    return int(((lengths > L) | (truncated & (lengths != L))).sum())
+
+
+def _off_policy_stats(m: dict[str, float], mask: torch.Tensor, device) -> dict[str, float]:
+    """Global off-policy weight statistics (over all ranks' valid tokens) from this rank's
+    `off_policy_weights` metrics `m` over the valid tokens of `mask`."""
+    n = float(mask.sum())
+    g = all_reduce([m["weight_mean"] * n, m["clipped_frac"] * n, m["behaviour_kl"] * n, n], "sum", device)
+    mx = float(all_reduce([m["weight_max"]], "max", device)[0])
+    tokens = max(float(g[3]), 1.0)
+    return {
+        "off_policy/weight_mean": float(g[0]) / tokens,
+        "off_policy/weight_max": mx,
+        "off_policy/clipped_frac": float(g[1]) / tokens,
+        "off_policy/behaviour_kl": float(g[2]) / tokens,
+    }
