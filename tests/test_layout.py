@@ -70,7 +70,10 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
         "    from . import engine\n"
     )
     found = project_imports(src)
-    assert [m for _l, m in found if not allowed("rollout_workers", m)] == ["cluster.pipeline.calls", "learner.rank"]
+    assert [m for _l, m in found if not allowed("rollout_workers", m)] == [
+        "cluster.pipeline.calls",
+        "learner.rank",
+    ]
     assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
 
 

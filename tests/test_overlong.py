@@ -364,7 +364,7 @@ def test_config_errors_name_the_field(fields, named):
 
 
 def test_run_config_errors_name_the_learner_field():
-    from cluster.config import ConfigError, build_config
+    from cluster.config.schema import ConfigError, build_config
 
     base = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
     with pytest.raises(ConfigError, match=r"learner\.overlong_buffer"):
