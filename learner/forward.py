@@ -4,6 +4,7 @@ all_reduce through which the ranks agree on counts and sums."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,6 +32,28 @@ def all_reduce(values: Sequence[float] | torch.Tensor, op: str = "sum", device="
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.cpu()
+
+
+class RankSums:
+    """Base of a dataclass of float sums the ranks add up: its fields in declaration order are the one
+    place where names meet the vector that travels through `all_reduce`."""
+
+    def add(self, other: RankSums) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(
+            [float(getattr(self, f.name)) for f in dataclasses.fields(self)], dtype=torch.float64
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor):
+        return cls(**{f.name: float(v) for f, v in zip(dataclasses.fields(cls), t.tolist(), strict=True)})
+
+    def all_reduced(self, device):
+        """The sums over all ranks (a collective: every rank calls it)."""
+        return type(self).from_tensor(all_reduce(self.as_tensor(), "sum", device))
 
 
 class Scored(NamedTuple):

@@ -28,13 +28,13 @@ from learner.algorithms import count_sequences
 from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
 from learner.config import LearnerConfig
 from learner.critic import RunningMoments
-from learner.forward import all_reduce, forward_scores, micro_batch_rows, world_size
+from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, world_size
 from learner.losses import aggregate_loss, policy_loss, value_loss
 from learner.prepare import prepare
 
 
 @dataclasses.dataclass
-class UpdateSums:
+class UpdateSums(RankSums):
     """The update's statistics as sums: over the micro-batches of a step, then over the applied steps,
     then (`all_reduce`) over the ranks. The losses are each micro-batch's share of its minibatch's loss
     (normalised by the global counts); the per-token rates are weighted by the micro-batch's tokens."""
@@ -47,23 +47,6 @@ class UpdateSums:
     value_clip_frac: float = 0.0  # x tokens
     tokens: float = 0.0
     log_ratio_clamped: float = 0.0  # tokens whose log-ratio hit the clamp
-
-    def add(self, other: UpdateSums) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def as_tensor(self) -> torch.Tensor:
-        """The fields in declaration order as float64: the one place that order meets a vector."""
-        return torch.tensor([getattr(self, f.name) for f in dataclasses.fields(self)], dtype=torch.float64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> UpdateSums:
-        values = t.tolist()
-        return cls(**{f.name: float(v) for f, v in zip(dataclasses.fields(cls), values, strict=True)})
-
-    def all_reduced(self, device) -> UpdateSums:
-        """The sums over all ranks (a collective: every rank calls it)."""
-        return UpdateSums.from_tensor(all_reduce(self.as_tensor(), "sum", device))
 
     def metrics(self, applied: int, grad_norm: float, no_step: float) -> dict[str, float]:
         """Means per applied step (losses, `grad_norm` the sum of the applied steps' norms) and per token

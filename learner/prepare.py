@@ -8,6 +8,7 @@ own shard; the counts, sums and moments are all_reduced, so every returned stati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -23,7 +24,7 @@ from learner.critic import (
     normalized_scores,
     value_clip_radius,
 )
-from learner.forward import all_reduce, forward_scores, micro_batch_rows
+from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
 from learner.losses import off_policy_weights
 
 
@@ -64,6 +65,24 @@ def distributed_whiten(
     sq = m2 / max(count, 1.0)
     var = sq * count / (count - 1) if count >= 2 else sq
     return whiten_with(x.double(), mask, mean, var, shift_mean).to(x.dtype)
+
+
+@dataclasses.dataclass
+class BatchSums(RankSums):
+    """The prepared batch's statistics as sums over this rank's rows (then over the ranks)."""
+
+    tokens: float = 0.0  # valid response tokens
+    sequences: float = 0.0
+    reward: float = 0.0  # sum of the sequences' scores
+    kl: float = 0.0  # per-sequence KL sums, summed
+    logprob_gap: float = 0.0  # sum over tokens of |proximal - behaviour| logprob
+    values: float = 0.0  # sums over valid tokens
+    returns: float = 0.0
+    advantages: float = 0.0
+    overlong_penalty: float = 0.0
+    filtered_samples: float = 0.0  # overlong filter: truncated samples dropped from the loss
+    filtered_tokens: float = 0.0  # and their tokens
+    overlong_mismatch: float = 0.0  # samples showing overlong_max_tokens is not max_new_tokens
 
 
 def prepare(
@@ -114,41 +133,40 @@ def prepare(
     )
     valid = mask.to(torch.bool)
     gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
-    local = [
-        mask.sum(),  # tokens
-        float(len(batch)),  # sequences
-        batch.scores.sum(),
-        kl.sum(),  # per-sequence sums, summed
-        gap.sum(),
-        (values * mask).sum(),
-        (returns * mask).sum(),
-        (adv * mask).sum(),
-        overlong.sum(),
-        float(truncated.sum()) if config.overlong_filter else 0.0,  # samples filtered out of the loss
-        (mask * truncated.unsqueeze(-1)).sum() if config.overlong_filter else 0.0,  # their tokens
-        float(_overlong_mismatch(lengths, truncated, config)),
-    ]
-    g = all_reduce(local, "sum", device).tolist()
-    if g[11] > 0:  # the same global count on every rank: all ranks stop here together
+    g = BatchSums(
+        tokens=float(mask.sum()),
+        sequences=float(len(batch)),
+        reward=float(batch.scores.sum()),
+        kl=float(kl.sum()),  # per-sequence sums, summed
+        logprob_gap=float(gap.sum()),
+        values=float((values * mask).sum()),
+        returns=float((returns * mask).sum()),
+        advantages=float((adv * mask).sum()),
+        overlong_penalty=float(overlong.sum()),
+        filtered_samples=float(truncated.sum()) if config.overlong_filter else 0.0,
+        filtered_tokens=float((mask * truncated.unsqueeze(-1)).sum()) if config.overlong_filter else 0.0,
+        overlong_mismatch=float(_overlong_mismatch(lengths, truncated, config)),
+    ).all_reduced(device)
+    if g.overlong_mismatch > 0:  # the same global count on every rank: all ranks stop here together
         raise ValueError(
             f"learner.overlong_max_tokens={config.overlong_max_tokens} is not rollout.sampling.max_new_tokens: "
-            f"{int(g[11])} sample(s) were longer, or truncated at another length"
+            f"{int(g.overlong_mismatch)} sample(s) were longer, or truncated at another length"
         )
-    tokens, seqs = max(g[0], 1.0), max(g[1], 1.0)
+    tokens, seqs = max(g.tokens, 1.0), max(g.sequences, 1.0)
     stats = {
-        "train/tokens": g[0] - g[10],
-        "train/sequences": g[1],
-        "rollout/reward_mean": g[2] / seqs,
-        "objective/kl": g[3] / seqs,
-        "rollout/logprob_gap": g[4] / tokens,
-        "values/mean": g[5] / tokens,
-        "returns/mean": g[6] / tokens,
-        "advantages/mean": g[7] / tokens,
+        "train/tokens": g.tokens - g.filtered_tokens,
+        "train/sequences": g.sequences,
+        "rollout/reward_mean": g.reward / seqs,
+        "objective/kl": g.kl / seqs,
+        "rollout/logprob_gap": g.logprob_gap / tokens,
+        "values/mean": g.values / tokens,
+        "returns/mean": g.returns / tokens,
+        "advantages/mean": g.advantages / tokens,
     }
     if config.overlong_buffer > 0:
-        stats["train/overlong_penalty_mean"] = g[8] / seqs
+        stats["train/overlong_penalty_mean"] = g.overlong_penalty / seqs
     if config.overlong_filter:
-        stats["train/overlong_filtered"] = g[9]
+        stats["train/overlong_filtered"] = g.filtered_samples
     stats.update(norm_stats)
     stats.update(critic_stats(values, returns, mask, reduce_sum))
     if config.value_clip == "relative":
