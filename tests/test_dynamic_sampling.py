@@ -249,15 +249,15 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
     batches, rows = [], []
 
     def run(trainer, steps):
-        learn = trainer.learn
-
-        def spy(batch):
-            batches.append(_groups_of(batch.parts))
-            return learn(batch)
-
-        trainer.learn = spy
         try:
             trainer.setup()
+            learn = trainer.learner.learn
+
+            def spy(batch, *args):
+                batches.append(_groups_of(batch.parts))
+                return learn(batch, *args)
+
+            trainer.learner.learn = spy
             rows.extend(trainer.iteration() for _ in range(steps))
             return trainer
         finally:
