@@ -1,8 +1,9 @@
 """`python -m cluster.plot RUN_DIR [--out FILE]`: a PNG of a run's curves from its metrics.jsonl.
 
-Four panels against the step: training reward (and P(positive) for classifier rewards) with the
-held-out reward, KL to the reference, held-out accuracy (or held-out reward when the reward is not
-a rule), and throughput (samples per second). A panel whose metrics the run did not record says so.
+Six panels against the step: training reward with the held-out reward, KL to the reference, held-out
+accuracy with pass@k for every k the run evaluated (or P(positive) for classifier rewards), response
+length (training and held-out), dynamic sampling (groups filtered, and left short, per step), and
+throughput (samples per second). A panel whose metrics the run did not record says so.
 Needs matplotlib (`pip install -e '.[plot]'`).
 """
 
@@ -33,8 +34,20 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
             ("rollout/reward_prob_mean", "train P(positive)"),
         ],
     ),
+    ("response length", [("rollout/response_length", "train"), ("eval/response_length", "held-out")]),
+    (
+        "dynamic sampling",
+        [("dynamic/filtered_groups", "groups filtered"), ("dynamic/shortfall_groups", "groups short")],
+    ),
     ("throughput", [("throughput/samples_per_s", "samples/s")]),
 ]
+
+
+def panels(rows: list[dict]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """`PANELS` with the held-out panel extended by the run's eval/pass@k keys (k > 1, by k)."""
+    ks = sorted({int(k.rsplit("@", 1)[1]) for r in rows for k in r if k.startswith("eval/pass@")} - {1})
+    extra = [(f"eval/pass@{k}", f"held-out pass@{k}") for k in ks]
+    return [(title, keys + extra if title == "held-out" else keys) for title, keys in PANELS]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -56,8 +69,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{path} not found (is {run_dir} a run folder?)")
     rows = read_metrics(path)
     out = Path(out) if out else run_dir / "curves.png"
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, panels(rows), strict=True):
         drawn = False
         for key, label in keys:
             xs, ys = series(rows, key)

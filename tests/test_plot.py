@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from cluster.plot import main, plot_run, series  # noqa: E402
+from cluster.plot import PANELS, main, panels, plot_run, series  # noqa: E402
 
 
 def _rows() -> list[dict]:
@@ -35,8 +35,16 @@ def test_plot_writes_a_png_of_the_run(tmp_path):
     assert out == tmp_path / "curves.png"
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (1100, 700)  # figsize (11, 7) at 100 dpi
-    assert len(data) > 10_000  # four drawn panels, not an empty canvas
+    assert (width, height) == (1500, 700)  # figsize (15, 7) at 100 dpi
+    assert len(data) > 10_000  # drawn panels, not an empty canvas
+
+
+def test_the_held_out_panel_gains_every_pass_at_k_the_run_evaluated():
+    rows = [{"step": 0, "eval/accuracy": 0.3, "eval/pass@1": 0.3, "eval/pass@16": 0.9, "eval/pass@4": 0.7}]
+    held_out = dict(panels(rows))["held-out"]
+    assert [k for k, _label in held_out][-2:] == ["eval/pass@4", "eval/pass@16"]
+    assert "eval/pass@1" not in [k for k, _label in held_out]  # pass@1 is the accuracy
+    assert len(panels(rows)) == len(PANELS) == 6
 
 
 def test_series_keeps_the_finite_points_of_a_key():
