@@ -1,6 +1,6 @@
 """Scale a running job's roles: `python -m cluster.scale --address ADDR --job ID rollout=3`.
 
-Writes the wanted counts into the run's named control actor; the controller applies them
+Writes the wanted counts into the run's named control actor; the trainer applies them
 between iterations (new workers load the current weights before their first sample; removed
 workers hold no prompts at that point). With an http:// dashboard address the request is sent
 as a tiny Ray job, so only the job API needs to be reachable.

@@ -1,6 +1,6 @@
 """Weight bundles: a checksum both ends of a weight sync agree on, and key/shape validation.
 
-The controller checksums the bundle it sends (cast to the engine dtype); a worker checksums what it
+The learner checksums the bundle it sends (cast to the engine dtype); a worker checksums what it
 holds after loading. Equal strings prove the worker generates with exactly the weights of that version.
 """
 

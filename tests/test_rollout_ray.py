@@ -30,7 +30,7 @@ def test_rollout_worker_as_ray_actor(ray_local, tiny_policy_dir, tmp_path):
     assert [s.response_ids.tolist() for s in samples] == [s.response_ids.tolist() for s in local]
 
     bundle = AutoModelForCausalLM.from_pretrained(build_policy(tmp_path / "v5", seed=2)).state_dict()
-    bundle_ref = ray.put(bundle)  # loaded once into the object store, as the controller does
+    bundle_ref = ray.put(bundle)  # loaded once into the object store, as the driver does
     ack = ray.get(actor.load_weights.remote(bundle_ref, 5), timeout=TIMEOUT_S)
     assert (ack.version, ack.checksum) == (5, state_checksum(bundle, torch.float32))
     assert [len(p) for p in ack.probe] == [7, 8, 9, 10]  # logprobs of tokens 1.. of the fixed probe

@@ -1,4 +1,4 @@
-"""state_checksum is what the controller and the workers compare after a weight sync."""
+"""state_checksum is what the driver and the workers compare after a weight sync."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ class RunSection(_Strict):
     tensorboard: bool = Field(
         True, description="Also write TensorBoard events (if tensorboard is installed)."
     )
-    progress_bar: bool = Field(True, description="Show a progress bar on the controller.")
+    progress_bar: bool = Field(True, description="Show a progress bar on the driver.")
 
 
 class DemoAssetsSection(_Strict):

@@ -1,4 +1,4 @@
-"""Atomic, pruned run checkpoints: the learner's DeepSpeed state plus the controller's run state.
+"""Atomic, pruned run checkpoints: the learner's DeepSpeed state plus the trainer's run state.
 
 A checkpoint is written into a hidden `.step-N.partial` folder and renamed to `step-N` only
 after every part is on disk and a COMPLETE marker (holding the state file's sha256) is written,

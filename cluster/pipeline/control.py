@@ -1,6 +1,6 @@
 """A named actor through which a running job is steered (scale roles) from outside.
 
-The controller polls it once per iteration; `python -m cluster.scale` writes to it. Its name is
+The trainer polls it once per iteration; `python -m cluster.scale` writes to it. Its name is
 derived from the Ray job submission id when the driver runs as a job, else from the run folder.
 """
 
@@ -32,7 +32,7 @@ def current_run_id(run_dir: Path) -> str:
 
 
 class RunControl:
-    """Desired actor counts per role; the controller applies them between iterations."""
+    """Desired actor counts per role; the trainer applies them between iterations."""
 
     def __init__(self, initial: dict[str, int], fixed: str | None = None) -> None:
         self._targets = dict(initial)

@@ -16,7 +16,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# controller metric key -> (gauge name, description); the gauge holds the latest step's value.
+# trainer metric key -> (gauge name, description); the gauge holds the latest step's value.
 # Every name here is queried by a panel of cluster/dashboards/rayppo.json (tests/test_watch.py checks).
 GAUGES: dict[str, tuple[str, str]] = {
     "rollout/reward_mean": (
@@ -70,10 +70,10 @@ GAUGES: dict[str, tuple[str, str]] = {
     "off_policy/behaviour_kl": ("rayppo_behaviour_kl", "KL(behaviour || proximal policy) per token (k3)."),
 }
 
-# controller timing key -> role tag of the busy-time gauge
+# trainer timing key -> role tag of the busy-time gauge
 ROLE_BUSY: dict[str, str] = {"time/generate": "rollout", "time/score": "reward", "time/train": "learner"}
 
-# controller per-step count -> (gauge name, description). The gauge holds the total since the driver
+# trainer per-step count -> (gauge name, description). The gauge holds the total since the driver
 # started, set every step: a healthy run shows 0 from its first step (a Ray Counter cannot be
 # incremented by 0, so it would export nothing until the first fault), and no scrape loses a count.
 TOTALS: dict[str, tuple[str, str]] = {
@@ -153,7 +153,7 @@ class Telemetry:
             logger.warning("telemetry off: Ray metrics unavailable (%s)", err)
 
     def record_step(self, metrics: dict[str, float], worker_lags: dict[str, int] | None = None) -> None:
-        """Export one iteration's metrics (the controller's keys; missing ones are skipped).
+        """Export one iteration's metrics (the trainer's keys; missing ones are skipped).
         `worker_lags` (async): versions each rollout worker trails, one series per worker."""
         if not self.enabled:
             return
