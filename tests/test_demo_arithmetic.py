@@ -246,9 +246,26 @@ def test_config_names_the_demo_and_eval_fields():
 
     cfg = load_config(CONFIG)
     assert (cfg.model.demo_assets.demo, cfg.eval.enabled) == ("arithmetic", True)
-    # the default run: GRPO groups with dynamic sampling, and pass@k beside mean@n on the held-out set
-    assert (cfg.learner.advantage, cfg.data.dynamic_sampling.filter) == ("grpo", "nonzero_std")
-    assert cfg.rollout.sampling.n >= 4 and max(cfg.eval.pass_k) == cfg.eval.samples_per_prompt > 1
+    # the default run: PPO + GAE on one sample per prompt (what bench-algos measured fastest), and
+    # pass@k beside mean@n on the held-out set
+    assert (cfg.learner.advantage, cfg.rollout.sampling.n, cfg.data.dynamic_sampling.enabled) == (
+        "gae",
+        1,
+        False,
+    )
+    assert max(cfg.eval.pass_k) == cfg.eval.samples_per_prompt > 1
+    # the GRPO + dynamic sampling alternative the config's header names is a valid run of the same config
+    grpo = load_config(
+        CONFIG,
+        [
+            "learner.advantage=grpo",
+            "data.prompts_per_step=64",
+            "rollout.sampling.n=8",
+            "data.dynamic_sampling.filter=nonzero_std",
+        ],
+    )
+    assert grpo.data.prompts_per_step * grpo.rollout.sampling.n == cfg.data.prompts_per_step
+    assert "--set data.dynamic_sampling.filter=nonzero_std" in CONFIG.read_text()
     with pytest.raises(ConfigError, match="model.demo_assets.demo: .*one of arithmetic, sentiment"):
         load_config(CONFIG, ["model.demo_assets.demo=chess"])
     with pytest.raises(ConfigError, match="eval.greedy"):
