@@ -191,7 +191,7 @@ class AsyncTrainer(Trainer):
         that load the newest weights first (as before any chunk). One round at a time: a round due while
         the previous one is still out is skipped."""
         if self.eval_round is None:
-            self.eval_round = EvalRound(step, self.eval_prompts, self.cfg)
+            self.eval_round = EvalRound(step, self.evaluator.prompts, self.cfg)
             self.eval_queue.extend(self.eval_round.chunks)
 
     def _eval_chunk_scored(self, chunk: Chunk) -> None:
