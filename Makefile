@@ -74,6 +74,7 @@ bench-trl: $(STAMP)
 # Sync vs async pipeline on the demo in one run, plus a projection to 64 workers (bench/bench_async.py).
 bench-async: $(STAMP)
 	$(BIN)/python bench/bench_async.py --out runs/bench-async $(ARGS)
+	$(BIN)/python bench/bench_partial.py --out runs/bench-async $(PARTIAL_ARGS)
 
 # Advantage estimators at equal generated samples (bench/bench_algos.py): gae, grpo and rloo on the
 # sentiment demo; gae, grpo, grpo + dynamic sampling and rloo on the arithmetic demo (held-out accuracy).

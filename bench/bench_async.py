@@ -43,6 +43,50 @@ def wait_for_idle(max_wait_s: float = 120.0, busy_frac: float = 0.25) -> None:
     print(f"[bench-async] machine still busy after {max_wait_s:.0f}s; measuring anyway", file=sys.stderr)
 
 
+def measured_overrides(steps: int) -> list[str]:
+    """What every timed side sets: `steps` measured after one warm-up step, and nothing else inside them
+    (no progress bar, sample log, held-out evaluation, TensorBoard or dashboard)."""
+    return [
+        f"run.steps={steps + 1}",
+        "run.progress_bar=false",
+        "run.sample_log_count=0",
+        "eval.prompts_path=null",
+        "run.tensorboard=false",
+        "cluster.dashboard=false",
+    ]
+
+
+def async_overrides(eta: int, learner_threads: int = 1) -> list[str]:
+    """What every async side sets. In async mode the learner trains while a worker generates: on a small
+    machine one thread each, or they oversubscribe the cores (two threads collapse when another
+    process holds a core)."""
+    return [
+        "pipeline.mode=async",
+        f"pipeline.max_staleness={eta}",
+        "learner.off_policy=tis",
+        f"learner.torch_threads={learner_threads}",
+    ]
+
+
+def sync_costs(cfg, sync_side: dict) -> dict[str, float]:
+    """The projection's costs from the sync side's median phases (`cfg` its config): one chunk's
+    generation on one worker (g), the scoring tail (s), a learner step (t), a weight push (u)."""
+    chunks = math.ceil(cfg.data.prompts_per_step / cfg.rollout.chunk_size)
+    ph = sync_side["phases"]
+    return {
+        "g": ph["time/generate"] / chunks * cfg.rollout.num_workers,
+        "s": ph["time/score"],
+        "t": ph["time/train"],
+        "u": ph["time/weight_sync"],
+    }
+
+
+def print_row(label: str, sides: list[dict], key: str, fmt: str, label_width: int, width: int) -> None:
+    """One row of a side-by-side table: `key` of each side in `fmt` ('-' where None)."""
+    vals = ["-" if side[key] is None else format(side[key], fmt) for side in sides]
+    print(f"{label:<{label_width}}" + "".join(f"{v:>{width}}" for v in vals))
+
+
 def run_side(config: str, overrides: list[str], steps: int) -> dict:
     cfg = load_config(config, overrides)
     preflight(cfg)
@@ -147,23 +191,8 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--out", default=None, help="folder for results.json and projection.png")
     args = ap.parse_args()
-    base = [
-        f"run.steps={args.steps + 1}",
-        "run.progress_bar=false",
-        "run.sample_log_count=0",
-        "eval.prompts_path=null",  # no held-out evaluation inside the timed steps
-        "run.tensorboard=false",
-        "cluster.dashboard=false",
-        *args.overrides,
-    ]
-    # In async mode the learner trains while a worker generates: on a small machine one thread each,
-    # or they oversubscribe the cores (two threads collapse when another process holds a core).
-    async_sets = [
-        "pipeline.mode=async",
-        f"pipeline.max_staleness={args.eta}",
-        "learner.off_policy=tis",
-        f"learner.torch_threads={args.async_learner_threads}",
-    ]
+    base = [*measured_overrides(args.steps), *args.overrides]
+    async_sets = async_overrides(args.eta, args.async_learner_threads)
     sides = []
     for sets in (
         ["pipeline.mode=sync", "cluster.placement=separate"],
@@ -179,8 +208,7 @@ def main() -> int:
     print("-" * len(hdr))
 
     def row(label: str, key: str, fmt: str) -> None:
-        vals = ["-" if x[key] is None else format(x[key], fmt) for x in sides]
-        print(f"{label:<26}{vals[0]:>12}{vals[1]:>12}")
+        print_row(label, sides, key, fmt, 26, 12)
 
     row("wall time (s)", "wall_s", ".1f")
     row("samples/s", "samples_per_s", ".1f")
@@ -194,13 +222,7 @@ def main() -> int:
 
     cfg = load_config(args.config, base)
     chunks = math.ceil(cfg.data.prompts_per_step / cfg.rollout.chunk_size)
-    ph = sync["phases"]
-    costs = {
-        "g": ph["time/generate"] / chunks * cfg.rollout.num_workers,
-        "s": ph["time/score"],
-        "t": ph["time/train"],
-        "u": ph["time/weight_sync"],
-    }
+    costs = sync_costs(cfg, sync)
     print(
         f"\nprojection (discrete-event, costs from the sync run: chunk generate {costs['g'] * 1e3:.0f} ms, "
         f"score tail {costs['s'] * 1e3:.0f} ms, train {costs['t'] * 1e3:.0f} ms, weight push {costs['u'] * 1e3:.0f} ms; "

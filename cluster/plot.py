@@ -2,8 +2,9 @@
 
 Six panels against the step: training reward with the held-out reward, KL to the reference, held-out
 accuracy with pass@k for every k the run evaluated (or P(positive) for classifier rewards), response
-length (training and held-out), dynamic sampling (groups filtered, and left short, per step), and
-throughput (samples per second). A panel whose metrics the run did not record says so.
+length (training and held-out), dynamic sampling (groups filtered, and left short, per step; for runs
+with multi-turn episodes: turns per episode and the rate of tool calls and other environment counters),
+and throughput (samples per second). A panel whose metrics the run did not record says so.
 Needs matplotlib (`pip install -e '.[plot]'`).
 """
 
@@ -43,11 +44,25 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
 ]
 
 
+# In place of the dynamic-sampling panel for runs with multi-turn episodes: turns and each counter's rate
+EPISODES = "episodes"
+
+
 def panels(rows: list[dict]) -> list[tuple[str, list[tuple[str, str]]]]:
-    """`PANELS` with the held-out panel extended by the run's eval/pass@k keys (k > 1, by k)."""
+    """`PANELS` with the held-out panel extended by the run's eval/pass@k keys (k > 1, by k); for a run with
+    multi-turn episodes, the dynamic-sampling panel shows turns per episode and the share of episodes
+    using each environment counter (e.g. tool calls), training and held-out."""
     ks = sorted({int(k.rsplit("@", 1)[1]) for r in rows for k in r if k.startswith("eval/pass@")} - {1})
     extra = [(f"eval/pass@{k}", f"held-out pass@{k}") for k in ks]
-    return [(title, keys + extra if title == "held-out" else keys) for title, keys in PANELS]
+    out = [(title, keys + extra if title == "held-out" else keys) for title, keys in PANELS]
+    rates = sorted({k[4:] for r in rows for k in r if k.startswith("env/") and k.endswith("_rate")})
+    if any("env/turns" in r for r in rows):
+        keys = [("env/turns", "turns"), ("eval/env/turns", "held-out turns")]
+        for rate in rates:
+            name = rate.removesuffix("_rate").replace("_", " ")
+            keys += [(f"env/{rate}", f"{name} rate"), (f"eval/env/{rate}", f"held-out {name} rate")]
+        out = [(EPISODES, keys) if title == "dynamic sampling" else (title, k) for title, k in out]
+    return out
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -4,6 +4,8 @@ has its run config in `configs/`. Nothing here is imported by a run unless the c
 
 - `sentiment`: a tiny GPT-2 learns to write positive movie reviews, rewarded by a tiny classifier.
 - `arithmetic`: a tiny GPT-2 learns two-digit addition, rewarded by an exact-match rule.
+- `calculator`: a tiny GPT-2 learns to call a calculator tool (multi-turn) for two-digit multiplication,
+  rewarded by an exact-match rule on its last turn.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-DEMOS = {"sentiment": "demos.sentiment", "arithmetic": "demos.arithmetic"}
+DEMOS = {"sentiment": "demos.sentiment", "arithmetic": "demos.arithmetic", "calculator": "demos.calculator"}
 
 
 class DemoBuildError(RuntimeError):

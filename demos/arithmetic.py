@@ -45,11 +45,14 @@ from demos.common import (
     logger,
     n_params,
     pad,
+    pretrain_selected,
     quiet_deterministic_torch,
     read_manifest,
     set_generation_ids,
+    warmup_cosine,
     write_jsonl,
 )
+from demos.common import near_miss as common_near_miss
 
 FORMAT_VERSION = 2
 MAX_OPERAND = 99
@@ -136,16 +139,7 @@ def split_problems(seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, in
 
 def near_miss(rng: random.Random, total: int) -> int:
     """A plausible wrong sum: off by 1, 2, 10 or 11 either way, or two digits swapped; never `total`."""
-    while True:
-        if rng.random() < 0.2 and total >= 10:
-            digits = list(str(total))
-            i = rng.randrange(len(digits) - 1)
-            digits[i], digits[i + 1] = digits[i + 1], digits[i]
-            wrong = int("".join(digits))
-        else:
-            wrong = total + rng.choice([-11, -10, -2, -1, 1, 2, 10, 11])
-        if wrong != total and wrong >= 0:
-            return wrong
+    return common_near_miss(rng, total, (-11, -10, -2, -1, 1, 2, 10, 11))
 
 
 def corpus(seed: int, pairs: list[tuple[int, int]], correct_frac: float, n: int) -> list[str]:
@@ -238,16 +232,7 @@ def _build(
 
 def lr_schedule(opt: Any, steps: int) -> Any:
     """transformers' linear warm-up (LM_WARMUP_FRAC of the steps) then cosine decay to LM_MIN_LR_RATE x lr."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-    warm = max(1, round(LM_WARMUP_FRAC * steps))
-    return get_cosine_with_min_lr_schedule_with_warmup(opt, warm, steps, min_lr_rate=LM_MIN_LR_RATE)
-
-
-def selection_steps(steps: int, every: int = LM_SELECT_EVERY) -> list[int]:
-    """The steps (1-based, after the optimizer step) whose weights are candidates: every `every`-th step
-    in the second half of the run, and the last one."""
-    return sorted({s for s in range(every, steps + 1, every) if 2 * s > steps} | {steps})
+    return warmup_cosine(opt, steps, LM_WARMUP_FRAC, LM_MIN_LR_RATE)
 
 
 def pretrain(
@@ -260,46 +245,29 @@ def pretrain(
     log: Log,
     select_every: int = LM_SELECT_EVERY,
 ) -> dict:
-    """AdamW under `lr_schedule`, batches of LM_BATCH drawn as seeded epoch permutations of `n_rows`; at
-    each of `selection_steps` the weights are scored by `select_metric` (held-out greedy accuracy on the
-    selection problems) and the best are kept (ties: the later). Loads the selected weights into `lm`."""
-    import copy
-
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(lm.parameters(), lr=LM_LR, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = lr_schedule(opt, steps)
-    candidates = set(selection_steps(steps, select_every))
-    order: list[int] = []
-    best: tuple[float, int, dict] | None = None
-    by_step: dict[int, float] = {}
-    lm.train()
-    for step in range(1, steps + 1):
-        while len(order) < LM_BATCH:
-            order += torch.randperm(n_rows, generator=g).tolist()
-        batch, order = order[:LM_BATCH], order[LM_BATCH:]
-        loss = loss_of(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step in candidates:
-            lm.eval()
-            acc = select_metric()
-            lm.train()
-            by_step[step] = round(acc, 4)
-            if best is None or acc >= best[0]:
-                best = (acc, step, copy.deepcopy(lm.state_dict()))
-            log(f"  lm step {step}/{steps} loss {loss.item():.3f} selection greedy accuracy {acc:.3f}")
-        elif step % 250 == 0 or step == 1:
-            log(f"  lm step {step}/{steps} loss {loss.item():.3f} lr {sched.get_last_lr()[0]:.2e}")
-    assert best is not None
-    lm.load_state_dict(best[2])
-    lm.eval()
-    log(f"  selected the weights of step {best[1]} (selection greedy accuracy {best[0]:.3f})")
-    return {"selected_step": best[1], "selected_accuracy": best[0], "accuracy_by_step": by_step}
+    """`demos.common.pretrain_selected` with this demo's settings: the weights with the best
+    `select_metric` (held-out greedy accuracy on the selection problems) are kept (ties: the later)."""
+    curve = pretrain_selected(
+        lm,
+        steps,
+        n_rows,
+        loss_of,
+        select_metric,
+        seed,
+        log,
+        batch=LM_BATCH,
+        lr=LM_LR,
+        schedule=lr_schedule,
+        select_every=select_every,
+        higher_is_better=True,
+        what="selection greedy accuracy",
+        log_every=250,
+    )
+    return {
+        "selected_step": curve["selected_step"],
+        "selected_accuracy": curve["selected_score"],
+        "accuracy_by_step": curve["score_by_step"],
+    }
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """What every demo's asset build shares: an atomic, locked, up-to-date-checked build folder, and the
-tiny GPT-2 pieces (config, padding, a seeded training loop).
+tiny GPT-2 pieces (config, padding, seeded training loops: plain, and with checkpoint selection), and
+the near-miss numbers the arithmetic corpora use.
 
 A build writes into a temporary sibling folder and renames it into place at the end: a folder with a
 `manifest.json` is always complete, and a second call with the same settings is a no-op.
@@ -249,6 +250,96 @@ def train_loop(
         if step % 100 == 0 or step == steps - 1:
             log(f"  {name} step {step + 1}/{steps} loss {loss.item():.3f}")
     model.eval()
+
+
+def near_miss(rng: Any, value: int, offsets: tuple[int, ...]) -> int:
+    """A plausible wrong number: `value` plus one of `offsets`, or (a fifth of the time, from two digits
+    on) two adjacent digits swapped; never `value`, never negative."""
+    while True:
+        if rng.random() < 0.2 and value >= 10:
+            digits = list(str(value))
+            i = rng.randrange(len(digits) - 1)
+            digits[i], digits[i + 1] = digits[i + 1], digits[i]
+            wrong = int("".join(digits))
+        else:
+            wrong = value + rng.choice(offsets)
+        if wrong != value and wrong >= 0:
+            return wrong
+
+
+def warmup_cosine(opt: Any, steps: int, warmup_frac: float, min_lr_rate: float) -> Any:
+    """transformers' linear warm-up (`warmup_frac` of the steps) then cosine decay to `min_lr_rate` x lr."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    warm = max(1, round(warmup_frac * steps))
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, warm, steps, min_lr_rate=min_lr_rate)
+
+
+def selection_steps(steps: int, every: int) -> list[int]:
+    """The steps (1-based, after the optimizer step) whose weights are candidates: every `every`-th step
+    in the second half of the run, and the last one."""
+    return sorted({s for s in range(every, steps + 1, every) if 2 * s > steps} | {steps})
+
+
+def pretrain_selected(
+    lm: Any,
+    steps: int,
+    n_rows: int,
+    loss_of: Callable,
+    score: Callable[[], float],
+    seed: int,
+    log: Log,
+    *,
+    batch: int,
+    lr: float,
+    schedule: Callable[[Any, int], Any],
+    select_every: int,
+    higher_is_better: bool,
+    what: str,
+    log_every: int,
+) -> dict:
+    """AdamW under `schedule(opt, steps)`, batches of `batch` drawn as seeded epoch permutations of
+    `n_rows`; at each of `selection_steps` the weights are scored by `score` (`what` in the log) and the
+    best kept (ties: the later). Loads the selected weights into `lm`; returns the selected step, its
+    score and the score at every candidate step."""
+    import copy
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(lm.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = schedule(opt, steps)
+    candidates = set(selection_steps(steps, select_every))
+    sign = 1.0 if higher_is_better else -1.0
+    order: list[int] = []
+    best: tuple[float, int, dict] | None = None
+    by_step: dict[int, float] = {}
+    lm.train()
+    for step in range(1, steps + 1):
+        while len(order) < batch:
+            order += torch.randperm(n_rows, generator=g).tolist()
+        rows, order = order[:batch], order[batch:]
+        loss = loss_of(rows)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step in candidates:
+            lm.eval()
+            value = score()
+            lm.train()
+            by_step[step] = round(value, 4)
+            if best is None or sign * value >= sign * best[0]:
+                best = (value, step, copy.deepcopy(lm.state_dict()))
+            log(f"  lm step {step}/{steps} loss {loss.item():.3f} {what} {value:.4f}")
+        elif step % log_every == 0 or step == 1:
+            log(f"  lm step {step}/{steps} loss {loss.item():.3f} lr {sched.get_last_lr()[0]:.2e}")
+    assert best is not None
+    lm.load_state_dict(best[2])
+    lm.eval()
+    log(f"  selected the weights of step {best[1]} ({what} {best[0]:.4f})")
+    return {"selected_step": best[1], "selected_score": best[0], "score_by_step": by_step}
 
 
 def versions() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Advantage estimators behind one registry, as pure tensor functions.
 
 Conventions as in `learner.algorithms`: tensors are `[B, T]` over response tokens, `mask` is 1 on a
-row's valid prefix, invalid entries never change an output and are written as 0. Per-sequence
+row's valid tokens (a prefix, or with gaps at the observation tokens of multi-turn episodes: `estimate`
+skips them), invalid entries never change an output and are written as 0. Per-sequence
 tensors are `[B]`. `groups[i]` is an integer id: rows with equal ids are samples of the same prompt
 (a group); the caller guarantees a group is never split between learner ranks, so every group
 statistic here is local.
@@ -235,6 +236,42 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str =
     return kl_penalty(logprobs, ref_logprobs, estimator)  # the same estimators, with gradient
 
 
+def has_gaps(mask: torch.Tensor) -> bool:
+    """Whether some row's valid tokens are not one prefix (a valid token after an invalid one)."""
+    valid = mask > 0
+    return bool((valid[:, 1:] & ~valid[:, :-1]).any())
+
+
+def compaction(mask: torch.Tensor) -> torch.Tensor:
+    """Index `[B, T]` that gathers each row's valid tokens first, in order, then its invalid ones."""
+    T = mask.shape[-1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, pos, pos + T).argsort(dim=-1)
+
+
+def uncompact(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Undo `x.gather(1, index)` (a permutation of each row)."""
+    return torch.zeros_like(x).scatter(1, index, x)
+
+
+def place_token_rewards(
+    estimator: str,
+    rewards: torch.Tensor,
+    scores: torch.Tensor,
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rewards, scores)` with the per-token rewards of multi-turn episodes (each earlier turn's reward
+    on its last token) added: on their tokens for token-level estimators; for the group estimators
+    (grpo, rloo), whose advantage is the episode's outcome, into the score (the episode's return), which
+    also stands on the last token of `rewards` so the KL part they take from it stays the same."""
+    extra = _zero_invalid(token_rewards.to(rewards.dtype), mask)
+    if estimator not in GROUP_ESTIMATORS:
+        return rewards + extra, scores
+    total = extra.sum(-1)
+    return rewards + _next(torch.zeros_like(rewards), mask, total), scores + total.to(scores.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry
 # ---------------------------------------------------------------------------------------------
@@ -263,8 +300,33 @@ def estimate(
     `values` the critic's V(x_t) (ignored by grpo/rloo/reinforce_pp, whose `returns` are 0);
     `log_rho` = log pi - log mu (vtrace); `bootstrap` the value after each row's last token (0 = terminal).
     `whiten(x, mask)` normalises over the global batch (reinforce_pp), across ranks in the learner.
+
+    A mask with gaps (the observation tokens of multi-turn episodes) is handled by skipping them: the
+    valid tokens of each row are moved together in order, estimated as one prefix, and put back. So the
+    step after an action is the next action (V of the next model token, r of the next model token),
+    and observation tokens are no time step: no advantage, no value target, no discounting.
     """
     _check(estimator)
+    if has_gaps(mask):
+        index = compaction(mask)
+        take = lambda x: None if x is None else x.gather(1, index)  # noqa: E731
+        adv, ret = estimate(
+            estimator,
+            scores=scores,
+            rewards=take(rewards),
+            values=take(values),
+            mask=take(mask),
+            gamma=gamma,
+            lam=lam,
+            groups=groups,
+            log_rho=take(log_rho),
+            bootstrap=bootstrap,
+            group_std=group_std,
+            rho_clip=rho_clip,
+            c_clip=c_clip,
+            whiten=whiten,
+        )
+        return uncompact(adv, index), uncompact(ret, index)
     if estimator == "gae":
         return compute_gae(rewards, values, mask, gamma, lam, bootstrap=bootstrap)
     if estimator == "vtrace":

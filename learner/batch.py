@@ -17,7 +17,11 @@ __all__ = ["Batch", "Trajectory", "dummy_batch", "pack_trajectories"]
 
 @dataclass
 class Batch:
-    """A rank's packed shard. Per-token fields are `[B, R]` over response tokens."""
+    """A rank's packed shard. Per-token fields are `[B, R]` over response tokens.
+
+    `mask` is 1 on the response tokens the losses train (the policy's actions): every response token,
+    except observation tokens of multi-turn episodes, so a row's mask may have gaps. A row's response
+    length is `response_lens` (from the attention mask), never `mask.sum`."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -33,12 +37,17 @@ class Batch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def response_lens(self) -> torch.Tensor:
+        """[B] response tokens of each row (model and observation tokens alike)."""
+        return self.attention_mask.sum(1).long() - self.prompt_lens
+
     def take(self, idx: torch.Tensor) -> Batch:
         """Rows `idx`, trimmed to their own longest sequence and response."""
         attn = self.attention_mask[idx]
         mask = self.mask[idx]
         L = max(int(attn.sum(1).max()), 2)
-        R = max(int(mask.sum(1).max()), 1)
+        R = max(int(self.response_lens[idx].max()), 1)
         return Batch(
             self.input_ids[idx, :L],
             attn[:, :L],
@@ -97,6 +106,27 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
         "behaviour_logprobs": _pad_rows([t.behaviour_logprobs for t in trajectories], R),
         "ref_logprobs": _pad_rows([t.ref_logprobs for t in trajectories], R),
     }
+    if any(t.action_mask is not None for t in trajectories):
+        for i, t in enumerate(trajectories):
+            if t.action_mask is not None and len(t.action_mask) != len(t.response_ids):
+                raise ValueError(
+                    f"trajectory {i}: {len(t.response_ids)} response tokens but {len(t.action_mask)} mask entries"
+                )
+        mask = mask * _pad_rows(
+            [
+                t.action_mask if t.action_mask is not None else np.ones(len(t.response_ids))
+                for t in trajectories
+            ],
+            R,
+        )
+    if any(t.token_rewards is not None for t in trajectories):
+        tokens["token_rewards"] = _pad_rows(
+            [
+                t.token_rewards if t.token_rewards is not None else np.zeros(len(t.response_ids))
+                for t in trajectories
+            ],
+            R,
+        )
     # A trajectory without a group (-1) is a group of its own: a distinct negative id.
     groups = torch.tensor([t.group if t.group >= 0 else -1 - i for i, t in enumerate(trajectories)])
     truncated = torch.tensor([bool(t.truncated) for t in trajectories])

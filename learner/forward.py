@@ -81,7 +81,7 @@ def forward_scores(
     padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions."""
     R = b.mask.shape[1] + extra
     if packed:
-        counts = b.mask.sum(1).long() + extra
+        counts = b.response_lens + extra
         rows = pack_rows(b.input_ids.cpu(), b.attention_mask.cpu(), b.prompt_lens.cpu(), counts.cpu(), R)
         rows = rows.to(b.input_ids.device)
         logits, values = model(None, None, None, R, temperature, packed=rows)

@@ -13,7 +13,13 @@ import functools
 
 import torch
 
-from learner.advantages import estimate, length_shaped_scores, needs_critic, overlong_filter_mask
+from learner.advantages import (
+    estimate,
+    length_shaped_scores,
+    needs_critic,
+    overlong_filter_mask,
+    place_token_rewards,
+)
 from learner.algorithms import shape_rewards, whiten_with
 from learner.batch import Batch, dummy_batch
 from learner.config import LearnerConfig
@@ -52,7 +58,7 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
                 values[micro[i], : r + extra] = v.cpu()
         else:
             forward_scores(engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences)
-    lengths = batch.mask.sum(-1).long()
+    lengths = batch.response_lens
     boot = values.gather(1, lengths.clamp(max=R + extra - 1).unsqueeze(1)).squeeze(1) if extra else None
     return old_lp, values[:, :R], boot
 
@@ -101,7 +107,7 @@ def prepare(
     mask = batch.mask
     reduce_sum = functools.partial(all_reduce, op="sum", device=device)
     truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)
-    lengths = mask.sum(-1)
+    lengths = batch.response_lens.to(mask.dtype)
     # missing_eos_penalty and the overlong ramp add (learner.advantages.length_shaped_scores)
     penalized, overlong = length_shaped_scores(
         batch.scores,
@@ -115,6 +121,10 @@ def prepare(
     scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
     beta = kl_coef if config.kl.mode == "reward" else 0.0
     rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
+    if "token_rewards" in batch.tokens:  # earlier turns of multi-turn episodes
+        rewards, scores = place_token_rewards(
+            config.advantage, rewards, scores, batch.tokens["token_rewards"], mask
+        )
     adv, returns = estimate(
         config.advantage,
         scores=scores,

@@ -19,4 +19,11 @@ class Trajectory:
     score: float  # sequence-level reward, placed on the last response token
     policy_version: int = 0
     group: int = -1  # samples of one prompt share an id (>= 0); -1 = a group of its own
-    truncated: bool = False  # cut at max_new_tokens (no EOS)
+    truncated: bool = (
+        False  # cut at max_new_tokens (no EOS); a multi-turn episode the environment did not end
+    )
+    # Multi-turn episodes: 1 on tokens the policy sampled, 0 on observation tokens (None: all sampled).
+    # Only sampled tokens are actions: they alone carry losses, KL and advantages.
+    action_mask: np.ndarray | None = None  # uint8 [r]
+    # Rewards on tokens besides the score (an episode's earlier turns, each on its turn's last token).
+    token_rewards: np.ndarray | None = None  # float32 [r]

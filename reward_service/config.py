@@ -12,9 +12,11 @@ class _Strict(BaseModel):
 
 
 class RewardConfig(_Strict):
-    kind: Literal["model", "rule", "remote"] = Field(
+    kind: Literal["model", "rule", "remote", "environment"] = Field(
         "model",
-        description="Reward source: a sequence-classification model, a registered rule function, or a remote HTTP endpoint.",
+        description="Reward source: a sequence-classification model, a registered rule function, a remote HTTP "
+        "endpoint, or 'environment': the outcome reward of each multi-turn episode (rollout.environment), "
+        "its last turn's reward.",
     )
     model_path: str | None = Field(
         None, description="Folder of the reward model (save_pretrained layout); kind='model'."

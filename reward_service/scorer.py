@@ -71,7 +71,7 @@ class RewardScorer:
             if not config.rule:
                 raise ValueError("reward.kind='rule' needs reward.rule (a registered rule name)")
             self._rule = get_reward(config.rule, config.rule_module)
-        else:
+        elif config.kind == "remote":
             from reward_service.remote import RemoteRewardClient
 
             self._remote = RemoteRewardClient.from_config(config)
@@ -92,16 +92,40 @@ class RewardScorer:
         }
 
     def score(
-        self, prompts: list[np.ndarray], responses: list[np.ndarray], meta: list[dict] | None = None
+        self,
+        prompts: list[np.ndarray],
+        responses: list[np.ndarray],
+        meta: list[dict] | None = None,
+        episodes: list[Any] | None = None,
     ) -> ScoreBatch:
+        """One score per sample. `episodes[i]` (a `rollout_workers.environment.Episode`, or None) is the
+        multi-turn record of sample i: an episode whose environment failed is failed here (dropped and
+        counted, never scored); with kind='environment' the score is the episode's outcome reward."""
         n = len(prompts)
         meta = [{} for _ in range(n)] if meta is None else list(meta)
-        if len(responses) != n or len(meta) != n:
-            raise ValueError(f"{n} prompts, {len(responses)} responses, {len(meta)} meta entries")
+        episodes = [None] * n if episodes is None else list(episodes)
+        if len(responses) != n or len(meta) != n or len(episodes) != n:
+            raise ValueError(
+                f"{n} prompts, {len(responses)} responses, {len(meta)} meta entries, {len(episodes)} episodes"
+            )
         start = time.perf_counter()
         out = ScoreBatch.empty(n)
+        for i, e in enumerate(episodes):
+            if e is not None and e.failed:
+                out.fail(i, f"environment {e.status}: {e.error}")
+        if self.config.kind == "environment":
+            for i, e in enumerate(episodes):
+                if e is None:
+                    out.fail(
+                        i,
+                        "reward.kind='environment' but the sample is no episode (rollout.environment.name unset)",
+                    )
+                elif not e.failed:
+                    out.set(i, e.outcome, "environment")
+            self._count(n, out, start)
+            return out
         prompt_text, response_text, full_text = self._decode(prompts, responses, out)
-        live = [i for i in range(n) if out.errors[i] is None]
+        live = [i for i in range(n) if out.errors[i] is None]  # failed episodes already carry their error
         if self._classifier is not None:
             self._score_model([full_text[i] for i in live], live, out)
         elif self._rule is not None:
@@ -114,11 +138,14 @@ class RewardScorer:
                 out.set(i, value, f"rule {self.config.rule!r}")
         else:
             self._score_remote(prompt_text, response_text, meta, live, out)
+        self._count(n, out, start)
+        return out
+
+    def _count(self, n: int, out: ScoreBatch, start: float) -> None:
         self._samples += n
         self._failures += int((~out.ok).sum())
         self._calls += 1
         self._busy_s += time.perf_counter() - start
-        return out
 
     def _decode(
         self, prompts: list[np.ndarray], responses: list[np.ndarray], out: ScoreBatch

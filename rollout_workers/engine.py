@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,28 @@ class GenerationOutput:
     response_ids: np.ndarray  # int64 [r], r >= 1; ends with an EOS token iff finish_reason == "stop"
     logprobs: np.ndarray  # float32 [r]
     finish_reason: FinishReason
+    # int64 [r]: `interrupt.version` when each token was sampled; None when generated without an interrupt
+    versions: np.ndarray | None = None
+
+
+class Interrupt(Protocol):
+    """How a generate call lets new weights in while it runs (`pipeline.partial_rollout`).
+
+    At each interruption point (hf: before every sampled token; vLLM: at the call's start and between
+    engine steps; so also before each turn of a multi-turn episode, each being a call) the engine
+    asks `due()`; when True it drops every state computed with the old weights (KV cache, prefix
+    cache, requests in flight), calls `swap()`, which returns once the new weights are loaded, and
+    continues the same sequences from their token ids with the new weights: the KV cache of every
+    token so far is recomputed (one prefill per sequence), so the logprobs of tokens sampled after the
+    swap are those of the new weights. `version` tags each sampled token (`GenerationOutput.versions`).
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    def due(self) -> bool: ...
+
+    def swap(self) -> None: ...
 
 
 class RolloutEngine(ABC):
@@ -65,15 +88,31 @@ class RolloutEngine(ABC):
     _unknown_weights: str | None = None  # why the weights held are unknown (None: they are known)
 
     def generate(
-        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stop_ids: frozenset[int] = frozenset(),
+        max_new_tokens: list[int] | None = None,
+        interrupt: Interrupt | None = None,
     ) -> list[list[GenerationOutput]]:
         """Sample `sampling.n` responses per prompt: outer list follows `prompts`, inner has n entries.
 
         Prompts are already validated (non-empty int64 ids in vocab, fit in `max_model_len`). The same
-        prompts, sampling, seed and weights give the same outputs.
+        prompts, sampling, seed and weights give the same outputs. A response ends at an EOS token or
+        at one of `stop_ids` (both kept, finish_reason 'stop'), or after `max_new_tokens[i]` tokens for
+        prompt i (default `sampling.max_new_tokens` for all; finish_reason 'length'). With neither
+        argument given the outputs are those of a plain call: the multi-turn rollout's first turn
+        reproduces a single-turn generation. With an `interrupt` (see `Interrupt`) new weights may be
+        swapped in between tokens; while none is due the outputs are those of a call without one.
         """
         self._require_ready()
-        return self._generate(prompts, sampling, seed)
+        limits = [sampling.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        if len(limits) != len(prompts) or any(not 1 <= m <= sampling.max_new_tokens for m in limits):
+            raise ValueError(
+                f"max_new_tokens must give 1..{sampling.max_new_tokens} for each of {len(prompts)} prompts"
+            )
+        return self._generate(prompts, sampling, seed, frozenset(stop_ids), limits, interrupt)
 
     def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         """Teacher-forced logprobs (temperature 1, float32 [L-1]) of tokens 1..L-1 of each sequence,
@@ -171,8 +210,15 @@ class RolloutEngine(ABC):
     # Backend hooks: called by the public methods above once the contract's checks pass.
     @abstractmethod
     def _generate(
-        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
-    ) -> list[list[GenerationOutput]]: ...
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stop_ids: frozenset[int],
+        limits: list[int],
+        interrupt: Interrupt | None = None,
+    ) -> list[list[GenerationOutput]]:
+        """`generate` with every argument resolved: `limits[i]` tokens at most for prompt i."""
 
     @abstractmethod
     def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]: ...

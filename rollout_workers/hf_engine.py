@@ -11,6 +11,12 @@ every engine, `RolloutEngine`): log_softmax(truncate_logits(raw_logits / tempera
 tempered distribution, and with top_k/top_p on, truncated and renormalised. Without truncation
 that is the full tempered distribution the learner and the reference recompute.
 
+Interruption (`pipeline.partial_rollout`, contract in `engine.Interrupt`): before every sampled token
+the loop asks whether new weights are due; when they are, it drops the KV cache, lets the weights be
+swapped, and recomputes the cache of every token so far with one prefill of the batch (the rows keep
+their positions and their sampling RNG). Keeping the old cache would be cheaper by that prefill but
+would make the logprobs of later tokens those of neither version.
+
 Sleep (contract in `RolloutEngine`): on a GPU, level 1 and level 2 both move the model to host memory
 and return the freed blocks to the driver (`torch.cuda.empty_cache()`; transformers keeps no KV cache
 between calls), and waking moves it back. Level 2 keeps that host copy rather than discarding the
@@ -30,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput, RolloutEngine, read_special_ids
+from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, read_special_ids
 from rollout_workers.weight_receiver import WeightGroupMember
 from rollout_workers.weights import (
     check_state_keys,
@@ -82,9 +88,15 @@ class HFEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _generate(
-        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stop_ids: frozenset[int],
+        limits: list[int],
+        interrupt: Interrupt | None = None,
     ) -> list[list[GenerationOutput]]:
-        n, steps = sampling.n, sampling.max_new_tokens
+        n, steps = sampling.n, max(limits)
         rows = [p for p in prompts for _ in range(n)]  # row i*n+k = sample k of prompt i
         B, P = len(rows), max(len(p) for p in rows)
         dev = self._device
@@ -94,32 +106,45 @@ class HFEngine(RolloutEngine):
             ids[r, P - len(p) :] = torch.from_numpy(np.asarray(p, dtype=np.int64))
             attn[r, P - len(p) :] = 1
         ids, attn = ids.to(dev), attn.to(dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0..p-1, as in an unpadded forward
         gen = torch.Generator(device=dev).manual_seed(seed)
-        eos = torch.tensor(sorted(self.eos_token_ids), device=dev)
+        eos = torch.tensor(sorted(self.eos_token_ids | stop_ids), device=dev)
+        limit = torch.tensor([m for m in limits for _ in range(n)], dtype=torch.long, device=dev)
 
         tokens = torch.full((B, steps), self._pad, dtype=torch.long, device=dev)
         logps = torch.zeros((B, steps), dtype=torch.float32, device=dev)
-        lengths = torch.full((B,), steps, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        next_pos = pos[:, -1:] + 1
+        lengths = limit.clone()
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # ended by EOS or a stop token
+        ended = torch.zeros(B, dtype=torch.bool, device=dev)  # ended either way, or by its limit
+        next_pos = attn.sum(-1, keepdim=True)  # real tokens sit at 0..p-1, as in an unpadded forward
+        last_position = (self.max_model_len or 1 << 62) - 1
 
-        logits, past = self._forward(ids, attn, pos)
+        past = None
+        versions = None if interrupt is None else torch.empty((B, steps), dtype=torch.long)
         for t in range(steps):
+            if interrupt is not None:
+                if interrupt.due():  # the cache holds the old weights' keys and values: drop it
+                    past = None
+                    interrupt.swap()
+                versions[:, t] = interrupt.version
+            if past is None:  # one prefill of every token so far: the prompt at t = 0, after a swap all
+                seen = torch.cat([ids, tokens[:, :t]], dim=1)
+                logits, past = self._forward(seen, attn, (attn.cumsum(-1) - 1).clamp(0, last_position))
             scaled = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(scaled, dim=-1)  # the distribution sampled from
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-            tok = torch.where(done, torch.full_like(tok, self._pad), tok)
+            tok = torch.where(ended, torch.full_like(tok, self._pad), tok)
             tokens[:, t] = tok
             logps[:, t] = logp.gather(1, tok.unsqueeze(1)).squeeze(1)
-            hit = ~done & torch.isin(tok, eos)
+            hit = ~ended & torch.isin(tok, eos)
             lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
             done |= hit
-            if t == steps - 1 or bool(done.all()):
+            ended |= hit | (limit <= t + 1)
+            if t == steps - 1 or bool(ended.all()):
                 break
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
             logits, past = self._forward(tok.unsqueeze(1), attn, next_pos, past)
-            next_pos = next_pos + 1
+            # a row past its own limit is still fed (its outputs are ignored): keep its position in range
+            next_pos = (next_pos + 1).clamp(max=last_position)
 
         tokens, logps, lengths, done = (
             tokens.cpu().numpy(),
@@ -132,6 +157,7 @@ class HFEngine(RolloutEngine):
                 response_ids=tokens[r, : lengths[r]].copy(),
                 logprobs=logps[r, : lengths[r]].copy(),
                 finish_reason="stop" if done[r] else "length",
+                versions=None if versions is None else versions[r, : lengths[r]].numpy().copy(),
             )
             for r in range(B)
         ]

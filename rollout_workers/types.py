@@ -7,6 +7,8 @@ from typing import Literal
 
 import numpy as np
 
+from rollout_workers.environment import Episode
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -26,6 +28,20 @@ class Sample:
     finish_reason: FinishReason
     policy_version: int
     sample_index: int = 0  # k-th of the n samples drawn for this prompt
+    # multi-turn rollouts (rollout.environment): response_ids are every token after the prompt, model
+    # turns and observations; logprobs are 0 on observation tokens; finish_reason is 'stop' when the
+    # environment ended the episode, else 'length'. None: one model turn, no environment.
+    episode: Episode | None = None
+    # pipeline.partial_rollout: int64 [r], the policy version that sampled each response token (an
+    # observation token carries the version of the model token before it); None: every token was
+    # sampled by `policy_version`, which is always the oldest token's version
+    token_versions: np.ndarray | None = None
+
+    def versions(self) -> np.ndarray:
+        """The policy version of every response token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self.response_ids), self.policy_version, dtype=np.int64)
 
 
 @dataclass

@@ -19,6 +19,12 @@
 - Bundles are checked before anything is sent: keys and shapes against the HF model, and tied copies
   (e.g. `lm_head.weight` = the embedding) equal. vLLM itself would only warn about a missing tied
   head (keeping the old one) and silently use one copy for both.
+- Interruption (`pipeline.partial_rollout`, contract in `engine.Interrupt`): the engine is stepped here
+  (`LLMEngine.add_request` / `step`) and new weights are let in between steps: the unfinished requests
+  are aborted, the weights loaded (the prefix cache reset), and each sequence continues as a new
+  request from its token ids, whose prefill recomputes its KV cache with the new weights. vLLM's
+  `pause_generation(mode="keep")` (AsyncLLM only) keeps the old KV instead: cheaper by one prefill per
+  running sequence, but then no token after the swap has the new weights' logprobs.
 - Acknowledgement: vLLM's fused parameters cannot be read back under HF names, so there is no
   checksum; a swap is acknowledged by `probe_logprobs` (`prompt_logprobs`), what the engine computes.
 - Seeds: each prompt gets its own seed derived from (seed, prompt position); vLLM gives the k-th of
@@ -48,7 +54,8 @@ import numpy as np
 import torch
 
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput, RolloutEngine, derive_seed, read_special_ids
+from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, derive_seed, read_special_ids
+from rollout_workers.vllm_stepped import SteppedRun
 from rollout_workers.weight_receiver import WeightGroupError
 from rollout_workers.weights import check_state_keys, check_tied_copies, tied_groups, torch_dtype
 
@@ -234,6 +241,7 @@ class VLLMEngine(RolloutEngine):
             worker_extension_cls=f"{__name__}.{VLLMWeightLoader.__name__}",
             distributed_executor_backend=executor_backend(tp, self.on_cpu, in_process),
             enable_sleep_mode=self._sleep_mode,
+            enable_prefix_caching=True,  # multi-turn episodes continue from their ids: earlier turns hit the cache
             **kwargs,
         )
 
@@ -241,32 +249,61 @@ class VLLMEngine(RolloutEngine):
         return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
 
     def _generate(
-        self, prompts: list[np.ndarray], sampling: SamplingConfig, seed: int
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stop_ids: frozenset[int],
+        limits: list[int],
+        interrupt: Interrupt | None = None,
     ) -> list[list[GenerationOutput]]:
+        stops = self.eos_token_ids | stop_ids
+        if interrupt is not None:
+            return self._generate_interruptible(prompts, sampling, seed, stops, limits, interrupt)
         params = [
             self._vllm.SamplingParams(
                 n=sampling.n,
                 temperature=sampling.temperature,
                 top_k=sampling.top_k,  # 0 = off, as in SamplingConfig
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=limit,
                 logprobs=0,  # the sampled token's logprob only
                 seed=derive_seed(seed, i),
-                stop_token_ids=sorted(self.eos_token_ids),
+                stop_token_ids=sorted(stops),
                 detokenize=False,
             )
-            for i in range(len(prompts))
+            for i, limit in enumerate(limits)
         ]
         results = self._llm.generate(self._requests(prompts), params, use_tqdm=False)
-        return [[self._convert(c) for c in sorted(r.outputs, key=lambda c: c.index)] for r in results]
+        return [[self._convert(c, stops) for c in sorted(r.outputs, key=lambda c: c.index)] for r in results]
 
-    def _convert(self, completion: Any) -> GenerationOutput:
+    def _generate_interruptible(
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stops: frozenset[int],
+        limits: list[int],
+        interrupt: Interrupt,
+    ) -> list[list[GenerationOutput]]:
+        """`_generate` stepping vLLM's engine itself (`SteppedRun`), letting due weights in between steps."""
+        run = SteppedRun(self._vllm, self._llm.llm_engine, prompts, sampling, seed, stops, limits)
+        try:
+            run.until_done(interrupt)
+        except BaseException:  # leave no request behind for the next call's engine loop to run
+            run.abort()
+            raise
+        outputs = run.outputs()
+        n = sampling.n
+        return [outputs[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _convert(self, completion: Any, stops: frozenset[int]) -> GenerationOutput:
         ids = np.asarray(completion.token_ids, dtype=np.int64)
         lps = np.array(
             [step[int(t)].logprob for step, t in zip(completion.logprobs, ids, strict=True)], dtype=np.float32
         )
         # vLLM reports 'length' when the EOS is also the max_tokens-th token; our contract keys on the EOS.
-        finish = "stop" if ids.size and int(ids[-1]) in self.eos_token_ids else "length"
+        finish = "stop" if ids.size and int(ids[-1]) in stops else "length"
         return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish)
 
     def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:

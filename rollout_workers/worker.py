@@ -1,9 +1,13 @@
 """RolloutWorker: one engine, the policy version it holds, and the samples it returns.
 
 A plain class; `cluster/` runs it as a Ray actor with `ray.remote(RolloutWorker)`. Loading weights
-and generating never overlap: a Ray actor with the default max_concurrency=1 runs one method at a
-time, and a lock keeps that true when the worker is used directly from threads or a threaded actor.
-So every token of a sample comes from the weights of the version the sample is tagged with.
+and generating never overlap: one holder uses the engine at a time (`WeightGate`, also when the
+worker is used from threads or a threaded actor). Without `config.interruptible` a load waits for the
+generate call to end, so every token of a sample comes from the version the sample is tagged with.
+With it (`pipeline.partial_rollout`: loads arrive on a concurrency group of their own while a
+generate call runs), a load cuts in at the engine's next interruption point, the sequences continue
+with the new weights, and each token carries the version that sampled it (`Sample.token_versions`);
+the sample's `policy_version` is its oldest token's.
 
 Sleep (colocated with the learner): `sleep()` before the learner's step frees the engine's device
 memory at `config.sleep_level`, `wake_up()` takes it back; then `load_weights` (required after a
@@ -17,9 +21,9 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,26 +31,68 @@ import torch
 from learner.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, make_engine
+from rollout_workers.environment import make_environment
+from rollout_workers.episodes import EpisodeRunner
 from rollout_workers.types import Sample, WeightAck
+from rollout_workers.weight_gate import WeightGate
 from rollout_workers.weights import sampled_digest
 
 _MAX_SEED = 2**63 - 1
 
 
+def make_episode_runner(engine, model_path: str, config, environment=None) -> EpisodeRunner | None:
+    """The multi-turn runner of `config` (a `rollout.environment` section), or None when it names none;
+    `environment` (e.g. one whose episodes run in other processes) replaces the one `config` builds here."""
+    if not config.enabled:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    if environment is None:
+        environment = make_environment(config.name, config.module, config.kwargs, config.module_source)
+    return EpisodeRunner(engine, tokenizer, config, environment)
+
+
+class _CutIn:
+    """The `Interrupt` a generate call hands its engine: a weight load waiting at the worker's gate is
+    due; `swap` lets it run. A load that fails part-way leaves the weights unknown: the call fails
+    then, rather than sample from them."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker._version
+
+    def due(self) -> bool:
+        return self.worker._gate.load_due()
+
+    def swap(self) -> None:
+        self.worker._gate.let_loads_in()
+        self.worker._engine._require_ready()
+
+
 class RolloutWorker:
     def __init__(
-        self, model_path: str, config: RolloutConfig, worker_index: int = 0, initial_version: int = 0
+        self,
+        model_path: str,
+        config: RolloutConfig,
+        worker_index: int = 0,
+        initial_version: int = 0,
+        environment: Any = None,
     ) -> None:
         if initial_version < 0:
             raise ValueError(f"initial_version must be >= 0, got {initial_version}")
         self.config = config
         self.worker_index = worker_index
         self._engine = make_engine(str(model_path), config)
+        self._episodes = make_episode_runner(self._engine, str(model_path), config.environment, environment)
         self._version = initial_version
         self._checksum: str | None = None  # of the weights held now; computed lazily
         self._last_received: str | None = None  # digest of the last bundle loaded
         self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
-        self._lock = threading.Lock()
+        self._gate = WeightGate()
         self._stats = {
             "generate_calls": 0,
             "prompts": 0,
@@ -67,10 +113,14 @@ class RolloutWorker:
         prompts: list[np.ndarray],
         seed: int,
         sampling: SamplingConfig | None = None,
+        texts: list[str] | None = None,
+        metas: list[dict] | None = None,
     ) -> list[Sample]:
         """`n` samples per prompt (prompt order, then sample index), tagged with the current version.
 
-        `prompt_indices[i]` is the caller's id for `prompts[i]`; `sampling` overrides the config's.
+        `prompt_indices[i]` is the caller's id for `prompts[i]`; `sampling` overrides the config's. With
+        an environment (`config.environment`) each sample is a multi-turn episode: `texts` (default: the
+        decoded prompts) and `metas` (default: empty) are what the environment's `reset` receives.
         """
         sampling = sampling or self.config.sampling
         if len(prompt_indices) != len(prompts):
@@ -80,23 +130,45 @@ class RolloutWorker:
         if not prompts:
             return []
         ids = [self._check_prompt(idx, p, sampling) for idx, p in zip(prompt_indices, prompts, strict=True)]
-        with self._lock:
+        with self._gate.hold():
             t0 = time.perf_counter()
             version = self._version
-            outputs = self._engine.generate(ids, sampling, int(seed))
-            self._check_outputs(outputs, len(ids), sampling)
+            cut_in = _CutIn(self) if self.config.interruptible else None
+            if self._episodes is None:
+                outputs = self._engine.generate(ids, sampling, int(seed), interrupt=cut_in)
+                self._check_outputs(outputs, len(ids), sampling)
+                results = [
+                    [(o.response_ids, o.logprobs, o.finish_reason, None, o.versions) for o in outs]
+                    for outs in outputs
+                ]
+            else:
+                texts = (
+                    texts
+                    if texts is not None
+                    else [self._episodes.tokenizer.decode(p, skip_special_tokens=True) for p in ids]
+                )
+                metas = metas if metas is not None else [{} for _ in ids]
+                episodes = self._episodes.run(
+                    ids, texts, metas, sampling, int(seed), self._check_outputs, cut_in
+                )
+                results = [
+                    [(r, lp, "stop" if e.status == "done" else "length", e, vs) for r, lp, e, vs in outs]
+                    for outs in episodes
+                ]
             samples = [
                 Sample(
                     prompt_index=int(idx),
                     prompt_ids=p,
-                    response_ids=o.response_ids,
-                    logprobs=o.logprobs,
-                    finish_reason=o.finish_reason,
+                    response_ids=r,
+                    logprobs=lp,
+                    finish_reason=finish,
                     policy_version=version,
                     sample_index=k,
+                    episode=episode,
+                    token_versions=None if vs is None or (vs == version).all() else vs,
                 )
-                for idx, p, outs in zip(prompt_indices, ids, outputs, strict=True)
-                for k, o in enumerate(outs)
+                for idx, p, outs in zip(prompt_indices, ids, results, strict=True)
+                for k, (r, lp, finish, episode, vs) in enumerate(outs)
             ]
             s = self._stats
             s["generate_calls"] += 1
@@ -113,7 +185,7 @@ class RolloutWorker:
         same weights) and, where the engine can read its weights back, their checksum at the engine
         dtype (compare with `state_checksum(bundle, engine dtype)`). Versions never go backwards.
         """
-        with self._lock:
+        with self._gate.hold(load=True):
             if version < self._version:
                 raise ValueError(
                     f"worker {self.worker_index} holds version {self._version}; refusing older {version}"
@@ -185,7 +257,7 @@ class RolloutWorker:
 
     def _change_sleep(self, kind: str, change: Callable[[], bool]) -> dict:
         """Run `change` under the lock; count it (`sleeps`/`wakes`, seconds) when it changed the state."""
-        with self._lock:
+        with self._gate.hold():
             t0 = time.perf_counter()
             changed = change()
             seconds = time.perf_counter() - t0
@@ -213,18 +285,18 @@ class RolloutWorker:
     ) -> None:
         """Join learner rank 0's weight group (`cluster.weights.collective.CollectiveWeightSync`) with ranks
         `first_rank ..` (one per process holding the engine's weights)."""
-        with self._lock:
+        with self._gate.hold(load=True):
             self._engine.join_weight_group(host, port, first_rank, world_size, timeout_s, backend)
 
     def receive_weights(self) -> WeightAck:
         """Load the next broadcast bundle bucket by bucket (`RolloutEngine.receive_weights`) and
         acknowledge it as `load_weights` does."""
-        with self._lock:
+        with self._gate.hold(load=True):
             return self._swap(lambda: self._engine.receive_weights(self._version), time.perf_counter())
 
     def fingerprint(self) -> WeightAck:
         """The same acknowledgement for the weights held now, without loading anything."""
-        with self._lock:
+        with self._gate.hold():
             return WeightAck(self._version, self._engine.probe_logprobs(self._probe), self._checksum_locked())
 
     def version(self) -> int:
@@ -233,7 +305,7 @@ class RolloutWorker:
     def checksum(self) -> str | None:
         """Checksum of the weights held now (at the engine dtype; see `rollout_workers.weights`), or None
         where the engine cannot read its weights back (vLLM: use `fingerprint`)."""
-        with self._lock:
+        with self._gate.hold():
             return self._checksum_locked()
 
     def _checksum_locked(self) -> str | None:
@@ -246,9 +318,14 @@ class RolloutWorker:
 
     def stats(self) -> dict:
         """Counters since start: prompts, samples and response tokens generated, weight loads, sleeps and
-        wake-ups, busy seconds; and whether the engine sleeps now (`sleep_level`, 0 awake)."""
+        wake-ups, busy seconds; and whether the engine sleeps now (`sleep_level`, 0 awake). With an
+        environment: `env_busy_s` (seconds inside environment calls, summed over calls) and `env_wait_s`
+        (seconds the worker waited for them: calls of one turn run at once)."""
         s = dict(self._stats)
         s["busy_s"] = s["generate_s"] + s["load_s"] + s["sleep_s"] + s["wake_s"]
+        s["loads_inside_generation"] = self._gate.cut_ins
+        if self._episodes is not None:
+            s.update(env_busy_s=self._episodes.caller.busy_s, env_wait_s=self._episodes.caller.waited_s)
         s.update(
             worker_index=self.worker_index,
             engine=self._engine.name,
@@ -270,8 +347,14 @@ class RolloutWorker:
             raise ValueError(
                 f"prompt {index} has token ids outside [0, {vocab}): min {p.min()}, max {p.max()}"
             )
+        budget = self.config.environment.max_total_tokens
+        if self._episodes is not None and p.size >= budget:
+            raise ValueError(
+                f"prompt {index} has {p.size} tokens: no room for a model turn within "
+                f"rollout.environment.max_total_tokens={budget}"
+            )
         limit = self._engine.max_model_len
-        if limit is not None and p.size + sampling.max_new_tokens > limit:
+        if self._episodes is None and limit is not None and p.size + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt {index} has {p.size} tokens; with max_new_tokens={sampling.max_new_tokens} "
                 f"it exceeds the model's {limit} positions"
@@ -279,19 +362,27 @@ class RolloutWorker:
         return np.array(p, dtype=np.int64)  # an owned, writable copy (Ray hands in read-only views)
 
     def _check_outputs(
-        self, outputs: list[list[GenerationOutput]], n_prompts: int, sampling: SamplingConfig
+        self,
+        outputs: list[list[GenerationOutput]],
+        n_prompts: int,
+        sampling: SamplingConfig,
+        stop_ids: frozenset[int] = frozenset(),
+        limits: list[int] | None = None,
     ) -> None:
-        """Hold every backend to the same contract, so a backend bug fails here and not in the learner."""
+        """Hold every backend to the same contract, so a backend bug fails here and not in the learner:
+        1..limit tokens (default `sampling.max_new_tokens`), one logprob each, an EOS or stop token only
+        at the end and exactly when finish_reason is 'stop'."""
         name = self._engine.name
         if len(outputs) != n_prompts or any(len(o) != sampling.n for o in outputs):
             raise RuntimeError(
                 f"{name} engine returned {[len(o) for o in outputs]} samples for {n_prompts} prompts x n={sampling.n}"
             )
-        eos = self._engine.eos_token_ids
-        for outs in outputs:
+        eos = self._engine.eos_token_ids | stop_ids
+        limits = limits or [sampling.max_new_tokens] * n_prompts
+        for outs, limit in zip(outputs, limits, strict=True):
             for o in outs:
                 r = len(o.response_ids)
-                if r < 1 or r > sampling.max_new_tokens or len(o.logprobs) != r:
+                if r < 1 or r > limit or len(o.logprobs) != r:
                     raise RuntimeError(f"{name} engine returned {r} tokens with {len(o.logprobs)} logprobs")
                 ends_with_eos = int(o.response_ids[-1]) in eos
                 if any(int(t) in eos for t in o.response_ids[:-1]):

@@ -111,3 +111,17 @@ def test_cli_exits_2_on_bad_input(tmp_path: Path, capsys):
     cfg.write_text(yaml.safe_dump(tree()))
     assert main([str(cfg)]) == 2
     assert "model.policy_path: folder not found" in capsys.readouterr().err
+
+
+def test_environment_combinations_are_named():
+    env = {"environment": {"name": "tools", "max_total_tokens": 48}}
+    with pytest.raises(ConfigError, match="reward.kind='environment'.*rollout.environment.name"):
+        build_config(tree(reward={"kind": "environment"}))
+    with pytest.raises(ConfigError, match="data.max_prompt_tokens=64 leaves no room"):
+        build_config(tree(rollout=env, data={"max_prompt_tokens": 64}))
+    with pytest.raises(ConfigError, match="overlong_buffer"):
+        build_config(tree(rollout=env, learner={"overlong_buffer": 4}, data={"max_prompt_tokens": 8}))
+    with pytest.raises(ConfigError, match="placement"):
+        build_config(tree(rollout={"environment": {"name": "tools", "placement": "sandbox"}}))
+    cfg = build_config(tree(rollout=env, reward={"kind": "environment"}, data={"max_prompt_tokens": 8}))
+    assert cfg.rollout.environment.enabled and not cfg.rollout.environment.max_turns < 1

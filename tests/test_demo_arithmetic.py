@@ -26,10 +26,9 @@ from demos.arithmetic import (
     lr_schedule,
     near_miss,
     pretrain,
-    selection_steps,
     split_problems,
 )
-from demos.common import read_manifest
+from demos.common import read_manifest, selection_steps
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "arithmetic_tiny.yaml"
 
@@ -266,7 +265,9 @@ def test_config_names_the_demo_and_eval_fields():
     )
     assert grpo.data.prompts_per_step * grpo.rollout.sampling.n == cfg.data.prompts_per_step
     assert "--set data.dynamic_sampling.filter=nonzero_std" in CONFIG.read_text()
-    with pytest.raises(ConfigError, match="model.demo_assets.demo: .*one of arithmetic, sentiment"):
+    with pytest.raises(
+        ConfigError, match="model.demo_assets.demo: .*one of arithmetic, calculator, sentiment"
+    ):
         load_config(CONFIG, ["model.demo_assets.demo=chess"])
     with pytest.raises(ConfigError, match="eval.greedy"):
         load_config(CONFIG, ["eval.greedy=true", "rollout.engine=vllm"])

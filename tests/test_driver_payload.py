@@ -94,7 +94,7 @@ class Fetched:
     largest: int = 0  # bytes of array data in the largest value
     samples: int = 0  # `Sample` records: a rollout worker's output
     sample_arrays: int = 0  # arrays in a value that is a list of arrays: the reference's logprobs
-    facts: int = 0  # per-sample facts: (prompt index, version, length, finish reason)
+    facts: int = 0  # per-sample facts: SampleFacts (prompt index, version, length, finish reason, episode)
     grew: int = 0  # peak RSS over the RSS at the end of step 1, in bytes
 
     def add(self, value, many: bool) -> None:
@@ -102,7 +102,7 @@ class Fetched:
         for v in value if many else [value]:
             self.samples += _records(v, "Sample")
             self.sample_arrays += _list_of(v, lambda x: isinstance(x, np.ndarray))
-            self.facts += _list_of(v, lambda x: isinstance(x, tuple) and len(x) == 4)
+            self.facts += _list_of(v, lambda x: type(x).__name__ == "SampleFacts")
 
 
 class PeakRSS(threading.Thread):

@@ -73,6 +73,22 @@ def test_take_waits_for_a_full_batch_and_keeps_chunk_order():
     assert taken.staleness == [0] * 8 and buf.depth() == 2
 
 
+def _admit_and_finish_some(buf, version, inflight, rng):
+    """Admit every chunk the buffer allows at `version`, then finish each chunk in flight with
+    probability 0.6, in random order (chunks finish in any order; some are slow and finish after later
+    steps). Returns the chunks still in flight, as (chunk, version admitted at)."""
+    while (c := buf.next_chunk(version)) is not None:
+        inflight.append((c, version))
+    rng.shuffle(inflight)
+    keep = []
+    for c, v in inflight:
+        if rng.random() < 0.6:
+            _finish(buf, c, v)
+        else:
+            keep.append((c, v))
+    return keep
+
+
 def test_stale_samples_are_dropped_and_their_prompts_trained_later_exactly_once():
     rng = random.Random(0)
     P, eta, steps = 4, 1, 12
@@ -81,16 +97,7 @@ def test_stale_samples_are_dropped_and_their_prompts_trained_later_exactly_once(
     version, dropped = 0, 0
     inflight = []
     for _ in range(steps):
-        while (c := buf.next_chunk(version)) is not None:
-            inflight.append((c, version))
-        rng.shuffle(inflight)  # chunks finish in any order; some are slow (finish after later steps)
-        keep = []
-        for c, v in inflight:
-            if rng.random() < 0.6:
-                _finish(buf, c, v)
-            else:
-                keep.append((c, v))
-        inflight = keep
+        inflight = _admit_and_finish_some(buf, version, inflight, rng)
         taken = buf.take(version)
         if taken is None or not taken.parts:
             dropped += taken.stale_samples if taken else 0
@@ -271,3 +278,46 @@ def test_restore_after_filtering_generates_only_the_outstanding_prompts():
         got += [p.index for p in ch.prompts]
     assert got[:5] == [1, 2, 3, 4, 5] and 0 not in got
     del c
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_wait_policy_drops_nothing_and_keeps_the_bound(seed):
+    """stale_policy='wait', the same random completion order as the drop test above: the learner waits
+    for the chunks in flight that would be too old after its step, takes the oldest samples first, and
+    no sample is ever dropped; every trained sample is within the bound and every prompt is trained once
+    per epoch."""
+    rng = random.Random(seed)
+    P, eta, steps = 4, 1, 16
+    buf = StreamBuffer(PromptStream(_prompts(16), seed=3, shuffle=True), P, 2, eta, run_seed=1, wait=True)
+    trained = collections.Counter()
+    version, waited = 0, 0
+    inflight = []
+    for _ in range(steps * 10):
+        if version == steps:
+            break
+        inflight = _admit_and_finish_some(buf, version, inflight, rng)
+        taken = buf.take(version)
+        if taken is None:
+            waited += 1
+            continue
+        assert taken.stale_samples == 0 and max(taken.staleness) <= eta
+        trained.update(p.index for p in taken.prompts)
+        version += 1
+    assert version == steps and waited > 0  # it did wait, and it never stalled
+    assert set(trained.values()) == {steps * P // 16}
+
+
+def test_wait_policy_waits_only_for_chunks_about_to_go_stale():
+    buf = _buffer(P=2, chunk=1, eta=1)
+    c0, c1 = buf.next_chunk(0), buf.next_chunk(0)  # step 1's prompts, admitted at version 0
+    c2 = buf.next_chunk(0)  # step 2's first prompt: eta=1 lets generation run one step ahead
+    buf.wait = True
+    _finish(buf, c0, 0)
+    _finish(buf, c1, 0)
+    assert buf.take(0) is not None  # at version 0 nothing in flight is stale after the step
+    c3 = buf.next_chunk(1)
+    _finish(buf, c3, 1)
+    assert buf.take(1) is None  # c2 (admitted at 0) would be 2 versions old after this step: wait
+    _finish(buf, c2, 0)
+    taken = buf.take(1)
+    assert [c.index for c, _pos in taken.parts] == [c2.index, c3.index] and taken.staleness == [1, 0]

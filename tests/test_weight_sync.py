@@ -161,7 +161,9 @@ def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_si
     reported lost for the caller to replace. A receiver that stops answering mid-broadcast: found
     once the timeout has passed and the members blocked behind it have failed their own collectives,
     killed, and handled the same way, instead of hanging (the failure mode of raw NCCL broadcasts).
-    A receiver stuck in other work before a push (it never joins) is dropped the same way."""
+    A receiver stuck in other work before a push (it never joins) is dropped the same way, also when
+    it is the only one (then nobody holds the version, and the push says so instead of failing). A
+    receiver that died before the push is lost while the group forms."""
     import time
 
     def _die_after_first_bucket(worker, stop: bool = False) -> None:  # here: Ray ships it by value
@@ -209,6 +211,22 @@ def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_si
         result, _ = sync.push([rank], [workers[0], stuck], ["w0", "stuck"], 4, "float32", 15)
         assert time.monotonic() - t0 < 120
         assert result.lost == [1] and ray.get(workers[0].version.remote(), timeout=60) == 4
+
+        # every member lost: nobody holds v5, the result says so (no fingerprint acknowledged) and the
+        # caller replaces them; the next broadcast forms a group without them
+        alone = _worker(ray, tiny_policy_dir)
+        alone.__ray_call__.remote(lambda w: time.sleep(3600))
+        result, _ = sync.push([rank], [alone], ["alone"], 5, "float32", 15)
+        assert result.lost == [0] and result.expected is None and result.version == 5
+        result, _ = sync.push([rank], [workers[0]], ["w0"], 5, "float32", 120)
+        assert result.lost == [] and ray.get(workers[0].version.remote(), timeout=60) == 5
+
+        # a worker that died before the push (killed between two broadcasts): lost while the group
+        # forms, before any broadcast; the others get the version
+        gone = _worker(ray, tiny_policy_dir)
+        ray.kill(gone, no_restart=True)
+        result, _ = sync.push([rank], [gone, workers[0]], ["gone", "w0"], 6, "float32", 120)
+        assert result.lost == [0] and ray.get(workers[0].version.remote(), timeout=60) == 6
     finally:
         for w in workers:
             ray.kill(w)

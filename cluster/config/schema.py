@@ -83,6 +83,12 @@ class RunConfig(_Strict):
             )
         if self.reference.pack_sequences is None:  # the reference scores the way the learner does
             self.reference.pack_sequences = self.learner.pack_sequences
+        if self.pipeline.partial_rollout and self.pipeline.mode != "async":
+            raise ValueError(
+                "pipeline.partial_rollout=true loads new weights into a worker while it generates, which only "
+                "pipeline.mode='async' publishes: set pipeline.mode='async' or pipeline.partial_rollout=false"
+            )
+        self._environment()
         self._overlong()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
@@ -110,6 +116,28 @@ class RunConfig(_Strict):
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
         return self
+
+    def _environment(self) -> None:
+        """Multi-turn rollouts: what they need of the other sections."""
+        env = self.rollout.environment
+        if self.reward.kind == "environment" and not env.enabled:
+            raise ValueError(
+                "reward.kind='environment' scores multi-turn episodes by their environment: set "
+                "rollout.environment.name, or another reward.kind"
+            )
+        if not env.enabled:
+            return
+        if self.data.max_prompt_tokens >= env.max_total_tokens:
+            raise ValueError(
+                f"data.max_prompt_tokens={self.data.max_prompt_tokens} leaves no room for a model turn within "
+                f"rollout.environment.max_total_tokens={env.max_total_tokens}"
+            )
+        if self.learner.overlong_buffer > 0 or self.learner.overlong_filter:
+            raise ValueError(
+                "learner.overlong_buffer / overlong_filter shape single-turn responses by their length; with "
+                "rollout.environment set use rollout.environment.max_total_tokens and missing_eos_penalty "
+                "(an episode the environment did not end counts as truncated) instead"
+            )
 
     def _overlong(self) -> None:
         """The overlong ramp ends where the workers cut responses: rollout.sampling.max_new_tokens."""

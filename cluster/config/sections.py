@@ -26,7 +26,8 @@ class RunSection(_Strict):
 
 class DemoAssetsSection(_Strict):
     demo: str = Field(
-        ..., description="Which demo's assets (a module of the `demos` package): 'sentiment' or 'arithmetic'."
+        ...,
+        description="Which demo's assets (a module of the `demos` package): 'sentiment', 'arithmetic' or 'calculator'.",
     )
     folder: str = Field(..., description="Folder the assets are built into when missing or out of date.")
 
@@ -166,6 +167,21 @@ class PipelineSection(_Strict):
         1,
         ge=1,
         description="Generate calls queued on one rollout worker at once (async); a call's deadline starts when it runs.",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="Async only: new weights reach a worker while it generates. At each publication every "
+        "worker finishes its current decode step, loads the weights, recomputes the KV cache of its "
+        "sequences and continues them (hf: between tokens; vLLM: between engine steps); each response "
+        "token carries the version that sampled it and a sample's staleness is its oldest token's. Off: a "
+        "worker loads new weights only between chunks.",
+    )
+    stale_policy: Literal["drop", "wait"] = Field(
+        "drop",
+        description="Async: what keeps samples within max_staleness when the learner takes a batch. 'drop': "
+        "samples whose oldest token is more than max_staleness versions old are dropped and their prompts "
+        "re-queued. 'wait': the learner waits for the chunks in flight that would be too old after its "
+        "step and trains the oldest samples first, so none is ever dropped (it may idle longer).",
     )
 
 

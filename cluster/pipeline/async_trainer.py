@@ -25,7 +25,7 @@ import numpy as np
 import ray
 
 from cluster.pipeline.calls import Call
-from cluster.pipeline.chunks import Chunk, RolloutBatch, kept, reward_errors
+from cluster.pipeline.chunks import Chunk, RolloutBatch
 from cluster.pipeline.collector import StreamCollector
 from cluster.pipeline.dynamic_sampling import async_rounds
 from cluster.pipeline.evaluation import EvalRound
@@ -33,7 +33,7 @@ from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.learner_step import LearnerStep
 from cluster.pipeline.stream_buffer import StreamBuffer, Taken
 from cluster.pipeline.trainer import Trainer
-from cluster.run.metrics import sample_metrics
+from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
 
 LEARNER_KINDS = ("train", "export")
@@ -69,6 +69,7 @@ class AsyncTrainer(Trainer):
             cfg.run.seed,
             group_filter=self.group_filter,
             max_rounds=cfg.data.dynamic_sampling.max_rounds,
+            wait=cfg.pipeline.stale_policy == "wait",
         )
         if self.resume_state is not None:
             st = self.resume_state
@@ -252,10 +253,7 @@ class AsyncTrainer(Trainer):
         taken = learner.taken
         metrics = self._metrics(learner, busy0)
         progress.samples_seen += int(metrics["rollout/samples"])
-        # One count per buffer entry trained (a prompt with at least one sample kept), so a prompt
-        # that entered the buffer twice would show as trained twice.
-        trained = {chunk.facts[j].prompt_index for chunk, j in kept(taken.parts)}
-        progress.trained_prompts.update(p.index for p in taken.prompts if p.index in trained)
+        progress.record_batch(taken.parts)
         if self.group_filter is not None:
             metrics.update(self._dynamic_metrics(taken))
         metrics["scale/events"] = float(len(scaling))
@@ -284,7 +282,7 @@ class AsyncTrainer(Trainer):
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
-        self.check_reward_failures(step, reward_errors(taken.parts), total)
+        self.check_failures(step, taken.parts, total)
 
     def give_back(self, taken: Taken, lost: set[int]) -> None:
         """A batch no rank could train (inputs lost with their node): the lost chunks' prompts are
@@ -311,6 +309,7 @@ class AsyncTrainer(Trainer):
             "staleness/mean": float(staleness.mean()),
             "staleness/max": float(staleness.max()),
             **{f"staleness/hist_{k}": float((staleness == k).sum()) for k in range(eta + 1)},
+            **version_metrics([c.facts[j] for c, pos in taken.parts for j in pos], step.step - 1),
             "pipeline/buffer_depth": float(depth),
             "pipeline/generator_idle_frac": float(max(0.0, 1.0 - gen_busy / (n_workers * wall))),
             "pipeline/learner_idle_frac": float(step.t_wait / wall),

@@ -18,14 +18,57 @@ import numpy as np
 from cluster.pipeline.data import Prompt
 
 
+class EpisodeFacts(NamedTuple):
+    """What the driver learns of a multi-turn episode (rollout.environment)."""
+
+    turns: int
+    status: str  # 'done', 'max_turns', 'max_tokens', 'env_error' or 'env_timeout'
+    model_tokens: int  # response tokens the policy sampled
+    env_tokens: int  # observation tokens
+    env_s: float  # seconds in the environment's calls
+    info: dict  # the environment's counters (e.g. tool_calls), summed over the episode
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("env_error", "env_timeout")
+
+
 class SampleFacts(NamedTuple):
     """What the driver learns of one sample (a rollout worker returns these beside the samples object,
     which the driver never fetches)."""
 
     prompt_index: int
-    version: int  # the policy version that sampled it
+    version: int  # the policy version that sampled it: its oldest token's (pipeline.partial_rollout)
     length: int  # response tokens
     finish_reason: str  # 'stop' or 'length'
+    episode: EpisodeFacts | None = None  # multi-turn rollouts only
+    # pipeline.partial_rollout: (version, response tokens it sampled) when the response spans versions;
+    # empty when every token was sampled by `version`
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+def sample_facts(sample: Any) -> SampleFacts:
+    """The facts of one `rollout_workers.types.Sample` (built where the sample is, on the worker)."""
+    e = sample.episode
+    episode = None
+    if e is not None:
+        model = int(e.loss_mask.sum())
+        episode = EpisodeFacts(
+            e.turns, e.status, model, len(e.loss_mask) - model, float(e.env_s), dict(e.info), e.error
+        )
+    spans = ()
+    if sample.token_versions is not None:
+        versions, counts = np.unique(sample.token_versions, return_counts=True)
+        spans = tuple((int(v), int(c)) for v, c in zip(versions, counts, strict=True))
+    return SampleFacts(
+        sample.prompt_index,
+        sample.policy_version,
+        len(sample.response_ids),
+        sample.finish_reason,
+        episode,
+        spans,
+    )
 
 
 @dataclass(eq=False)
@@ -48,6 +91,7 @@ class Chunk:
     sampling: Any = None  # a SamplingConfig overriding the worker's own (evaluation chunks)
     eval: bool = False  # a held-out evaluation chunk: scored by the reward only, never buffered or trained
     round: int = 0  # bumped when the samples are lost: results of an older round are ignored
+    admitted: int = 0  # async: the learner version when the chunk was admitted (stale_policy 'wait')
 
     def lost(self) -> None:
         """The samples are gone: forget every result and start a new round."""
@@ -77,10 +121,31 @@ def kept(parts: Parts) -> list[tuple[Chunk, int]]:
     return [(c, j) for c, pos in parts for j in pos if c.scores.ok[j]]
 
 
+def env_failed(chunk: Chunk, j: int) -> bool:
+    """Sample j of `chunk` is a multi-turn episode whose environment failed (dropped like a failed reward,
+    but counted against rollout.environment.max_failure_frac)."""
+    e = chunk.facts[j].episode
+    return e is not None and e.failed
+
+
 def reward_errors(parts: Parts) -> list[str]:
-    """The error of every sample of `parts` whose reward failed (dropped, never scored 0)."""
+    """The error of every sample of `parts` whose reward failed (dropped, never scored 0); episodes whose
+    environment failed are counted by `env_errors` instead."""
     return [
-        c.scores.errors[j] or "unknown reward error" for c, pos in parts for j in pos if not c.scores.ok[j]
+        c.scores.errors[j] or "unknown reward error"
+        for c, pos in parts
+        for j in pos
+        if not c.scores.ok[j] and not env_failed(c, j)
+    ]
+
+
+def env_errors(parts: Parts) -> list[str]:
+    """'<status>: <error>' of every episode of `parts` whose environment failed."""
+    return [
+        f"{c.facts[j].episode.status}: {c.facts[j].episode.error}"
+        for c, pos in parts
+        for j in pos
+        if env_failed(c, j)
     ]
 
 

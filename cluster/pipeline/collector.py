@@ -82,9 +82,14 @@ class RolloutCollector:
         member = member or self.pick(kind)
         h = member.handle
         if kind == "generate":
-            extra = () if chunk.sampling is None else (chunk.sampling,)
+            ps = chunk.prompts
             ref, samples = h.generate_chunk.remote(
-                [p.index for p in chunk.prompts], [p.ids for p in chunk.prompts], chunk.seed, *extra
+                [p.index for p in ps],
+                [p.ids for p in ps],
+                chunk.seed,
+                chunk.sampling,
+                [p.text for p in ps],
+                [p.meta for p in ps],
             )
             keep = {"samples": samples}
         elif kind == "reference":

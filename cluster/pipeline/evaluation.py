@@ -23,6 +23,7 @@ from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.data import Prompt, read_prompts, tokenize_prompts
+from cluster.run.metrics import episode_metrics
 from cluster.run.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
 
@@ -99,13 +100,14 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
         "eval/policy_version": float(min(versions)) if versions else float("nan"),
         "eval/reward_failures": float(sum(len(pos) for _c, pos in parts) - len(scored)),
     }
-    if cfg.reward.kind == "rule":
+    if cfg.reward.kind in ("rule", "environment"):
         correct = scores >= cfg.eval.correct_at
         m["eval/accuracy"] = float(np.mean(correct)) if len(scores) else float("nan")
         prompts = [
             (c.index, c.facts[j].prompt_index) for c, j in scored
         ]  # a chunk never splits a prompt's samples
         m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
+    m.update(episode_metrics([c.facts[j] for c, j in scored], prefix="eval/"))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from cluster.pipeline.checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
+from cluster.pipeline.chunks import Parts, kept
 
 
 @dataclass
@@ -26,7 +27,17 @@ class RunProgress:
     # dynamic sampling: prompts whose groups were filtered (never trained), and how many in all
     filtered_prompts: collections.Counter[int] = field(default_factory=collections.Counter)
     filtered_total: int = 0
+    # prompts of a trained batch none of whose samples could be trained: every reward or environment failed
+    skipped_prompts: collections.Counter[int] = field(default_factory=collections.Counter)
     history: list[dict[str, float]] = field(default_factory=list)  # the metric rows of steps 1..step
+
+    def record_batch(self, parts: Parts) -> None:
+        """A trained batch's prompts: trained (one sample kept at least) or skipped (all failed). One count
+        per prompt and chunk, so a prompt handed out twice would show twice."""
+        trained = {(c.index, c.facts[j].prompt_index) for c, j in kept(parts)}
+        drawn = {(c.index, c.facts[j].prompt_index) for c, pos in parts for j in pos}
+        self.trained_prompts.update(p for _c, p in trained)
+        self.skipped_prompts.update(p for _c, p in drawn - trained)
 
     def record_filtered(self, indices: list[int]) -> None:
         """Dynamic sampling: prompts whose groups were filtered (drawn and used up, never trained)."""
@@ -40,6 +51,7 @@ class RunProgress:
             "trained_prompts": {str(k): v for k, v in self.trained_prompts.items()},
             "filtered_prompts": {str(k): v for k, v in self.filtered_prompts.items()},
             "filtered_total": self.filtered_total,
+            "skipped_prompts": {str(k): v for k, v in self.skipped_prompts.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -50,6 +62,9 @@ class RunProgress:
             {int(k): v for k, v in state.get("filtered_prompts", {}).items()}
         )
         self.filtered_total = int(state.get("filtered_total", 0))
+        self.skipped_prompts = collections.Counter(
+            {int(k): v for k, v in state.get("skipped_prompts", {}).items()}
+        )
 
 
 class Checkpointer:

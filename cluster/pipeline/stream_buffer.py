@@ -13,6 +13,12 @@ Staleness (eta, in policy versions) is bounded twice:
   taken is never trained: it is dropped, counted, and its prompt re-queued (ahead of new prompts),
   so every prompt of an epoch is still trained exactly once.
 
+With `wait` (pipeline.stale_policy='wait') nothing is dropped: the learner at version v takes no batch
+while a chunk admitted at version <= v - eta is still in flight (after this step it could only be
+dropped), and it takes the ready prompts oldest first (by their oldest token's version). At most P
+prompts admitted at <= v - eta are outstanding then (the admission rule), so they all fit in the
+batch. The cost is learner idle time (`pipeline/learner_idle_frac`).
+
 Dynamic sampling (`group_filter`, see `cluster.pipeline.dynamic_sampling`): a scored chunk's groups that the
 filter refuses never enter the buffer; each gives its admission slot back (as a stale prompt does),
 so a new prompt from the stream takes it and the stream cannot stall, and the bound above still holds
@@ -58,6 +64,7 @@ class StreamBuffer:
         run_seed: int,
         group_filter: GroupFilter | None = None,
         max_rounds: int = 1,
+        wait: bool = False,
     ) -> None:
         self.stream = stream
         self.P = prompts_per_step
@@ -67,6 +74,7 @@ class StreamBuffer:
         self.requeued: collections.deque[Prompt] = collections.deque()
         self.ready: collections.deque[tuple[Chunk, Prompt, list[int]]] = collections.deque()
         self.inflight: dict[int, Chunk] = {}  # chunks not yet scored, by index
+        self.wait = wait  # stale_policy 'wait': never drop, wait for the chunks about to go stale
         self.admitted = 0  # prompts admitted since version 0 (minus those given back)
         self.chunks = 0  # global chunk counter (seeds)
         self.pulled = 0  # prompts taken from the stream (batch-aligned chunking)
@@ -96,7 +104,9 @@ class StreamBuffer:
         per_step = math.ceil(self.P / self.chunk_size)
         g = self.chunks
         # Chunk g gets the seed sync mode gives the chunk at the same position of the same step.
-        chunk = Chunk(g, prompts, chunk_seed(self.run_seed, 1 + g // per_step, g % per_step))
+        chunk = Chunk(
+            g, prompts, chunk_seed(self.run_seed, 1 + g // per_step, g % per_step), admitted=version
+        )
         self.chunks += 1
         self.admitted += len(prompts)
         self.inflight[g] = chunk
@@ -147,6 +157,11 @@ class StreamBuffer:
             else:
                 fresh.append((chunk, prompt, positions))
         self.ready = fresh
+        if self.wait:
+            if any(c.admitted <= version - self.eta for c in self.inflight.values()):
+                # a chunk in flight would be too old after this step: the learner waits to train it in this one
+                return None if not stale_prompts else Taken([], [], stale_samples, stale_prompts)
+            self.ready = collections.deque(sorted(self.ready, key=lambda it: (it[0].version, it[0].index)))
         size = self.P
         seen = len(self.ready) + self.filtered_since_take  # groups scored since the previous batch
         if len(self.ready) < self.P and self.group_filter is not None and seen >= self.max_rounds * self.P:

@@ -17,7 +17,7 @@ import ray
 import yaml
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chunks import RolloutBatch
+from cluster.pipeline.chunks import Parts, RolloutBatch, env_errors, reward_errors
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
 from cluster.pipeline.data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
@@ -44,6 +44,10 @@ FIXED_COUNTS = (
 
 class RewardFailureError(RuntimeError):
     """Too many rewards of one step failed (reward.max_failure_frac)."""
+
+
+class EnvironmentFailureError(RuntimeError):
+    """Too many episodes of one step failed in their environment (rollout.environment.max_failure_frac)."""
 
 
 class Trainer:
@@ -211,7 +215,7 @@ class Trainer:
         if self.group_filter is None:
             prompts = self.stream.next_batch(cfg.data.prompts_per_step)
             batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-            self.check_reward_failures(step, batch.reward_errors, batch.total)
+            self.check_failures(step, batch.parts, batch.total)
         else:
             batch, account = self.collect_informative(step)
         t1 = time.perf_counter()
@@ -221,7 +225,7 @@ class Trainer:
         progress.step = step
         kept = batch.kept
         progress.samples_seen += len(kept)
-        progress.trained_prompts.update({chunk.facts[j].prompt_index for chunk, j in kept})
+        progress.record_batch(batch.parts)
         times = SyncStepTimes(train=t_train, weight_sync=t_sync, wall=time.perf_counter() - t0)
         metrics = sync_step_metrics(
             batch,
@@ -256,7 +260,7 @@ class Trainer:
             prompts = self.stream.next_batch(want)
             seed = round_seed(cfg.run.seed, account.rounds)
             got = self.collector.collect(prompts, step, seed, cfg.rollout.chunk_size)
-            self.check_reward_failures(step, got.reward_errors, got.total)
+            self.check_failures(step, got.parts, got.total)
             kept_groups, filtered = 0, []
             for chunk in got.chunks:
                 kept_pos, dropped = split_chunk(chunk, self.group_filter)
@@ -285,14 +289,24 @@ class Trainer:
         if self.checkpoints.due(step):
             self.checkpoint()
 
-    def check_reward_failures(self, step: int, errors: list[str], total: int) -> None:
-        """Abort the step when more than reward.max_failure_frac of its `total` rewards failed."""
-        frac = self.cfg.reward.max_failure_frac
-        if len(errors) > frac * total:
-            raise RewardFailureError(
-                f"step {step}: {len(errors)}/{total} rewards failed (> reward.max_failure_frac="
-                f"{frac}); first errors: {errors[:3]}"
-            )
+    def check_failures(self, step: int, parts: Parts, total: int) -> None:
+        """Abort the step when more than reward.max_failure_frac of its `total` samples' rewards failed,
+        or more than rollout.environment.max_failure_frac of its episodes' environments failed."""
+        for errors, frac, field, what, error in (
+            (reward_errors(parts), self.cfg.reward.max_failure_frac, "reward", "rewards", RewardFailureError),
+            (
+                env_errors(parts),
+                self.cfg.rollout.environment.max_failure_frac,
+                "rollout.environment",
+                "episodes' environments",
+                EnvironmentFailureError,
+            ),
+        ):
+            if len(errors) > frac * total:
+                raise error(
+                    f"step {step}: {len(errors)}/{total} {what} failed (> {field}.max_failure_frac="
+                    f"{frac}); first errors: {errors[:3]}"
+                )
 
     # ------------------------------------------------------------------ whole run
 

@@ -44,6 +44,8 @@ def to_trajectory(sample: Any, ref_logprobs: Any, score: float, group: int = -1)
         policy_version=sample.policy_version,
         group=int(group),
         truncated=sample.finish_reason == "length",
+        action_mask=None if sample.episode is None else sample.episode.loss_mask,
+        token_rewards=None if sample.episode is None else sample.episode.token_rewards(),
     )
 
 
@@ -60,6 +62,7 @@ class Roles:
     plan: PlacementPlan
     ranks: list[Any] = field(default_factory=list)
     hosts: list[Any] = field(default_factory=list)  # cluster.placement='colocated': one per learner rank
+    environments: list[Any] = field(default_factory=list)  # rollout.environment.placement='actors'
 
     def pools(self) -> list[ActorPool]:
         return [self.workers, self.references, self.scorers]
@@ -73,17 +76,25 @@ def make_pools(
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
     from cluster.placement.role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
+    from cluster.weights.push import WEIGHTS_GROUP
 
     ref, rew = cfg.reference, cfg.reward
     temperature = cfg.rollout.sampling.temperature
     wait = cfg.timeouts.actor_start_s
 
+    hosts, environment = environment_actors(cfg, plan, run_id)
+
+    # pipeline.partial_rollout: weight calls get a concurrency group of their own, to run beside a generate call
+    worker_cls = (
+        ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(StreamingRolloutWorker)
+        if plan.rollout.config.interruptible
+        else ray.remote(StreamingRolloutWorker)
+    )
+
     def worker(name: str, slot: int) -> Any:
-        return (
-            ray.remote(StreamingRolloutWorker)
-            .options(name=actor_name(run_id, name), **plan.options("rollout", slot), **ACTOR_ENV)
-            .remote(cfg.model.policy_path, plan.rollout.config, slot, 0)
-        )
+        return worker_cls.options(
+            name=actor_name(run_id, name), **plan.options("rollout", slot), **ACTOR_ENV
+        ).remote(cfg.model.policy_path, plan.rollout.config, slot, 0, environment)
 
     def reference(name: str, slot: int) -> Any:
         return (
@@ -108,7 +119,20 @@ def make_pools(
         references=pool("reference", reference),
         scorers=pool("reward", scorer),
         plan=plan,
+        environments=hosts,
     )
+
+
+def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tuple[list[Any], Any]:
+    """With rollout.environment.placement='actors': the environment actors, started now, and the
+    `RemoteEnvironment` the rollout workers reach them through; else ([], None)."""
+    env = plan.rollout.config.environment  # the workers' section: a module file's text travels in it
+    if not (env.enabled and env.placement == "actors"):
+        return [], None
+    from cluster.placement.environments import RemoteEnvironment, start_environment_hosts
+
+    hosts = start_environment_hosts(env, lambda i: actor_name(run_id, f"environment-{i}"))
+    return hosts, RemoteEnvironment(hosts, env.timeout_s)
 
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
@@ -171,6 +195,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
         ActorPool(prefixes[role], cannot_start(role), wait) for role in ("rollout", "reference", "reward")
     ]
     roles = Roles(*pools, plan)
+    roles.environments, environment = environment_actors(cfg, plan, run_id)
     try:
         for rank in range(cfg.learner.num_ranks):
             roles.hosts.append(
@@ -180,7 +205,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
                     runtime_env={"env_vars": HOST_ENV},
                     **plan.options("learner", rank),
                 )
-                .remote(rank, cfg, plan.rollout.config)
+                .remote(rank, cfg, plan.rollout.config, environment=environment)
             )
         roles.ranks = [RoleView(h, "learner") for h in roles.hosts]
     except BaseException:
@@ -235,7 +260,7 @@ def stop_roles(roles: Roles) -> None:
         # best effort: the actor is killed next anyway
         with contextlib.suppress(Exception):
             ray.get(rank.shutdown.remote(), timeout=30)
-    for actor in roles.hosts or roles.ranks:
+    for actor in [*(roles.hosts or roles.ranks), *roles.environments]:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
     for pool in roles.pools():

@@ -58,7 +58,12 @@ class ColocatedHost:
     `cluster.placement.actors` runs it as a Ray actor)."""
 
     def __init__(
-        self, rank: int, cfg: RunConfig, worker_config: Any, pad_token_id: int | None = None
+        self,
+        rank: int,
+        cfg: RunConfig,
+        worker_config: Any,
+        pad_token_id: int | None = None,
+        environment: Any = None,
     ) -> None:
         t0 = time.perf_counter()
         import torch
@@ -91,7 +96,9 @@ class ColocatedHost:
             "learner": lambda: StreamingLearnerRank(
                 rank, lc.num_ranks, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id, temperature
             ),
-            "rollout": lambda: StreamingRolloutWorker(cfg.model.policy_path, worker_config, rank, 0),
+            "rollout": lambda: StreamingRolloutWorker(
+                cfg.model.policy_path, worker_config, rank, 0, environment
+            ),
             "reference": lambda: StreamingReference(cfg.reference_path, cfg.reference, temperature),
             "reward": lambda: StreamingScorer(cfg.reward, cfg.tokenizer_path),
         }

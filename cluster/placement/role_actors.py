@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.chunks import SampleFacts
+from cluster.pipeline.chunks import SampleFacts, sample_facts
 from cluster.placement.actors import to_trajectory
 from cluster.placement.pools import LOST_OBJECT_ERRORS
 from learner.rank import LearnerRank
@@ -27,16 +27,18 @@ from rollout_workers.worker import RolloutWorker
 class StreamingRolloutWorker(RolloutWorker):
     @ray.method(num_returns=2)
     def generate_chunk(
-        self, prompt_indices: list[int], prompts: list, seed: int, sampling: Any = None
+        self,
+        prompt_indices: list[int],
+        prompts: list,
+        seed: int,
+        sampling: Any = None,
+        texts: list[str] | None = None,
+        metas: list[dict] | None = None,
     ) -> tuple[list[SampleFacts], list]:
-        """`generate`, returned as (facts per sample: prompt index, version, length, finish reason;
-        the samples). The driver fetches only the facts."""
-        samples = self.generate(prompt_indices, prompts, seed, sampling)
-        facts = [
-            SampleFacts(s.prompt_index, s.policy_version, len(s.response_ids), s.finish_reason)
-            for s in samples
-        ]
-        return facts, samples
+        """`generate`, returned as (facts per sample: prompt index, version, length, finish reason and
+        the episode's facts; the samples). The driver fetches only the facts."""
+        samples = self.generate(prompt_indices, prompts, seed, sampling, texts, metas)
+        return [sample_facts(s) for s in samples], samples
 
 
 class StreamingReference(ReferencePolicy):
@@ -54,6 +56,7 @@ class StreamingScorer(RewardScorer):
             [s.prompt_ids for s in samples],
             [s.response_ids for s in samples],
             [meta_by_prompt[s.prompt_index] for s in samples],
+            [s.episode for s in samples],
         )
 
 

@@ -20,6 +20,7 @@ context (32k-128k tokens on real models).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray.util.placement_group import placement_group
@@ -30,16 +31,26 @@ from rollout_workers.config import RolloutConfig
 
 
 def worker_config(cfg: RunConfig) -> RolloutConfig:
-    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, and
-    an unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for
-    the learner step: vLLM sleep mode)."""
+    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, an
+    unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for the
+    learner step: vLLM sleep mode), `interruptible` from pipeline.partial_rollout, and the text of an
+    environment module given as a .py file."""
     r = cfg.rollout
+    if cfg.pipeline.partial_rollout:
+        r = r.model_copy(update={"interruptible": True})
     on_gpus = cfg.cluster.placement == "colocated" and cfg.learner.num_gpus_per_rank > 0
     if "sleep_level" not in r.model_fields_set and on_gpus:
         r = r.model_copy(update={"sleep_level": 1})
+    env = r.environment
+    if env.module and env.module.endswith(".py") and env.module_source is None:
+        # the file's text travels with the config: workers on any node run it without the file
+        source = Path(env.module)
+        if not source.is_file():
+            raise ValueError(f"rollout.environment.module: file {env.module!r} does not exist")
+        r = r.model_copy(update={"environment": env.model_copy(update={"module_source": source.read_text()})})
     if r.engine != "vllm" or r.vllm.max_model_len is not None:
         return r
-    longest = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
+    longest = env.max_total_tokens if env.enabled else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
     return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_model_len": longest})})
 
 

@@ -87,7 +87,58 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
     probs = reward_to_prob(scores, reward.kind, reward.score)
     if probs is not None:
         m["rollout/reward_prob_mean"] = float(probs.mean())
+    m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos]))
     return m
+
+
+def version_metrics(facts: list[Any], version: int) -> dict[str, float]:
+    """How the trained samples' tokens spread over policy versions (`SampleFacts.spans`), for a learner
+    at `version`: versions per response, the share of responses whose generation new weights cut into,
+    the segments after the first summed over the batch (`pipeline.partial_rollout`), and the mean lag
+    of a token (a sample's own staleness is its oldest token's: `staleness/mean`)."""
+    spans = [f.spans or ((f.version, f.length),) for f in facts]
+    if not spans:
+        return {}
+    tokens = sum(c for s in spans for _v, c in s)
+    return {
+        "staleness/versions_per_response": float(np.mean([len(s) for s in spans])),
+        "staleness/interrupted_frac": float(np.mean([len(s) > 1 for s in spans])),
+        "staleness/interrupted_segments": float(sum(len(s) - 1 for s in spans)),
+        "staleness/token_lag_mean": float(
+            sum((version - v) * c for s in spans for v, c in s) / max(tokens, 1)
+        ),
+    }
+
+
+EPISODE_STATUSES = ("done", "max_turns", "max_tokens", "env_error", "env_timeout")
+
+
+def episode_metrics(facts: list[Any], prefix: str = "") -> dict[str, float]:
+    """env/* metrics of the multi-turn episodes among `facts` (SampleFacts), failed ones included:
+    turns, model and observation tokens and environment seconds per episode, the environment's counters
+    per episode (e.g. env/tool_calls) and the share of episodes with one (env/tool_calls_rate), episodes
+    ended by each status (env/status/*), and failures by kind (env/failures/env_error, env_timeout).
+    Empty when no sample is an episode."""
+    episodes = [f.episode for f in facts if f.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    m = {
+        "env/episodes": float(n),
+        "env/turns": float(np.mean([e.turns for e in episodes])),
+        "env/model_tokens": float(np.mean([e.model_tokens for e in episodes])),
+        "env/observation_tokens": float(np.mean([e.env_tokens for e in episodes])),
+        "env/seconds": float(np.mean([e.env_s for e in episodes])),
+        "env/busy_s": float(sum(e.env_s for e in episodes)),
+    }
+    for status in EPISODE_STATUSES:
+        m[f"env/status/{status}"] = float(sum(e.status == status for e in episodes))
+    m["env/failures"] = m["env/status/env_error"] + m["env/status/env_timeout"]
+    for key in sorted({k for e in episodes for k in e.info}):
+        values = [float(e.info.get(key, 0.0)) for e in episodes]
+        m[f"env/{key}"] = float(np.mean(values))
+        m[f"env/{key}_rate"] = float(np.mean([v > 0 for v in values]))
+    return {f"{prefix}{k}": v for k, v in m.items()}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@
   replacement) gets no chunk until a broadcast includes it: the next publication, or at once while
   the learner waits for data. Its work in hand goes to an up-to-date worker or waits for one
   (`StreamCollector.held`).
+- `pipeline.partial_rollout`: no worker waits for its chunk to end. At each publication every running
+  worker that is behind gets the bundle at once, on its weight group (`worker_method(cut_in=True)`), and
+  lets it in at its engine's next interruption point; on the collective path the broadcast goes out
+  at once to every started worker, busy or not, and dispatch never pauses.
 `worker_versions` records what each worker holds; the dispatcher and the metrics read it.
 """
 
@@ -57,13 +61,33 @@ class AsyncPublisher(WeightPublisher):
         if self.collective:
             collector.may_generate = lambda m: not self.behind(m)
 
-    def prepare(self, kind: str, member: Any) -> list:
+    def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
         if kind == "generate" and self.collective:  # it joins the next broadcast (`broadcast_due`)
             self.worker_versions[member.name] = 0
             return []
         if kind == "generate":
             self.worker_versions[member.name] = self.version if self.bundle is not None else 0
-        return super().prepare(kind, member)
+        return super().prepare(kind, member, cut_in)
+
+    def published(self, version: int, bundle: Any, fingerprint: Any) -> None:
+        """v`version` is out. With pipeline.partial_rollout every started worker that is behind gets it
+        now, on its weight group: one that is generating lets it in at its next interruption point."""
+        super().published(version, bundle, fingerprint)
+        c = self.collector
+        if not (self.cut_in and c is not None and bundle is not None):
+            return
+        for m in self._started():
+            if self.behind(m):
+                c.track_prepare(c.tracker, m, self.prepare("generate", m, cut_in=True))
+
+    def _started(self) -> list[Any]:
+        """Workers that are running (not starting, not draining)."""
+        c = self.collector
+        return [
+            m
+            for m in self.roles.workers.members
+            if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
+        ]
 
     def behind(self, member: Any) -> bool:
         return self.worker_versions.get(member.name, 0) < self.version
@@ -92,19 +116,17 @@ class AsyncPublisher(WeightPublisher):
         c = self.collector
         if learner.training:
             return
-        started = [
-            m
-            for m in self.roles.workers.members
-            if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
-        ]
+        started = self._started()
         if learner.publishing:
-            self.paused = True
-            if any(c.tracker.pending(m.name) for m in started):
+            self.paused = not self.cut_in  # with partial rollouts the broadcast cuts into generation
+            if self.paused and any(c.tracker.pending(m.name) for m in started):
                 return  # their chunks in flight finish first
             self.broadcast(learner.step, started)
             self.paused = False
             learner.published()
-        elif behind := [m for m in started if self.behind(m) and not c.tracker.pending(m.name)]:
+        elif behind := [
+            m for m in started if self.behind(m) and (self.cut_in or not c.tracker.pending(m.name))
+        ]:
             self.broadcast(self.version, behind)
 
     def broadcast(self, version: int, members: list[Any]) -> None:

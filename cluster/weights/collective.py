@@ -19,6 +19,7 @@ from cluster.weights.push import (
     expected_fingerprint,
     stage_seconds,
     verify_ack,
+    worker_method,
 )
 
 
@@ -47,9 +48,10 @@ class CollectiveWeightSync:
     killed and handled as a dead one. A learner rank that does not answer fails the push.
     """
 
-    def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo") -> None:
+    def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo", cut_in: bool = False) -> None:
         self.bucket_mb = bucket_mb
         self.backend = backend
+        self.cut_in = cut_in  # pipeline.partial_rollout: workers join and receive inside a generation
         self._members: tuple | None = None  # (timeout, actor ids) of the group formed
 
     def _form(
@@ -63,27 +65,20 @@ class CollectiveWeightSync:
             return
         self._members = None
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
-        asks = [w.weight_receivers.remote() for w in workers]
+        asks = [worker_method(w, "weight_receivers", self.cut_in).remote() for w in workers]
         _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
-        counts = ray.get(asks)
+        counts = _answers(asks, names, "could not report its weight receivers")
         world = 1 + sum(counts)
         firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
         joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend)]
         joins += [
-            w.join_weight_group.remote(host, port, int(first), world, timeout, self.backend)
+            worker_method(w, "join_weight_group", self.cut_in).remote(
+                host, port, int(first), world, timeout, self.backend
+            )
             for w, first in zip(workers, firsts, strict=True)
         ]
         _drop_silent(joins[:1], joins[1:], workers, deadline, timeout, "the weight group's forming")
-        dead = []
-        for i, join in enumerate(joins[1:]):
-            try:
-                ray.get(join)
-            except DEAD_ACTOR_ERRORS:
-                dead.append(i)
-            except ray.exceptions.RayError as err:
-                raise WeightSyncError(f"{names[i]} could not join the weight group: {err}") from err
-        if dead:
-            raise _LostMembers(dead)
+        _answers(joins[1:], names, "could not join the weight group")
         try:
             ray.get(joins[0])
         except ray.exceptions.RayError as err:
@@ -94,23 +89,29 @@ class CollectiveWeightSync:
         self, ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
     ) -> tuple[SyncResult, None]:
         """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store.
-        Workers lost during the broadcast are in the result's `lost`; the rest hold v`version`."""
+        Workers lost during a broadcast are in the result's `lost` and the version is broadcast again
+        to the others (each try has its own timeout; each loses at least one worker, so this ends); the
+        rest hold v`version`. When every worker is lost, nobody holds v`version` and the result's
+        `expected` is None: their replacements join a later broadcast or load an export of their own."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        try:
-            expected, stages = self._broadcast(ranks, workers, names, version, dtype, timeout, deadline)
-            return SyncResult(version, expected, time.perf_counter() - t0, stages=stages), None
-        except _LostMembers as gone:
-            keep = [i for i in range(len(workers)) if i not in gone.indices]
-            if not keep:
-                raise WeightSyncError(
-                    f"every worker {names} was lost during the broadcast of v{version}"
-                ) from None
-            deadline = time.monotonic() + timeout  # a second broadcast, to the others
-            expected, stages = self._broadcast(
-                ranks, [workers[i] for i in keep], [names[i] for i in keep], version, dtype, timeout, deadline
-            )
-            return SyncResult(version, expected, time.perf_counter() - t0, gone.indices, stages), None
+        left, lost = list(range(len(workers))), []
+        while left:
+            deadline = time.monotonic() + timeout
+            try:
+                expected, stages = self._broadcast(
+                    ranks,
+                    [workers[i] for i in left],
+                    [names[i] for i in left],
+                    version,
+                    dtype,
+                    timeout,
+                    deadline,
+                )
+                return SyncResult(version, expected, time.perf_counter() - t0, sorted(lost), stages), None
+            except _LostMembers as gone:
+                lost += [left[k] for k in gone.indices]
+                left = [i for k, i in enumerate(left) if k not in gone.indices]
+        return SyncResult(version, None, time.perf_counter() - t0, sorted(lost)), None
 
     def _broadcast(
         self,
@@ -123,7 +124,7 @@ class CollectiveWeightSync:
         deadline: float,
     ) -> tuple[Fingerprint, dict[str, float]]:
         self._form(ranks[0], workers, names, timeout, deadline)
-        acks = [w.receive_weights.remote() for w in workers]
+        acks = [worker_method(w, "receive_weights", self.cut_in).remote() for w in workers]
         refs = [
             r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
         ]
@@ -159,6 +160,22 @@ class CollectiveWeightSync:
         for name, ack in zip(names, values, strict=True):
             verify_ack(name, ack, version, expected)
         return expected, stage_seconds(meta, values)
+
+
+def _answers(calls: list[Any], names: list[str], failed: str) -> list[Any]:
+    """The workers' finished `calls`' values; workers that died before answering are raised as lost
+    (`_LostMembers`), any other error is a `WeightSyncError` naming the worker."""
+    values, dead = [], []
+    for i, call in enumerate(calls):
+        try:
+            values.append(ray.get(call))
+        except DEAD_ACTOR_ERRORS:
+            dead.append(i)
+        except ray.exceptions.RayError as err:
+            raise WeightSyncError(f"{names[i]} {failed}: {err}") from err
+    if dead:
+        raise _LostMembers(dead)
+    return values
 
 
 def _drop_silent(

@@ -20,6 +20,7 @@ from cluster.weights.push import (
     push_colocated,
     push_weights,
     verify_ack,
+    worker_method,
 )
 
 
@@ -29,6 +30,7 @@ class WeightPublisher:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        self.cut_in = cfg.pipeline.partial_rollout  # loads may cut into a generation (async only)
         self.version = 0
         self.bundle: Any = None  # the current weights in the object store, when there
         self.fingerprint: Fingerprint | None = None  # what a worker must acknowledge for `version`
@@ -52,7 +54,7 @@ class WeightPublisher:
             result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit)
         elif rc.weight_sync == "collective":
             self._collective = self._collective or CollectiveWeightSync(
-                rc.weight_bucket_mb, weight_backend(self.cfg)
+                rc.weight_bucket_mb, weight_backend(self.cfg), self.cut_in
             )
             result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit)
         else:
@@ -77,10 +79,11 @@ class WeightPublisher:
 
     def current_bundle(self) -> Any:
         """The current weights in the object store. The collective path leaves none there, so a new
-        or replacement worker gets them from an export made for it (the learner is idle then)."""
+        or replacement worker gets them from an export made for it (the learner is idle then), checked
+        against that export's own fingerprint."""
         if self.bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
-            self.bundle = export_bundle(
-                self.roles.ranks, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
+            self.bundle, self.fingerprint = export_bundle(
+                self.roles.ranks, self.version, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
             )
         return self.bundle
 
@@ -91,13 +94,14 @@ class WeightPublisher:
                 handle, name, self.bundle, self.version, self.fingerprint, self.cfg.timeouts.weight_sync_s
             )
 
-    def prepare(self, kind: str, member: Any) -> list:
+    def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
         """Calls queued on a replacement actor before its first work: a rollout worker loads the
-        current weights (checked against their fingerprint when it acknowledges)."""
+        current weights (checked against their fingerprint when it acknowledges). With `cut_in` the load
+        goes to the worker's weight group, to be let into the generation it runs now."""
         if kind != "generate" or self.version == 0 or self.current_bundle() is None:
             return []
         version, expected = self.version, self.fingerprint
-        ref = member.handle.load_weights.remote(self.bundle, version)
+        ref = worker_method(member.handle, "load_weights", cut_in).remote(self.bundle, version)
 
         def check(ack: Any, name: str = member.name) -> None:
             verify_ack(name, ack, version, expected)

@@ -32,6 +32,17 @@ _PRECISION = ["float32", "float16", "bfloat16"]  # increasingly coarse
 CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a sha256 pass of the bundle)
 
 
+WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
+
+
+def worker_method(handle: Any, method: str, cut_in: bool = False) -> Any:
+    """`handle.<method>`; with `cut_in` on the worker's own concurrency group for weight calls, so it runs
+    while a generate call holds the default one (`pipeline.partial_rollout`: the worker lets it in at
+    the engine's next interruption point). Without it, calls run in submission order."""
+    bound = getattr(handle, method)
+    return bound.options(concurrency_group=WEIGHTS_GROUP) if cut_in else bound
+
+
 class WeightSyncError(RuntimeError):
     """A worker did not load the pushed weights; the message names it."""
 
@@ -62,7 +73,7 @@ def bounded_checksum(state: dict[str, Any], dtype: str, max_bytes: int) -> str |
 @dataclass
 class SyncResult:
     version: int
-    expected: Fingerprint
+    expected: Fingerprint | None  # None: every worker was lost, nobody acknowledged this version
     seconds: float
     lost: list[int] = field(default_factory=list)  # workers that died or hung: the caller replaces them
     stages: dict[str, float] = field(default_factory=dict)  # `stage_seconds`
@@ -142,13 +153,14 @@ def push_colocated(
     return SyncResult(version, expected, time.perf_counter() - t0, stages=stages), bundle
 
 
-def export_bundle(ranks: list[Any], dtype: str, timeout: float) -> Any:
-    """Learner rank 0's current weights in the rollout `dtype` put in the object store (all ranks take
-    part); the ref."""
-    refs = [r.export_weights.remote(None, dtype) for r in ranks]
-    _wait_for_export(refs, "learner export", timeout)
+def export_bundle(ranks: list[Any], version: int, dtype: str, timeout: float) -> tuple[Any, Fingerprint]:
+    """Learner rank 0's current weights in the rollout `dtype` put in the object store as v`version`
+    (all ranks take part); the ref and what a worker that loads it must acknowledge."""
+    refs = [r.export_weights.remote(bundle_facts(dtype), dtype) for r in ranks]
+    meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
+    _wait_for_export([*refs, meta_ref], "learner export", timeout)
     ray.get(refs[1:])
-    return refs[0]
+    return refs[0], expected_fingerprint(ray.get(meta_ref), version, dtype)
 
 
 def describe_bundle(state: dict[str, Any], dtype: str, max_bytes: int) -> dict[str, str | None]:

@@ -1,0 +1,114 @@
+"""Environments as Ray actors of their own (`rollout.environment.placement: actors`), for slow or unsafe
+environments: a crash or a hang takes down an environment actor, never a rollout worker.
+
+`EnvironmentHost` holds one environment and the state of every episode started on it. The rollout
+workers reach the hosts through `RemoteEnvironment`, an `Environment` whose calls are remote: an episode
+stays on the host that started it (round-robin at `reset`). A call that passes `timeout_s` kills its
+host, which Ray restarts (`max_restarts=-1`): the episodes it held fail (their state is gone; their next
+call fails), the next episodes start on the fresh host. The worker's own per-call deadline still applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import ray
+
+from rollout_workers.config import EnvironmentConfig
+from rollout_workers.environment import Environment, Step, as_step, make_environment
+
+# Calls a host runs at once (threads of a threaded actor): every episode of a turn asks at the same time.
+HOST_CONCURRENCY = 256
+
+
+class EnvironmentHost:
+    """One environment and its episodes' states (a plain class; run as a threaded Ray actor)."""
+
+    def __init__(self, config: EnvironmentConfig) -> None:
+        self.env = make_environment(config.name, config.module, config.kwargs, config.module_source)
+        self.states: dict[int, Any] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def ping(self) -> bool:
+        return True
+
+    def reset(self, prompt: str, meta: dict) -> int:
+        state = self.env.reset(prompt, meta)
+        with self._lock:
+            key = next(self._ids)
+            self.states[key] = state
+        return key
+
+    def step(self, model_turn: str, key: int) -> Step:
+        if key not in self.states:
+            raise KeyError(
+                f"episode {key} is not on this environment actor (it restarted since the episode began)"
+            )
+        return as_step(self.env.step(model_turn, self.states[key]))
+
+    def close(self, key: int) -> None:
+        with self._lock:
+            state = self.states.pop(key, None)
+        if state is not None:
+            self.env.close(state)
+
+    def episodes(self) -> int:
+        return len(self.states)
+
+
+class RemoteEnvironment(Environment):
+    """The rollout workers' view of the environment hosts (picklable: it holds actor handles)."""
+
+    def __init__(self, hosts: list[Any], timeout_s: float) -> None:
+        self.hosts, self.timeout_s = list(hosts), float(timeout_s)
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"hosts": self.hosts, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["hosts"], state["timeout_s"])
+
+    def reset(self, prompt: str, meta: dict) -> tuple[Any, int]:
+        """Start the episode on the next host round-robin, or on the one after it while that one restarts."""
+        with self._lock:
+            first = next(self._next)
+        order = [self.hosts[(first + k) % len(self.hosts)] for k in range(len(self.hosts))]
+        for host in order[:-1]:
+            try:
+                return host, self._get(host, host.reset.remote(prompt, meta))
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                continue  # restarting or gone: the next one
+        return order[-1], self._get(order[-1], order[-1].reset.remote(prompt, meta))
+
+    def step(self, model_turn: str, state: tuple[Any, int]) -> Step:
+        host, key = state
+        return self._get(host, host.step.remote(model_turn, key))
+
+    def close(self, state: tuple[Any, int]) -> None:
+        host, key = state
+        host.close.remote(key)  # not waited for
+
+    def _get(self, host: Any, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(host, no_restart=False)  # Ray restarts it; the episodes it held fail
+            raise TimeoutError(
+                f"environment actor did not answer within {self.timeout_s:.0f}s; restarted"
+            ) from None
+        except (
+            ray.exceptions.RayTaskError
+        ) as err:  # the environment's own exception, as the worker would see it
+            raise err.as_instanceof_cause() from None
+
+
+def start_environment_hosts(config: EnvironmentConfig, name: Any) -> list[Any]:
+    """`config.num_replicas` environment actors (`name(i)` their Ray names), restarted by Ray when they die."""
+    actor = ray.remote(EnvironmentHost)
+    options = {"num_cpus": config.num_cpus, "max_restarts": -1, "max_concurrency": HOST_CONCURRENCY}
+    return [actor.options(name=name(i), **options).remote(config) for i in range(config.num_replicas)]

@@ -1,0 +1,189 @@
+"""Environments for multi-turn rollouts: the interface, the registry, and the episode record.
+
+An environment talks to the policy in text. `reset(prompt, meta)` starts an episode and returns its
+state; `step(model_turn, state)` takes the text of one model turn and returns what the environment
+says back: `(observation, reward, done)`, or a `Step` that also carries counters (`info`, e.g.
+`{"tool_calls": 1}`) which the run sums into its `env/*` metrics. The rollout worker owns the tokens:
+it decodes each model turn for `step`, tokenises each observation once and appends it, and continues
+the next turn from the exact ids so far (`rollout_workers.episodes`).
+
+Rewards: a step's reward (None: none) belongs to the model turn it answered. The last turn's reward is
+the episode's outcome (the sample's score with `reward.kind='environment'`; None counts 0); earlier
+turns' rewards are placed on the last token of their turn. An environment that raises or does not
+answer within `timeout_s` fails the episode: the sample is dropped and counted, never scored.
+
+Register one with `@register_environment("name")` in a module named by `rollout.environment.module`
+(a .py file, which the cluster ships to every node, or a dotted module importable on the workers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+EpisodeStatus = Literal["done", "max_turns", "max_tokens", "env_error", "env_timeout"]
+FAILED: frozenset[str] = frozenset({"env_error", "env_timeout"})  # dropped, never scored
+
+
+@dataclass
+class Step:
+    """What an environment answers to one model turn."""
+
+    observation: str  # appended to the transcript before the next model turn (ignored when done)
+    reward: float | None = None  # this turn's reward; on the last turn, the episode's outcome
+    done: bool = False
+    info: dict[str, float] = field(default_factory=dict)  # counters summed into env/<key> metrics
+
+
+class Environment(ABC):
+    """One environment instance serves many episodes: per-episode data lives in the state `reset`
+    returns, so `step` may run for several episodes at once (from threads)."""
+
+    @abstractmethod
+    def reset(self, prompt: str, meta: dict[str, Any]) -> Any:
+        """Start an episode for `prompt` (the decoded prompt text) and its data-file `meta`; returns
+        the episode's state, handed back to every `step`."""
+
+    @abstractmethod
+    def step(self, model_turn: str, state: Any) -> Step | tuple[str, float | None, bool]:
+        """Answer one model turn (its text, special tokens such as EOS removed)."""
+
+    def close(self, state: Any) -> None:  # noqa: B027  (optional hook)
+        """The episode of `state` has ended (any status): free what it holds. Default: nothing."""
+
+
+_REGISTRY: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Decorator registering an environment class (or factory) under `name`; built with the config's
+    `rollout.environment.kwargs`."""
+
+    def wrap(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (
+            factory.__module__,
+            factory.__qualname__,
+        ):
+            raise ValueError(
+                f"environment {name!r} is already registered by {old.__module__}.{old.__qualname__}"
+            )
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def list_environments() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_environment(
+    name: str, module: str | None = None, kwargs: dict[str, Any] | None = None, source: str | None = None
+) -> Environment:
+    """The environment registered as `name`, built with `kwargs`, after importing `module`: a dotted
+    name, or a .py file run from its text `source` (read from the file when None)."""
+    import rollout_workers.tools  # noqa: F401  (registers the built-in environments)
+
+    if module:
+        try:
+            if module.endswith(".py"):
+                _run_module_file(module, source)
+            else:
+                importlib.import_module(module)
+        except Exception as e:
+            raise ValueError(
+                f"rollout.environment.module: cannot import {module!r} ({type(e).__name__}: {e}); give a .py "
+                "file or a dotted module importable on the rollout workers"
+            ) from e
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"rollout.environment.name: unknown environment {name!r}; registered: {', '.join(list_environments())}"
+        )
+    env = _REGISTRY[name](**(kwargs or {}))
+    if not isinstance(env, Environment):
+        raise TypeError(f"environment {name!r} built a {type(env).__name__}, not an Environment")
+    return env
+
+
+_RUN_FILES: set[tuple[str, int]] = set()
+
+
+def _run_module_file(path: str, source: str | None) -> None:
+    """Run a user's environment file once per process (its decorators register what it defines)."""
+    text = Path(path).read_text() if source is None else source
+    key = (path, hash(text))
+    if key in _RUN_FILES:
+        return
+    module = types.ModuleType(f"rayppo_environment_{len(_RUN_FILES)}")
+    module.__file__ = path
+    sys.modules[module.__name__] = module
+    exec(compile(text, path, "exec"), module.__dict__)
+    _RUN_FILES.add(key)
+
+
+def as_step(answer: Step | tuple) -> Step:
+    """An environment's answer as a `Step`, or a TypeError saying what was wrong with it."""
+    if isinstance(answer, Step):
+        step = answer
+    elif isinstance(answer, tuple) and len(answer) == 3:
+        step = Step(*answer)
+    else:
+        raise TypeError(f"step() must return a Step or (observation, reward, done), got {answer!r}")
+    if not isinstance(step.observation, str):
+        raise TypeError(f"step() returned a {type(step.observation).__name__} observation, not a str")
+    if step.reward is not None:
+        step.reward = float(step.reward)
+        if not np.isfinite(step.reward):
+            raise ValueError(f"step() returned a non-finite reward {step.reward}")
+    step.done = bool(step.done)
+    step.info = {str(k): float(v) for k, v in (step.info or {}).items()}
+    return step
+
+
+@dataclass
+class Episode:
+    """The multi-turn facts of a sample (`Sample.episode`); the sample's `response_ids` are every token
+    after the prompt: model turns and observations, in order.
+
+    `loss_mask[i]` is 1 where `response_ids[i]` was sampled by the policy and 0 on observation tokens
+    (whose `Sample.logprobs` are 0). `turn_ends[t]` is the index in `response_ids` of turn t's last
+    token; `turn_rewards[t]` its reward (NaN: none)."""
+
+    loss_mask: np.ndarray  # uint8 [r]
+    turn_ends: np.ndarray  # int64 [turns]
+    turn_rewards: np.ndarray  # float32 [turns]
+    status: EpisodeStatus
+    error: str | None = None
+    info: dict[str, float] = field(default_factory=dict)  # the environment's counters, summed
+    env_s: float = 0.0  # seconds spent in this episode's environment calls
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_ends)
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILED
+
+    @property
+    def outcome(self) -> float:
+        """The episode's reward: the last turn's (None counts 0)."""
+        last = float(self.turn_rewards[-1]) if len(self.turn_rewards) else float("nan")
+        return 0.0 if np.isnan(last) else last
+
+    def token_rewards(self) -> np.ndarray:
+        """float32 [r]: each earlier turn's reward on its last token (the outcome is the score)."""
+        out = np.zeros(len(self.loss_mask), dtype=np.float32)
+        for end, r in zip(self.turn_ends[:-1], self.turn_rewards[:-1], strict=True):
+            if not np.isnan(r):
+                out[int(end)] += float(r)
+        return out

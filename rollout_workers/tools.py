@@ -1,0 +1,141 @@
+"""Tools for environments: a registry of text-in, text-out tools, a tool-call parser, and the built-in
+`tools` environment (a model turn either calls a tool or answers).
+
+A tool call is `<open>argument</close>` with the tags the environment is configured with, e.g.
+`<calc>37*48</calc>`; the environment answers `<result>1776</result>`. A turn without a call is the
+final answer, checked against the prompt's `meta[answer_key]` (last integer in the turn, exact match).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_workers.environment import Environment, Step, register_environment
+
+ToolFn = Callable[[str], str]
+_TOOLS: dict[str, ToolFn] = {}
+
+
+class ToolError(ValueError):
+    """A tool refused its argument; the environment reports it to the model and counts it."""
+
+
+def register_tool(name: str) -> Callable[[ToolFn], ToolFn]:
+    def wrap(fn: ToolFn) -> ToolFn:
+        _TOOLS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_tool(name: str) -> ToolFn:
+    try:
+        return _TOOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool {name!r}; registered: {', '.join(sorted(_TOOLS))}") from None
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+MAX_DIGITS = 30  # refuse results longer than this (a model can ask for 9**9**9)
+
+
+def _evaluate(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+        if len(str(abs(value))) > MAX_DIGITS:
+            raise ToolError("result too large")
+        return value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    raise ToolError(f"unsupported expression element {type(node).__name__}")
+
+
+@register_tool("calculator")
+def calculator(expression: str) -> str:
+    """Integer arithmetic with + - * and parentheses; anything else is a ToolError."""
+    text = expression.strip()
+    if not text or not re.fullmatch(r"[0-9+\-*() ]+", text):
+        raise ToolError(f"not an integer expression: {expression!r}")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ToolError(f"malformed expression: {expression!r}") from None
+    return str(_evaluate(tree.body))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool: str
+    argument: str
+    well_formed: bool  # False: an opening tag without its closing tag
+
+
+def parse_tool_call(text: str, tags: dict[str, tuple[str, str]]) -> ToolCall | None:
+    """The first tool call in `text` (tool name -> (open tag, close tag)), or None when there is none."""
+    first: ToolCall | None = None
+    at = len(text) + 1
+    for tool, (open_tag, close_tag) in tags.items():
+        i = text.find(open_tag)
+        if i == -1 or i >= at:
+            continue
+        j = text.find(close_tag, i + len(open_tag))
+        arg = text[i + len(open_tag) : j if j != -1 else len(text)]
+        first, at = ToolCall(tool, arg, j != -1), i
+    return first
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> str | None:
+    found = _INTEGER.findall(text)
+    return found[-1] if found else None
+
+
+@register_environment("tools")
+class ToolEnvironment(Environment):
+    """Each model turn either calls a tool (answered with `<result>...</result>`, no reward) or gives the
+    final answer (reward 1 when its last integer equals `meta[answer_key]`, else 0; the episode ends).
+
+    Counters (`Step.info`): tool_calls, tool_errors (a malformed call or a tool that refused its
+    argument: the model is told `<result>` + `error_result` + `</result>`), answers."""
+
+    def __init__(
+        self,
+        tools: dict[str, list[str]] | None = None,
+        result_tags: tuple[str, str] | list[str] = ("<result>", "</result>"),
+        answer_key: str = "answer",
+        error_result: str = "error",
+    ) -> None:
+        tools = tools or {"calculator": ["<calc>", "</calc>"]}
+        self.tags = {name: (str(t[0]), str(t[1])) for name, t in tools.items()}
+        self.tools = {name: get_tool(name) for name in self.tags}
+        self.result_open, self.result_close = result_tags
+        self.answer_key = answer_key
+        self.error_result = error_result  # what a failed call answers (in the policy tokenizer's alphabet)
+
+    def reset(self, prompt: str, meta: dict[str, Any]) -> dict[str, Any]:
+        if self.answer_key not in meta:
+            raise KeyError(f"prompt meta has no {self.answer_key!r} (add it to data.meta_keys)")
+        return {"answer": str(meta[self.answer_key]).strip()}
+
+    def step(self, model_turn: str, state: dict[str, Any]) -> Step:
+        call = parse_tool_call(model_turn, self.tags)
+        if call is None:
+            right = last_integer(model_turn) == state["answer"]
+            return Step("", 1.0 if right else 0.0, True, {"answers": 1.0})
+        info = {"tool_calls": 1.0, "tool_errors": 0.0}
+        try:
+            if not call.well_formed:
+                raise ToolError("unterminated tool call")
+            result = self.tools[call.tool](call.argument)
+        except ToolError:
+            result, info["tool_errors"] = self.error_result, 1.0
+        return Step(f"{self.result_open}{result}{self.result_close}", None, False, info)

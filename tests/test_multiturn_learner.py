@@ -1,0 +1,133 @@
+"""The learner on multi-turn episodes, with numbers worked by hand: observation tokens are no actions
+(no advantage, no value target, no KL), GAE steps from one model token to the next across them, each
+earlier turn's reward sits on its turn's last token, the outcome on the last model token, and the
+group estimators take the episode's return."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner.advantages import compaction, estimate, has_gaps, place_token_rewards, uncompact
+from learner.algorithms import shape_rewards
+from learner.batch import Trajectory, pack_trajectories
+
+# A 2-turn episode: model tokens m0 m1, observation o0 o1, model tokens m2 m3.
+MASK2 = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
+VALUES2 = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4]])  # 9: values at observation tokens never count
+
+
+def gae(rewards, values, mask, gamma, lam, scores=None, groups=None, estimator="gae"):
+    return estimate(
+        estimator,
+        scores=torch.zeros(rewards.shape[0]) if scores is None else scores,
+        rewards=rewards,
+        values=values,
+        mask=mask,
+        gamma=gamma,
+        lam=lam,
+        groups=groups,
+    )
+
+
+def test_two_turn_gae_by_hand():
+    # turn 1's reward 0.5 on m1 (its last token), outcome 1.0 on m3; gamma 0.9, lambda 0.5
+    scores = torch.tensor([1.0])
+    rewards, kl = shape_rewards(scores, torch.zeros(1, 6), torch.zeros(1, 6), MASK2, 0.0)
+    rewards, scores = place_token_rewards("gae", rewards, scores, torch.tensor([[0, 0.5, 0, 0, 0, 0]]), MASK2)
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 1.0]]
+    adv, ret = gae(rewards, VALUES2, MASK2, gamma=0.9, lam=0.5)
+    # compacted: r = [0, .5, 0, 1], V = [.1, .2, .3, .4]
+    # d3 = 1 - .4 = .6;               A3 = .6
+    # d2 = .9*.4 - .3 = .06;          A2 = .06 + .45*.6 = .33
+    # d1 = .5 + .9*.3 - .2 = .57;     A1 = .57 + .45*.33 = .7185
+    # d0 = .9*.2 - .1 = .08;          A0 = .08 + .45*.7185 = .403325
+    want = [0.403325, 0.7185, 0.0, 0.0, 0.33, 0.6]
+    np.testing.assert_allclose(adv[0].tolist(), want, atol=1e-6)
+    np.testing.assert_allclose(ret[0].tolist(), [0.503325, 0.9185, 0.0, 0.0, 0.63, 1.0], atol=1e-6)
+
+
+def test_three_turn_returns_skip_observations_and_match_the_compact_episode():
+    # m0 | o | m1 m2 | o o | m3; rewards 1 on m0 (turn 1), 2 on m2 (turn 2), outcome 4 on m3; gamma 0.5, lam 1
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])  # then padding
+    token_rewards = torch.tensor([[1.0, 0, 0, 2.0, 0, 0, 0, 0]])
+    rewards, _ = shape_rewards(torch.tensor([4.0]), torch.zeros(1, 8), torch.zeros(1, 8), mask, 0.0)
+    rewards, _ = place_token_rewards("gae", rewards, torch.tensor([4.0]), token_rewards, mask)
+    adv, ret = gae(rewards, torch.zeros(1, 8), mask, gamma=0.5, lam=1.0)
+    # returns over the 4 model tokens [1, 0, 2, 4]: G3 = 4, G2 = 2 + 2 = 4, G1 = 0 + 2 = 2, G0 = 1 + 1 = 2
+    assert ret[0].tolist() == [2.0, 0.0, 2.0, 4.0, 0.0, 0.0, 4.0, 0.0]
+    assert adv[0].tolist() == ret[0].tolist()  # V = 0
+    # the same as a single-turn row made of the model tokens only
+    compact = gae(torch.tensor([[1.0, 0.0, 2.0, 4.0]]), torch.zeros(1, 4), torch.ones(1, 4), 0.5, 1.0)[1]
+    np.testing.assert_allclose(ret[0][mask[0] > 0].tolist(), compact[0].tolist())
+
+
+def test_group_estimators_take_the_episode_return_and_keep_the_kl_part():
+    # two episodes of one prompt: returns 1 + 0.5 (turn reward) = 1.5 and 0; grpo without std: +-0.75
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.0, 0.2], [0.3, 0.4, 0.0]])  # per-token KL penalties (beta = 1)
+    rewards, _ = shape_rewards(torch.tensor([1.0, 0.0]), kl, torch.zeros(2, 3), mask, 1.0)
+    rewards, scores = place_token_rewards(
+        "grpo", rewards, torch.tensor([1.0, 0.0]), torch.tensor([[0.5, 0, 0], [0, 0, 0]]), mask
+    )
+    assert scores.tolist() == [1.5, 0.0]
+    adv, _ = estimate(
+        "grpo",
+        scores=scores,
+        rewards=rewards,
+        values=torch.zeros(2, 3),
+        mask=mask,
+        gamma=1.0,
+        lam=1.0,
+        groups=torch.tensor([0, 0]),
+        group_std=False,
+    )
+    # outcome advantage +-0.75 on every model token, plus the KL return-to-go over model tokens only
+    np.testing.assert_allclose(
+        adv.tolist(), [[0.75 - 0.3, 0.0, 0.75 - 0.2], [-0.75 - 0.7, -0.75 - 0.4, 0.0]], atol=1e-6
+    )
+
+
+def test_kl_and_scores_only_on_model_tokens():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]])
+    rewards, kl = shape_rewards(torch.tensor([2.0]), logprobs, torch.zeros(1, 6), MASK2, 0.1)
+    assert kl[0].tolist() == [-1.0, -2.0, 0.0, 0.0, -5.0, -6.0]
+    np.testing.assert_allclose(rewards[0].tolist(), [0.1, 0.2, 0.0, 0.0, 0.5, 2.6], atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compaction_is_a_permutation_and_a_no_op_on_prefix_masks(seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(5, 9, generator=g) > 0.4).float()
+    x = torch.randn(5, 9, generator=g) * mask
+    index = compaction(mask)
+    packed = mask.gather(1, index)
+    assert not has_gaps(packed)  # valid tokens first, in order
+    assert torch.equal(uncompact(x.gather(1, index), index), x)
+    prefix = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert not has_gaps(prefix) and torch.equal(compaction(prefix), torch.arange(3).expand(2, 3))
+
+
+def test_packed_batch_masks_observations_and_keeps_response_lengths():
+    t = Trajectory(
+        prompt_ids=np.array([1, 5]),
+        response_ids=np.array([7, 8, 9, 10, 11]),
+        behaviour_logprobs=np.array([-1, -1, 0, 0, -1], dtype=np.float32),
+        ref_logprobs=np.zeros(5, dtype=np.float32),
+        score=1.0,
+        action_mask=np.array([1, 1, 0, 0, 1], dtype=np.uint8),
+        token_rewards=np.array([0, 0.5, 0, 0, 0], dtype=np.float32),
+    )
+    single = Trajectory(
+        np.array([1]), np.array([4, 2]), np.zeros(2, np.float32), np.zeros(2, np.float32), 0.0
+    )
+    batch = pack_trajectories([t, single], pad_id=0)
+    assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
+    assert batch.response_lens.tolist() == [5, 2]
+    assert batch.tokens["token_rewards"].tolist() == [[0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0]]
+    part = batch.take(torch.tensor([0]))
+    assert part.mask.shape == (1, 5)  # trimmed by response length, not by the mask's sum
+    with pytest.raises(ValueError, match="mask entries"):
+        t.action_mask = np.ones(3, dtype=np.uint8)
+        pack_trajectories([t], pad_id=0)
