@@ -142,6 +142,8 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
         "reward.resources": f"{{{scoring}: 1}}",
         "checkpoint.every_steps": 2,
     }
+    if mode == "async":
+        pins["pipeline.max_staleness"] = steps - 1  # the whole epoch may be generated ahead of the learner
     with ray_cluster(
         {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer (sync)
         {"num_cpus": 1, "resources": {"learner_node": 1}},
@@ -150,40 +152,45 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     ) as (cluster, (head, learner_node, rollout_node)):
         proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins))
         try:
-            # the roles, and the run's control actor (started last, named after the run folder)
-            wanted = (
-                "learner-rank-0",
-                "rollout-worker-0",
-                "reference-0",
-                "reward-scorer-0",
-                "rayppo-control-run",
-            )
+            roles = ("learner-rank-0", "rollout-worker-0", "reference-0", "reward-scorer-0")
+            control = "rayppo-control-run"  # the run's control actor, named after the run folder
 
-            def placed():
+            def started():
+                """The roles alive and the control actor registered. The driver registers it (named:
+                at once) after its set-up calls to the learner and before it dispatches a chunk; it
+                is ALIVE only seconds later (a worker process starts), by which time chunks may
+                have been generated, scored and read (CI once saw the pipeline full by then)."""
                 actors = actors_by_name(cluster)
-                return actors if all(actors.get(n, {}).get("State") == "ALIVE" for n in wanted) else None
+                alive = all(actors.get(n, {}).get("State") == "ALIVE" for n in roles)
+                return actors if alive and control in actors else None
 
-            actors = wait_for("every role started", placed, proc, log)
-            assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
-            assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
-            scoring_node = rollout_node if mode == "async" else head
-            assert actors["reference-0"]["NodeID"] == scoring_node.node_id
-            assert actors["reward-scorer-0"]["NodeID"] == scoring_node.node_id
-            # The control actor (no resources) lives with the driver, on the head node.
-            assert actors["rayppo-control-run"]["NodeID"] == head.node_id
-
-            if mode == "sync":
-                wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
-                cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
-            else:
-                # The learner is paused before it can read anything, so a chunk scored after the
-                # pause has its samples and reference logprobs on the rollout node only: losing the
-                # node certainly loses them (waiting for a step instead left it to timing whether
-                # any chunk generated ahead was still unread when the node went).
+            actors = wait_for("every role started", started, proc, log)
+            paused = mode == "async"
+            if paused:
+                # The learner is paused before it can read anything (or, the machine slow, before it
+                # reads more than one step's chunks: the stream may run max_staleness + 1 = 4 steps
+                # ahead of it, the whole epoch), so a chunk scored after the pause has its samples and
+                # reference logprobs on the rollout node only: losing the node certainly loses them
+                # (waiting for a step instead left it to timing whether any chunk generated ahead was
+                # still unread when the node went).
                 learner_pid = actors["learner-rank-0"]["Pid"]
                 paused_ns = time.time_ns()
                 os.kill(learner_pid, signal.SIGSTOP)
-                try:
+            try:
+                assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
+                assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
+                scoring_node = rollout_node if mode == "async" else head
+                assert actors["reference-0"]["NodeID"] == scoring_node.node_id
+                assert actors["reward-scorer-0"]["NodeID"] == scoring_node.node_id
+                # The control actor (no resources) lives with the driver, on the head node.
+                alive = wait_for(
+                    "the control actor started",
+                    lambda: (a := actors_by_name(cluster))[control]["State"] == "ALIVE" and a,
+                    proc,
+                    log,
+                )
+                assert alive[control]["NodeID"] == head.node_id
+                if paused:
                     wait_for(
                         "a chunk scored while the learner is paused",
                         lambda: finished_since(cluster, "sample_logprobs", paused_ns) >= 1,
@@ -191,8 +198,12 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
                         log,
                     )
                     cluster.remove_node(rollout_node)
-                finally:
+            finally:
+                if paused:
                     os.kill(learner_pid, signal.SIGCONT)
+            if mode == "sync":
+                wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
+                cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
             replacement_node = cluster.add_node(
                 num_cpus=1, resources={"rollout_node": 3}, object_store_memory=OBJECT_STORE
             )
