@@ -21,6 +21,11 @@ class DemoBuildError(RuntimeError):
     the message says what was measured and what was required."""
 
 
+class BuildQualityError(DemoBuildError):
+    """A pretrained policy missed the quality band RL is tuned for (the demo's `Band`); nothing was
+    published."""
+
+
 def ensure_demo(name: str, folder: str | Path, quiet: bool = False) -> Path:
     """Build demo `name`'s assets into `folder` unless an up-to-date build is there; returns the folder."""
     if name not in DEMOS:

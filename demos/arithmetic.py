@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from demos import DemoBuildError
+from demos import BuildQualityError
 from demos.common import (
     BOS_ID,
     EOS_ID,
@@ -47,11 +46,12 @@ from demos.common import (
     pad,
     pretrain_selected,
     quiet_deterministic_torch,
-    read_manifest,
+    report_build,
     set_generation_ids,
     warmup_cosine,
     write_jsonl,
 )
+from demos.common import RuleDemoPaths as AssetPaths  # the folder layout every rule demo has
 from demos.common import near_miss as common_near_miss
 
 FORMAT_VERSION = 2
@@ -70,18 +70,6 @@ LM_SELECT_EVERY = 100
 N_POSITIONS = 16
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 ALPHABET = list("0123456789+=")
-
-
-@dataclass(frozen=True)
-class AssetPaths:
-    root: Path
-    policy: Path
-    prompts: Path
-    eval_prompts: Path
-
-    @classmethod
-    def under(cls, root: Path) -> AssetPaths:
-        return cls(root, root / "policy", root / "prompts.jsonl", root / "eval_prompts.jsonl")
 
 
 def ensure_assets(
@@ -107,17 +95,13 @@ def ensure_assets(
         "band_checked": check_band,
     }
 
-    def complete(folder: Path) -> bool:
-        p = AssetPaths.under(folder)
-        return p.policy.is_dir() and p.prompts.is_file() and p.eval_prompts.is_file()
-
     def build(tmp: Path, log: Log) -> dict:
         with quiet_deterministic_torch(BUILD_THREADS):
             return _build(
                 AssetPaths.under(tmp), seed, lm_steps, correct_frac, BAND if check_band else None, log
             )
 
-    ensure_built(root, want, complete, build, logger(quiet), force)
+    ensure_built(root, want, AssetPaths.complete, build, logger(quiet), force)
     return AssetPaths.under(root)
 
 
@@ -309,10 +293,6 @@ class Band:
             )
 
 
-class BuildQualityError(DemoBuildError):
-    """The pretrained policy missed the band RL is tuned for (see `Band`)."""
-
-
 BAND = Band()
 
 
@@ -353,18 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build is there")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    t0 = time.perf_counter()
     kw = dict(lm_steps=args.lm_steps, correct_frac=args.correct_frac, quiet=args.quiet, force=args.force)
-    try:
-        paths = ensure_assets(args.out, args.seed, check_band=not args.no_band, **kw)
-    except BuildQualityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    m = read_manifest(paths.root) or {}
-    print(f"assets: {paths.root} ({time.perf_counter() - t0:.1f} s)")
-    for section in ("timings_s", "sizes", "metrics", "band"):
-        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in (m.get(section) or {}).items()))
-    return 0
+    return report_build(lambda: ensure_assets(args.out, args.seed, check_band=not args.no_band, **kw))
 
 
 if __name__ == "__main__":

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from demos import DemoBuildError
+from demos import BuildQualityError
 from demos.calculator_corpus import (
     BAD_KINDS,
     BAD_TOOL_FRAC,
@@ -75,11 +74,12 @@ from demos.common import (
     pad,
     pretrain_selected,
     quiet_deterministic_torch,
-    read_manifest,
+    report_build,
     set_generation_ids,
     warmup_cosine,
     write_jsonl,
 )
+from demos.common import RuleDemoPaths as AssetPaths  # the folder layout every rule demo has
 
 FORMAT_VERSION = 1
 BUILD_THREADS = 1  # the model is small: one thread is as fast, and steadier on a busy machine
@@ -93,18 +93,6 @@ N_SELECT_EXAMPLES = 1024  # selection transcripts (of the corpus's mix) over the
 TURN_MAX_TOKENS = 12
 EVAL_SAMPLES = 8  # sampled episodes per held-out problem
 STOP_IDS = (EOS_ID, CALL_CLOSE_ID)  # a policy turn ends at either
-
-
-@dataclass(frozen=True)
-class AssetPaths:
-    root: Path
-    policy: Path
-    prompts: Path
-    eval_prompts: Path
-
-    @classmethod
-    def under(cls, root: Path) -> AssetPaths:
-        return cls(root, root / "policy", root / "prompts.jsonl", root / "eval_prompts.jsonl")
 
 
 def ensure_assets(
@@ -132,16 +120,12 @@ def ensure_assets(
         "band_checked": check_band,
     }
 
-    def complete(folder: Path) -> bool:
-        p = AssetPaths.under(folder)
-        return p.policy.is_dir() and p.prompts.is_file() and p.eval_prompts.is_file()
-
     def build(tmp: Path, log: Log) -> dict:
         with quiet_deterministic_torch(BUILD_THREADS):
             band = BAND if check_band else None
             return _build(AssetPaths.under(tmp), seed, lm_steps, tool_frac, bad_frac, band, log)
 
-    ensure_built(root, want, complete, build, logger(quiet), force)
+    ensure_built(root, want, AssetPaths.complete, build, logger(quiet), force)
     return AssetPaths.under(root)
 
 
@@ -345,10 +329,6 @@ class Band:
             )
 
 
-class BuildQualityError(DemoBuildError):
-    """The pretrained policy missed the band RL is tuned for (see `Band`)."""
-
-
 BAND = Band()
 
 
@@ -363,20 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build is there")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    t0 = time.perf_counter()
     kw = dict(lm_steps=args.lm_steps, tool_frac=args.tool_frac, bad_frac=args.bad_frac)
-    try:
-        paths = ensure_assets(
+    return report_build(
+        lambda: ensure_assets(
             args.out, args.seed, check_band=not args.no_band, quiet=args.quiet, force=args.force, **kw
         )
-    except BuildQualityError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    m = read_manifest(paths.root) or {}
-    print(f"assets: {paths.root} ({time.perf_counter() - t0:.1f} s)")
-    for section in ("timings_s", "sizes", "metrics", "band"):
-        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in (m.get(section) or {}).items()))
-    return 0
+    )
 
 
 if __name__ == "__main__":

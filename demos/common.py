@@ -1,6 +1,7 @@
 """What every demo's asset build shares: an atomic, locked, up-to-date-checked build folder, and the
-tiny GPT-2 pieces (config, padding, seeded training loops: plain, and with checkpoint selection), and
-the near-miss numbers the arithmetic corpora use.
+tiny GPT-2 pieces (config, padding, seeded training loops: plain, and with checkpoint selection), the
+near-miss numbers the arithmetic corpora use, and the folder layout and command-line report of the
+rule-reward demos (`RuleDemoPaths`, `report_build`).
 
 A build writes into a temporary sibling folder and renames it into place at the end: a folder with a
 `manifest.json` is always complete, and a second call with the same settings is a no-op.
@@ -14,17 +15,58 @@ import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from demos import BuildQualityError
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BUILD_THREADS = 2
 LOCK_TIMEOUT_S = 900.0
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RuleDemoPaths:
+    """A rule-reward demo's folder: the policy (model and tokenizer), the RL prompts and the held-out
+    prompts (no reward model: the rule is code)."""
+
+    root: Path
+    policy: Path
+    prompts: Path
+    eval_prompts: Path
+
+    @classmethod
+    def under(cls, root: Path) -> RuleDemoPaths:
+        return cls(root, root / "policy", root / "prompts.jsonl", root / "eval_prompts.jsonl")
+
+    @classmethod
+    def complete(cls, root: Path) -> bool:
+        """Does `root` hold every part (`ensure_built`'s completeness check)?"""
+        p = cls.under(root)
+        return p.policy.is_dir() and p.prompts.is_file() and p.eval_prompts.is_file()
+
+
+def report_build(build: Callable[[], RuleDemoPaths]) -> int:
+    """A rule demo's command line: run `build`, then print the manifest's timings, sizes, metrics and
+    band (exit 0), or the band it missed (exit 1)."""
+    t0 = time.perf_counter()
+    try:
+        paths = build()
+    except BuildQualityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    m = read_manifest(paths.root) or {}
+    print(f"assets: {paths.root} ({time.perf_counter() - t0:.1f} s)")
+    for section in ("timings_s", "sizes", "metrics", "band"):
+        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in (m.get(section) or {}).items()))
+    return 0
 
 
 def read_manifest(root: str | Path) -> dict[str, Any] | None:
