@@ -54,7 +54,7 @@ def simulate(
     left = [len(g) for g in gen]  # chunks of each batch not yet finished
     ready_at = [0.0] * steps  # when each batch is scored (its last chunk + s)
     chunks: list[dict] = []
-    now, busy, learner_end, trained, paused, drain_from = 0.0, 0.0, None, 0, False, None
+    now, busy, learner_end, trained, paused = 0.0, 0.0, None, 0, False
     last_pub = 0.0  # the learner's step ends when its weights are out: the next one starts after
     while trained < steps:
         while admitted < steps and admitted <= version + eta:  # the admission rule
@@ -84,7 +84,7 @@ def simulate(
         if learner_end == now:  # a step ends: publish its weights
             learner_end, trained = None, trained + 1
             if policy == "drain":
-                paused, drain_from = True, now
+                paused = True
             else:
                 version += 1
                 last_pub = now + u
@@ -94,7 +94,7 @@ def simulate(
                             c["end"] += u + r
                             c["marks"].append((now + u, version))
         if paused and all(c is None for c in run):  # drained: broadcast, then go on
-            now = max(now, drain_from) + u
+            now += u  # time never runs back: now is at or after the step's end
             version, last_pub = version + 1, now
             paused = False
     wall = max(now, last_pub)  # the run ends when its last weights are out

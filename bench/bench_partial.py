@@ -107,7 +107,7 @@ def main() -> int:
 
     names = [n for n, _ in named]
     print(
-        f"\nbench-async, long-tail workload: {args.config}, {args.steps} measured steps per side, eta={args.eta}, "
+        f"\nbench-async, long-tail workload: {args.config}, {args.steps} measured steps per side, eta={args.eta},"
     )
     print(f"{args.workers} workers, episodes of 1..{LONGEST} turns (P(k) ~ 1/k^2), collective weight sync")
     hdr = f"{'':<30}" + "".join(f"{n:>15}" for n in names)

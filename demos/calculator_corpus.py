@@ -22,6 +22,7 @@ from typing import Any
 
 from demos.common import EOS_ID, bos_tokenizer
 from demos.common import near_miss as common_near_miss
+from rollout_workers.tools import last_integer
 
 MIN_OPERAND, MAX_OPERAND = 10, 99
 N_EVAL = 256
@@ -205,8 +206,7 @@ class Episode:
     def correct(self) -> bool:
         """The last turn answers unless it calls: right when its last integer is the product's digits
         (as `rollout_workers.tools.ToolEnvironment` scores a final turn)."""
-        found = re.findall(r"-?[0-9]+", self.answer)
-        return CALL_OPEN not in self.answer and bool(found) and found[-1] == str(self.pair[0] * self.pair[1])
+        return CALL_OPEN not in self.answer and last_integer(self.answer) == str(self.pair[0] * self.pair[1])
 
 
 TurnSampler = Callable[[list[list[int]]], list[list[int]]]
