@@ -118,7 +118,8 @@ class EnvironmentConfig(_Strict):
         ge=0.0,
         le=1.0,
         description="Abort the run when more than this fraction of a step's episodes fail (the environment "
-        "raised or timed out). Failed episodes are dropped and counted (env/failures/*), never scored.",
+        "raised or timed out). Failed episodes are dropped and counted (env/status/env_error, "
+        "env/status/env_timeout, env/failures), never scored.",
     )
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -264,6 +264,12 @@ def _as_ids(x: int | list[int] | None) -> set[int]:
     if x is None:
         return set()
     return {int(v) for v in x} if isinstance(x, list | tuple) else {int(x)}
+
+
+def finish_reason(ids: Any, stops: frozenset[int]) -> FinishReason:
+    """The contract's finish reason of a response `ids`: "stop" iff it ends with a stop token (vLLM says
+    'length' when the EOS is also the max_tokens-th token; the contract keys on the token)."""
+    return "stop" if len(ids) and int(ids[-1]) in stops else "length"
 
 
 def derive_seed(seed: int, *keys: int) -> int:

@@ -47,6 +47,7 @@ places the actors), and the `mp` executor for tensor parallelism (vLLM's Ray exe
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -54,7 +55,14 @@ import numpy as np
 import torch
 
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, derive_seed, read_special_ids
+from rollout_workers.engine import (
+    GenerationOutput,
+    Interrupt,
+    RolloutEngine,
+    derive_seed,
+    finish_reason,
+    read_special_ids,
+)
 from rollout_workers.vllm_stepped import SteppedRun
 from rollout_workers.weight_receiver import WeightGroupError
 from rollout_workers.weights import check_state_keys, check_tied_copies, tied_groups, torch_dtype
@@ -261,21 +269,24 @@ class VLLMEngine(RolloutEngine):
         if interrupt is not None:
             return self._generate_interruptible(prompts, sampling, seed, stops, limits, interrupt)
         params = [
-            self._vllm.SamplingParams(
-                n=sampling.n,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,  # 0 = off, as in SamplingConfig
-                top_p=sampling.top_p,
-                max_tokens=limit,
-                logprobs=0,  # the sampled token's logprob only
-                seed=derive_seed(seed, i),
-                stop_token_ids=sorted(stops),
-                detokenize=False,
-            )
+            self._params(sampling, stops, n=sampling.n, max_tokens=limit, seed=derive_seed(seed, i))
             for i, limit in enumerate(limits)
         ]
         results = self._llm.generate(self._requests(prompts), params, use_tqdm=False)
         return [[self._convert(c, stops) for c in sorted(r.outputs, key=lambda c: c.index)] for r in results]
+
+    def _params(self, sampling: SamplingConfig, stops: frozenset[int], **request: Any) -> Any:
+        """vLLM's SamplingParams of one request (`request`: n, max_tokens, seed, ...): the config's
+        sampling, the sampled token's logprob only, token ids only, stopping at `stops`."""
+        return self._vllm.SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,  # 0 = off, as in SamplingConfig
+            top_p=sampling.top_p,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=sorted(stops),
+            detokenize=False,
+            **request,
+        )
 
     def _generate_interruptible(
         self,
@@ -287,7 +298,8 @@ class VLLMEngine(RolloutEngine):
         interrupt: Interrupt,
     ) -> list[list[GenerationOutput]]:
         """`_generate` stepping vLLM's engine itself (`SteppedRun`), letting due weights in between steps."""
-        run = SteppedRun(self._vllm, self._llm.llm_engine, prompts, sampling, seed, stops, limits)
+        params = functools.partial(self._params, sampling, stops)
+        run = SteppedRun(params, self._llm.llm_engine, prompts, sampling.n, seed, stops, limits)
         try:
             run.until_done(interrupt)
         except BaseException:  # leave no request behind for the next call's engine loop to run
@@ -302,9 +314,7 @@ class VLLMEngine(RolloutEngine):
         lps = np.array(
             [step[int(t)].logprob for step, t in zip(completion.logprobs, ids, strict=True)], dtype=np.float32
         )
-        # vLLM reports 'length' when the EOS is also the max_tokens-th token; our contract keys on the EOS.
-        finish = "stop" if ids.size and int(ids[-1]) in stops else "length"
-        return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish)
+        return GenerationOutput(response_ids=ids, logprobs=lps, finish_reason=finish_reason(ids, stops))
 
     def _probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         params = self._vllm.SamplingParams(

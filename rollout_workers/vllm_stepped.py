@@ -5,11 +5,12 @@ itself and lets new weights in between steps (`rollout_workers.engine.Interrupt`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from rollout_workers.engine import GenerationOutput, Interrupt, derive_seed
+from rollout_workers.engine import GenerationOutput, Interrupt, derive_seed, finish_reason
 
 
 class SteppedRun:
@@ -21,12 +22,16 @@ class SteppedRun:
     prefill recomputes the KV cache with the new weights. A continuation samples with the seed
     `derive_seed(seed, i, k, swaps)`."""
 
-    def __init__(self, vllm: Any, engine: Any, prompts, sampling, seed: int, stops, limits) -> None:
+    def __init__(
+        self, params: Callable[..., Any], engine: Any, prompts, n: int, seed: int, stops, limits
+    ) -> None:
+        """`params(n=, max_tokens=, seed=, output_kind=)`: the SamplingParams of one request
+        (`VLLMEngine._params` with the call's sampling and stop tokens)."""
         from vllm.sampling_params import RequestOutputKind
 
-        self.vllm, self.engine, self.prompts, self.sampling = vllm, engine, prompts, sampling
+        self.params, self.engine, self.prompts = params, engine, prompts
         self.seed, self.stops, self.limits, self.delta = seed, stops, limits, RequestOutputKind.DELTA
-        self.keys = [(i, k) for i in range(len(prompts)) for k in range(sampling.n)]
+        self.keys = [(i, k) for i in range(len(prompts)) for k in range(n)]
         self.ids: dict = {key: [] for key in self.keys}
         self.logprobs: dict = {key: [] for key in self.keys}
         self.versions: dict = {key: [] for key in self.keys}
@@ -37,18 +42,9 @@ class SteppedRun:
         return f"rayppo-{key[0]}-{key[1]}-{self.swaps}"
 
     def _add(self, key: tuple[int, int], seed: int) -> None:
-        s, i = self.sampling, key[0]
-        params = self.vllm.SamplingParams(
-            n=1,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            max_tokens=self.limits[i] - len(self.ids[key]),
-            logprobs=0,
-            seed=seed,
-            stop_token_ids=sorted(self.stops),
-            detokenize=False,
-            output_kind=self.delta,
+        i = key[0]
+        params = self.params(
+            n=1, max_tokens=self.limits[i] - len(self.ids[key]), seed=seed, output_kind=self.delta
         )
         prompt = [int(t) for t in self.prompts[i]] + self.ids[key]
         self.engine.add_request(self._rid(key), {"prompt_token_ids": prompt}, params)
@@ -72,8 +68,10 @@ class SteppedRun:
                 self.versions[key] += [interrupt.version] * len(c.token_ids)
                 if out.finished:
                     self.finished.add(key)
+            if not interrupt.due():
+                continue
             running = [key for key in self.keys if key not in self.finished]
-            if running and interrupt.due():
+            if running:
                 self.engine.abort_request([self._rid(key) for key in running])
                 interrupt.swap()
                 self.swaps += 1
@@ -88,7 +86,7 @@ class SteppedRun:
             GenerationOutput(
                 np.asarray(self.ids[key], dtype=np.int64),
                 np.asarray(self.logprobs[key], dtype=np.float32),
-                "stop" if self.ids[key] and self.ids[key][-1] in self.stops else "length",
+                finish_reason(self.ids[key], self.stops),
                 np.asarray(self.versions[key], dtype=np.int64),
             )
             for key in self.keys
