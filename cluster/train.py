@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.pipeline.async_trainer import make_trainer
     from cluster.pipeline.collector import RolloutError
     from cluster.pipeline.learner_calls import LearnerStepError
-    from cluster.pipeline.trainer import RewardFailureError
+    from cluster.pipeline.trainer import EnvironmentFailureError, RewardFailureError
     from cluster.placement.pools import ActorStartError
     from cluster.run.folder import SharedStorageError
     from cluster.weights.push import WeightSyncError
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     RUN_ERRORS = (
         LearnerStepError,
         RewardFailureError,
+        EnvironmentFailureError,
         RolloutError,
         WeightSyncError,
         ActorStartError,

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from cluster.config.schema import ConfigError, build_config
-from cluster.pipeline.chunks import SampleFacts
+from cluster.pipeline.chunks import Chunk, EpisodeFacts, SampleFacts, every_sample
 from cluster.pipeline.data import Prompt
 from cluster.pipeline.evaluation import (
     EvalRound,
     before_after_lines,
     correctness_metrics,
+    eval_metrics,
     headline,
     pass_at_k,
 )
@@ -207,3 +208,22 @@ def test_no_pass_at_k_for_rewards_that_are_not_rules():
     m = score_like_a_worker(EvalRound(1, prompts(1), cfg), {100: [0.3, 2.0]})
     assert not any(k.startswith(("eval/pass@", "eval/mean@")) for k in m) and "eval/accuracy" not in m
     assert m["eval/reward_mean"] == pytest.approx(1.15)
+
+
+def test_held_out_episode_metrics_count_the_failed_episodes_too():
+    """eval/env/*, as env/* in training: an episode whose environment failed is dropped from the scores
+    (eval/samples) but counted among the episodes and in eval/env/failures."""
+    chunk = Chunk(0, prompts(3), seed=0)
+    chunk.facts = [
+        SampleFacts(100 + i, 3, 5, "stop", EpisodeFacts(2, status, 5, 3, 0.5, {"tool_calls": 1}))
+        for i, status in enumerate(("done", "env_error", "env_timeout"))
+    ]
+    chunk.scores = ScoreBatch.empty(3)
+    chunk.scores.set(0, 1.0, "rule")
+    chunk.scores.fail(1, "environment raised")
+    chunk.scores.fail(2, "environment timed out")
+    m = eval_metrics(config(), every_sample([chunk]))
+    assert m["eval/samples"] == 1.0 and m["eval/accuracy"] == 1.0
+    assert m["eval/env/episodes"] == 3.0 and m["eval/env/failures"] == 2.0
+    assert m["eval/env/status/env_error"] == 1.0 and m["eval/env/status/env_timeout"] == 1.0
+    assert m["eval/env/status/done"] == 1.0 and m["eval/env/turns"] == 2.0

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cluster.pipeline.data import Prompt
+from rollout_workers.environment import FAILED
 
 
 class EpisodeFacts(NamedTuple):
@@ -31,7 +32,7 @@ class EpisodeFacts(NamedTuple):
 
     @property
     def failed(self) -> bool:
-        return self.status in ("env_error", "env_timeout")
+        return self.status in FAILED
 
 
 class SampleFacts(NamedTuple):
@@ -192,10 +193,6 @@ class RolloutBatch:
     def scores(self) -> np.ndarray:
         """Scores of the kept samples, in batch order."""
         return np.array([float(c.scores.scores[j]) for c, j in self.kept], dtype=np.float64)
-
-    @property
-    def reward_errors(self) -> list[str]:
-        return reward_errors(self.parts)
 
     @property
     def total(self) -> int:

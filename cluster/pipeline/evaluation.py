@@ -107,7 +107,8 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
             (c.index, c.facts[j].prompt_index) for c, j in scored
         ]  # a chunk never splits a prompt's samples
         m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
-    m.update(episode_metrics([c.facts[j] for c, j in scored], prefix="eval/"))
+    # every episode, failed ones included (as in training: eval/env/failures counts them)
+    m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos], prefix="eval/"))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")

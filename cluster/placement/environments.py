@@ -55,9 +55,6 @@ class EnvironmentHost:
         if state is not None:
             self.env.close(state)
 
-    def episodes(self) -> int:
-        return len(self.states)
-
 
 class RemoteEnvironment(Environment):
     """The rollout workers' view of the environment hosts (picklable: it holds actor handles)."""

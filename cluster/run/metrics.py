@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 
 from cluster.pipeline.chunks import Parts, RolloutBatch, kept
 from cluster.run.summary import reward_to_prob
+from rollout_workers.environment import FAILED, EpisodeStatus
 
 
 class MetricsWriter:
@@ -110,14 +112,15 @@ def version_metrics(facts: list[Any], version: int) -> dict[str, float]:
     }
 
 
-EPISODE_STATUSES = ("done", "max_turns", "max_tokens", "env_error", "env_timeout")
+EPISODE_STATUSES = typing.get_args(EpisodeStatus)
 
 
 def episode_metrics(facts: list[Any], prefix: str = "") -> dict[str, float]:
     """env/* metrics of the multi-turn episodes among `facts` (SampleFacts), failed ones included:
     turns, model and observation tokens and environment seconds per episode, the environment's counters
     per episode (e.g. env/tool_calls) and the share of episodes with one (env/tool_calls_rate), episodes
-    ended by each status (env/status/*), and failures by kind (env/failures/env_error, env_timeout).
+    ended by each status (env/status/*: the failed ones are env_error and env_timeout) and the failures'
+    total (env/failures).
     Empty when no sample is an episode."""
     episodes = [f.episode for f in facts if f.episode is not None]
     if not episodes:
@@ -133,7 +136,7 @@ def episode_metrics(facts: list[Any], prefix: str = "") -> dict[str, float]:
     }
     for status in EPISODE_STATUSES:
         m[f"env/status/{status}"] = float(sum(e.status == status for e in episodes))
-    m["env/failures"] = m["env/status/env_error"] + m["env/status/env_timeout"]
+    m["env/failures"] = sum(m[f"env/status/{s}"] for s in sorted(FAILED))
     for key in sorted({k for e in episodes for k in e.info}):
         values = [float(e.info.get(key, 0.0)) for e in episodes]
         m[f"env/{key}"] = float(np.mean(values))
