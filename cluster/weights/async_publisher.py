@@ -77,8 +77,7 @@ class AsyncPublisher(WeightPublisher):
         if not (self.cut_in and c is not None and bundle is not None):
             return
         for m in self._started():
-            if self.behind(m):
-                c.track_prepare(c.tracker, m, self.prepare("generate", m, cut_in=True))
+            self.send_before_chunk(m, cut_in=True)
 
     def _started(self) -> list[Any]:
         """Workers that are running (not starting, not draining)."""
@@ -101,12 +100,13 @@ class AsyncPublisher(WeightPublisher):
         """Versions each of `names` trails the published one."""
         return {n: self.version - self.worker_versions.get(n, 0) for n in names}
 
-    def send_before_chunk(self, member: Any) -> None:
+    def send_before_chunk(self, member: Any, cut_in: bool = False) -> None:
         """Queue the newest weights on a worker that is behind, ahead of its next chunk (the same
-        load-and-check as a new worker's; `prepare` records the version it will hold)."""
+        load-and-check as a new worker's; `prepare` records the version it will hold). `cut_in`: on its
+        weight group, let in while it generates (pipeline.partial_rollout)."""
         if self.bundle is not None and self.behind(member):
             c = self.collector
-            c.track_prepare(c.tracker, member, self.prepare("generate", member))
+            c.track_prepare(c.tracker, member, self.prepare("generate", member, cut_in=cut_in))
 
     def broadcast_due(self, learner: PublishingStep) -> None:
         """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:

@@ -105,15 +105,10 @@ def push_weights(
     or probe logprobs is an error naming it.
     """
     t0 = time.perf_counter()
-    refs = [
-        r.export_weights.remote(bundle_facts(dtype), dtype) for r in ranks
-    ]  # all ranks take part (ZeRO-3)
+    refs, meta_ref = _start_export(ranks, dtype)
     bundle = refs[0]
-    meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
-    acks = [w.load_weights.remote(bundle, version) for w in workers]
-    _wait_for_export([*refs, meta_ref], f"learner export of v{version}", timeout)
-    ray.get(refs[1:])  # (refs[0] is the bundle: never pulled into the driver)
-    meta = ray.get(meta_ref)
+    acks = [w.load_weights.remote(bundle, version) for w in workers]  # they load once it is there
+    meta = _finish_export(refs, meta_ref, f"learner export of v{version}", timeout)
     expected = expected_fingerprint(meta, version, dtype)
     lost, values = _collect_acks(names, acks, version, expected, timeout)
     stages = stage_seconds(meta, values)
@@ -156,11 +151,25 @@ def push_colocated(
 def export_bundle(ranks: list[Any], version: int, dtype: str, timeout: float) -> tuple[Any, Fingerprint]:
     """Learner rank 0's current weights in the rollout `dtype` put in the object store as v`version`
     (all ranks take part); the ref and what a worker that loads it must acknowledge."""
+    refs, meta_ref = _start_export(ranks, dtype)
+    meta = _finish_export(refs, meta_ref, "learner export", timeout)
+    return refs[0], expected_fingerprint(meta, version, dtype)
+
+
+def _start_export(ranks: list[Any], dtype: str) -> tuple[list[Any], Any]:
+    """Start the export of the learner's weights in the rollout `dtype`: every rank takes part (ZeRO-3);
+    rank 0's reference is the bundle. Returns the ranks' references and that of rank 0's export
+    record (its call runs after export_weights on the same actor)."""
     refs = [r.export_weights.remote(bundle_facts(dtype), dtype) for r in ranks]
-    meta_ref = ranks[0].export_fingerprint.remote()  # runs after export_weights on the same actor
-    _wait_for_export([*refs, meta_ref], "learner export", timeout)
+    return refs, ranks[0].export_fingerprint.remote()
+
+
+def _finish_export(refs: list[Any], meta_ref: Any, what: str, timeout: float) -> dict[str, Any]:
+    """Wait for an export `_start_export` began (within `timeout`, `what` naming it in the error) and
+    return rank 0's export record. The bundle (refs[0]) is never pulled into the driver."""
+    _wait_for_export([*refs, meta_ref], what, timeout)
     ray.get(refs[1:])
-    return refs[0], expected_fingerprint(ray.get(meta_ref), version, dtype)
+    return ray.get(meta_ref)
 
 
 def describe_bundle(state: dict[str, Any], dtype: str, max_bytes: int) -> dict[str, str | None]:
