@@ -10,7 +10,6 @@ import collections
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -50,12 +49,18 @@ def ray_cluster(*nodes: dict, system_config: dict | None = None):
             cluster.remove_node(node)
 
 
-def start_run(cluster: Cluster, run_dir: Path, log: Path, overrides: list[str]) -> subprocess.Popen:
+def start_run(
+    cluster: Cluster, run_dir: Path, log: Path, overrides: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen:
     sets = [*overrides, f"cluster.address={cluster.address}"]
     cmd = [sys.executable, "-m", "cluster.train", str(CONFIG), "--run-dir", str(run_dir)]
     for item in sets:
         cmd += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -132,11 +137,12 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     1 KB here (a 4-sample chunk of the demo is ~2.5 KB), as real responses exceed 100 KB. The
     reference and the scorer share the rollout node in async mode, so until the learner reads them
     the only copies of a chunk's samples and reference logprobs are on that node (a scorer
-    elsewhere would have fetched a copy Ray recovers them from). The learner is paused (SIGSTOP)
-    until a chunk has been scored and the node removed: the chunk's objects are lost, the learner
-    says so, they are generated again, and every prompt drawn is still trained exactly once (or is
-    outstanding)."""
+    elsewhere would have fetched a copy Ray recovers them from). The driver holds the learner from
+    the start (`RAYPPO_TEST_HOLD_LEARNER`, the product's hook for this), so every chunk scored before
+    the node is removed is unread by construction: its objects are lost, the learner says so, they
+    are generated again, and every prompt drawn is still trained exactly once (or is outstanding)."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    release = tmp_path / "release-learner"
     steps = 4
     scoring = "rollout_node" if mode == "async" else "reward_node"
     pins = {
@@ -147,66 +153,43 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
         "reward.resources": f"{{{scoring}: 1}}",
         "checkpoint.every_steps": 2,
     }
-    if mode == "async":
-        pins["pipeline.max_staleness"] = steps - 1  # the whole epoch may be generated ahead of the learner
+    held = mode == "async"
+    env = {"RAYPPO_TEST_HOLD_LEARNER": str(release)} if held else {}
     with ray_cluster(
         {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer (sync)
         {"num_cpus": 1, "resources": {"learner_node": 1}},
         {"num_cpus": 1, "resources": {"rollout_node": 3}},
-        system_config={"max_direct_call_object_size": 1024} if mode == "async" else None,
+        system_config={"max_direct_call_object_size": 1024} if held else None,
     ) as (cluster, (head, learner_node, rollout_node)):
-        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins))
+        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins), env)
         try:
             roles = ("learner-rank-0", "rollout-worker-0", "reference-0", "reward-scorer-0")
             control = "rayppo-control-run"  # the run's control actor, named after the run folder
 
             def started():
-                """The roles alive and the control actor registered. The driver registers it (named:
-                at once) after its set-up calls to the learner and before it dispatches a chunk; it
-                is ALIVE only seconds later (a worker process starts), by which time chunks may
-                have been generated, scored and read (CI once saw the pipeline full by then)."""
                 actors = actors_by_name(cluster)
-                alive = all(actors.get(n, {}).get("State") == "ALIVE" for n in roles)
-                return actors if alive and control in actors else None
+                alive = all(actors.get(n, {}).get("State") == "ALIVE" for n in (*roles, control))
+                return actors if alive else None
 
-            actors = wait_for("every role started", started, proc, log)
-            paused = mode == "async"
-            if paused:
-                # The learner is paused before it can read anything (or, the machine slow, before it
-                # reads more than one step's chunks: the stream may run max_staleness + 1 = 4 steps
-                # ahead of it, the whole epoch), so a chunk scored after the pause has its samples and
-                # reference logprobs on the rollout node only: losing the node certainly loses them
-                # (waiting for a step instead left it to timing whether any chunk generated ahead was
-                # still unread when the node went).
-                learner_pid = actors["learner-rank-0"]["Pid"]
-                paused_ns = time.time_ns()
-                os.kill(learner_pid, signal.SIGSTOP)
-            try:
-                assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
-                assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
-                scoring_node = rollout_node if mode == "async" else head
-                assert actors["reference-0"]["NodeID"] == scoring_node.node_id
-                assert actors["reward-scorer-0"]["NodeID"] == scoring_node.node_id
-                # The control actor (no resources) lives with the driver, on the head node.
-                alive = wait_for(
-                    "the control actor started",
-                    lambda: (a := actors_by_name(cluster))[control]["State"] == "ALIVE" and a,
+            actors = wait_for("every role and the control actor started", started, proc, log)
+            assert actors["learner-rank-0"]["NodeID"] == learner_node.node_id
+            assert actors["rollout-worker-0"]["NodeID"] == rollout_node.node_id
+            scoring_node = rollout_node if mode == "async" else head
+            assert actors["reference-0"]["NodeID"] == scoring_node.node_id
+            assert actors["reward-scorer-0"]["NodeID"] == scoring_node.node_id
+            # The control actor (no resources) lives with the driver, on the head node.
+            assert actors[control]["NodeID"] == head.node_id
+            if held:
+                wait_for(
+                    "a chunk scored while the learner is held",
+                    lambda: finished_since(cluster, "sample_logprobs", 0) >= 1,
                     proc,
                     log,
                 )
-                assert alive[control]["NodeID"] == head.node_id
-                if paused:
-                    wait_for(
-                        "a chunk scored while the learner is paused",
-                        lambda: finished_since(cluster, "sample_logprobs", paused_ns) >= 1,
-                        proc,
-                        log,
-                    )
-                    cluster.remove_node(rollout_node)
-            finally:
-                if paused:
-                    os.kill(learner_pid, signal.SIGCONT)
-            if mode == "sync":
+                assert steps_done(run_dir) == 0
+                cluster.remove_node(rollout_node)
+                release.touch()
+            else:
                 wait_for("a finished step", lambda: steps_done(run_dir) >= 1, proc, log)
                 cluster.remove_node(rollout_node)  # mid-run: step 2 is generating or about to
             replacement_node = cluster.add_node(
@@ -217,6 +200,8 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, out[-4000:]
+        if held:
+            assert f"learner held until {release} exists" in out, out[-4000:]
         actors = actors_by_name(cluster)
 
     # The worker's bundle moved to the node that joined; its replacement ran there.
@@ -228,7 +213,7 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), out[-4000:]
     assert sum(r["faults/actor_replacements"] for r in rows) >= 1, out[-4000:]
-    if mode == "async":  # the chunks scored while the learner was paused were generated again
+    if mode == "async":  # the chunks scored while the learner was held were generated again
         assert sum(r["faults/lost_chunks"] for r in rows) >= 1, out[-4000:]
 
     # Every prompt drawn from the stream trained exactly once or still outstanding, the lost chunks'

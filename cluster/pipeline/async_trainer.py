@@ -17,6 +17,7 @@ One event loop on the driver moves small facts; samples travel between actors as
 from __future__ import annotations
 
 import collections
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,21 @@ from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
 
 LEARNER_KINDS = ("train", "export")
+HOLD_ENV = "RAYPPO_TEST_HOLD_LEARNER"
+
+
+def learner_held(announce: set[str]) -> bool:
+    """The fault tests' hook: with `RAYPPO_TEST_HOLD_LEARNER=PATH` in the driver's environment the
+    learner takes no batch until PATH exists, while rollouts go on up to the staleness bound. Every
+    chunk scored in the meantime is then certainly unread by the learner (its samples live only where
+    they were made), whatever the machine's speed; the driver says once that it holds. Unset: no hold."""
+    path = os.environ.get(HOLD_ENV)
+    if not path or os.path.exists(path):
+        return False
+    if path not in announce:
+        announce.add(path)
+        print(f"learner held until {path} exists ({HOLD_ENV})", flush=True)
+    return True
 
 
 def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Trainer:
@@ -76,6 +92,7 @@ class AsyncTrainer(Trainer):
             outstanding = [self.prompts_by_index[i] for i in st.get("outstanding", [])]
             self.buffer.restore(self.version, outstanding, int(st.get("chunks", 0)), int(st.get("pulled", 0)))
         self.busy = {"generate": 0.0, "score": 0.0}
+        self.held_announced: set[str] = set()
         self.faults = RolloutBatch()  # the step's faults (replacements, re-dispatches, losses)
         self.t_last = time.perf_counter()
         self.eval_queue: collections.deque[Chunk] = collections.deque()  # dispatched first
@@ -232,7 +249,7 @@ class AsyncTrainer(Trainer):
                 if learner.done:
                     break
             self._dispatch()
-            if learner.waiting:
+            if learner.waiting and not learner_held(self.held_announced):
                 got = self.buffer.take(self.version)
                 if got is not None:
                     learner.stale_samples += got.stale_samples
