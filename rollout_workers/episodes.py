@@ -110,10 +110,33 @@ class EpisodeRunner:
     ) -> list[list[tuple[np.ndarray, np.ndarray, Episode, np.ndarray | None]]]:
         """`sampling.n` episodes per prompt: (response ids, behaviour logprobs, episode facts, the version
         of each response token or None without an `interrupt`) each. With an `interrupt`, new weights
-        may come in inside a turn's generation and between turns."""
+        may come in inside a turn's generation and between turns. Every episode's state is closed when
+        the call ends, also when it raises (the error raised is the call's, never a close's)."""
+        n = sampling.n
+        episodes = [_Live([int(t) for t in p], len(p)) for p in prompts for _ in range(n)]
+        try:
+            self._play(episodes, prompts, texts, metas, sampling, seed, check, interrupt)
+        finally:
+            for ep in episodes:
+                if ep.state is not None:
+                    with contextlib.suppress(Exception):  # a failed clean-up changes no sample, no error
+                        self.environment.close(ep.state)
+        return [[episodes[i * n + k].record() for k in range(n)] for i in range(len(prompts))]
+
+    def _play(
+        self,
+        episodes: list[_Live],
+        prompts: list[np.ndarray],
+        texts: list[str],
+        metas: list[dict],
+        sampling: SamplingConfig,
+        seed: int,
+        check: Check,
+        interrupt: Interrupt | None,
+    ) -> None:
+        """Start `episodes` (`sampling.n` per prompt, in order) and run their turns until each has ended."""
         cfg, n = self.config, sampling.n
         turn_max = cfg.turn_max_new_tokens or sampling.max_new_tokens
-        episodes = [_Live([int(t) for t in p], len(p)) for p in prompts for _ in range(n)]
         starts = self.caller.run(
             [
                 (lambda text=text, meta=meta: self.environment.reset(text, dict(meta)))
@@ -145,11 +168,6 @@ class EpisodeRunner:
             )
             check(outputs, len(ids), one, self.stop_ids, limits)
             self._advance(live, [outs[0] for outs in outputs], turn)
-        for ep in episodes:
-            if ep.state is not None:
-                with contextlib.suppress(Exception):  # a failed clean-up changes no sample
-                    self.environment.close(ep.state)
-        return [[episodes[i * n + k].record() for k in range(n)] for i in range(len(prompts))]
 
     def _advance(self, episodes: list[_Live], outputs: list[GenerationOutput], turn: int) -> None:
         """Append each episode's new model turn, ask the environment, append its observation."""

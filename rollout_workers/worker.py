@@ -53,6 +53,16 @@ def make_episode_runner(engine, model_path: str, config, environment=None) -> Ep
     return EpisodeRunner(engine, tokenizer, config, environment)
 
 
+def version_tags(versions: np.ndarray | None, held: int) -> tuple[int, np.ndarray | None]:
+    """A sample's (`policy_version`, `token_versions`) from the version of each of its tokens: the oldest
+    token's version, and the tokens' versions unless they all have it (None, the record's convention).
+    `versions` None (no load could cut in): every token is `held`'s, the version the call started with."""
+    if versions is None or not len(versions):
+        return held, None
+    oldest = int(versions.min())
+    return oldest, None if (versions == oldest).all() else versions
+
+
 class _CutIn:
     """The `Interrupt` a generate call hands its engine: a weight load waiting at the worker's gate is
     due; `swap` lets it run. A load that fails part-way leaves the weights unknown: the call fails
@@ -116,7 +126,8 @@ class RolloutWorker:
         texts: list[str] | None = None,
         metas: list[dict] | None = None,
     ) -> list[Sample]:
-        """`n` samples per prompt (prompt order, then sample index), tagged with the current version.
+        """`n` samples per prompt (prompt order, then sample index), each tagged with the version of its
+        oldest token (`version_tags`): the version held, unless a load cut in before its first token.
 
         `prompt_indices[i]` is the caller's id for `prompts[i]`; `sampling` overrides the config's. With
         an environment (`config.environment`) each sample is a multi-turn episode: `texts` (default: the
@@ -155,21 +166,23 @@ class RolloutWorker:
                     [(r, lp, "stop" if e.status == "done" else "length", e, vs) for r, lp, e, vs in outs]
                     for outs in episodes
                 ]
-            samples = [
-                Sample(
-                    prompt_index=int(idx),
-                    prompt_ids=p,
-                    response_ids=r,
-                    logprobs=lp,
-                    finish_reason=finish,
-                    policy_version=version,
-                    sample_index=k,
-                    episode=episode,
-                    token_versions=None if vs is None or (vs == version).all() else vs,
-                )
-                for idx, p, outs in zip(prompt_indices, ids, results, strict=True)
-                for k, (r, lp, finish, episode, vs) in enumerate(outs)
-            ]
+            samples = []
+            for idx, p, outs in zip(prompt_indices, ids, results, strict=True):
+                for k, (r, lp, finish, episode, vs) in enumerate(outs):
+                    policy_version, token_versions = version_tags(vs, version)
+                    samples.append(
+                        Sample(
+                            prompt_index=int(idx),
+                            prompt_ids=p,
+                            response_ids=r,
+                            logprobs=lp,
+                            finish_reason=finish,
+                            policy_version=policy_version,
+                            sample_index=k,
+                            episode=episode,
+                            token_versions=token_versions,
+                        )
+                    )
             s = self._stats
             s["generate_calls"] += 1
             s["prompts"] += len(ids)

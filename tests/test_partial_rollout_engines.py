@@ -8,6 +8,7 @@
   non-decreasing, the sample's version is its oldest token's, and the behaviour logprobs of the tokens
   after the swap are the new weights' teacher-forced logprobs (the KV cache was recomputed), while
   those before it are the old weights'.
+- A load let in before the first token: every token and the sample are the new version's.
 - A load that fails inside a generation fails that call instead of sampling from unknown weights.
 """
 
@@ -68,15 +69,15 @@ def test_no_weights_due_gives_the_plain_generation(worker):
     assert all(s.token_versions is None and s.policy_version == worker.version() for s in samples)
 
 
-def _hold_at_cut(worker: RolloutWorker) -> threading.Event:
-    """From the worker's CUT_AT-th interruption point on, its generation asks for due loads only once one
+def _hold_at_cut(worker: RolloutWorker, at: int = CUT_AT) -> threading.Event:
+    """From the worker's `at`-th interruption point on, its generation asks for due loads only once one
     waits (so the test's load, made from another thread, lands exactly there). Returns an event set
     when the generation reached that point."""
     gate, real, calls, reached = worker._gate, worker._gate.load_due, [0], threading.Event()
 
     def load_due() -> bool:
         calls[0] += 1
-        if calls[0] == CUT_AT:
+        if calls[0] == at:
             reached.set()
             deadline = time.monotonic() + 120
             while not real() and time.monotonic() < deadline:
@@ -120,6 +121,29 @@ def test_weights_let_in_part_way_continue_the_same_sequences(worker, policies):
             spanning += 1
             assert teacher_forced_gap(b, [tail], 1.0) < TOL, "tokens after the swap must be the new weights'"
     assert spanning >= len(samples) // 2  # most responses are longer than the cut
+    worker.load_weights(bundle_of(a), start + 2)  # the module's other tests expect policy A
+
+
+def test_a_load_before_the_first_token_tags_the_samples_with_the_new_version(worker, policies):
+    """A load that cuts in at the call's first interruption point, before any token is sampled: every
+    token is the new version's, and so is each sample's version (its oldest token's), not the version
+    the call began with; `token_versions` stays None (every token has the sample's version)."""
+    a, b = policies
+    start = worker.version()
+    reached = _hold_at_cut(worker, at=1)
+    out: dict = {}
+    gen = threading.Thread(target=lambda: out.update(samples=worker.generate(INDICES, PROMPTS, 9, SAMPLING)))
+    gen.start()
+    try:
+        assert reached.wait(120)
+        worker.load_weights(bundle_of(b), start + 1)  # blocks until the generation lets it in
+    finally:
+        gen.join(120)
+        del worker._gate.load_due  # the instance attribute the test set
+    samples = out["samples"]
+    assert [s.policy_version for s in samples] == [start + 1] * len(samples)
+    assert all(s.token_versions is None for s in samples)
+    assert teacher_forced_gap(b, samples, 1.0) < TOL  # sampled by the new weights only
     worker.load_weights(bundle_of(a), start + 2)  # the module's other tests expect policy A
 
 

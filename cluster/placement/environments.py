@@ -6,12 +6,17 @@ workers reach the hosts through `RemoteEnvironment`, an `Environment` whose call
 stays on the host that started it (round-robin at `reset`). A call that passes `timeout_s` kills its
 host, which Ray restarts (`max_restarts=-1`): the episodes it held fail (their state is gone; their next
 call fails), the next episodes start on the fresh host. The worker's own per-call deadline still applies.
+
+An episode's key names the host's incarnation (a random id drawn when the host is built, so again at
+each restart) and a count: a key from before a restart is never one of the fresh host's episodes, so
+its `step` raises (the episode fails) and its `close` does nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from typing import Any
 
 import ray
@@ -22,34 +27,41 @@ from rollout_workers.environment import Environment, Step, as_step, make_environ
 # Calls a host runs at once (threads of a threaded actor): every episode of a turn asks at the same time.
 HOST_CONCURRENCY = 256
 
+EpisodeKey = tuple[str, int]  # (the host's incarnation, the episode's count on it)
+
 
 class EnvironmentHost:
     """One environment and its episodes' states (a plain class; run as a threaded Ray actor)."""
 
     def __init__(self, config: EnvironmentConfig) -> None:
         self.env = make_environment(config.name, config.module, config.kwargs, config.module_source)
-        self.states: dict[int, Any] = {}
+        self.states: dict[EpisodeKey, Any] = {}
+        self.incarnation = uuid.uuid4().hex  # a restarted host draws a new one
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
     def ping(self) -> bool:
         return True
 
-    def reset(self, prompt: str, meta: dict) -> int:
+    def reset(self, prompt: str, meta: dict) -> EpisodeKey:
         state = self.env.reset(prompt, meta)
         with self._lock:
-            key = next(self._ids)
+            key = (self.incarnation, next(self._ids))
             self.states[key] = state
         return key
 
-    def step(self, model_turn: str, key: int) -> Step:
+    def step(self, model_turn: str, key: EpisodeKey) -> Step:
         if key not in self.states:
-            raise KeyError(
-                f"episode {key} is not on this environment actor (it restarted since the episode began)"
+            incarnation, number = key
+            why = (
+                "closed already"
+                if incarnation == self.incarnation
+                else "the actor restarted since the episode began: its state is gone"
             )
+            raise KeyError(f"episode {number} is not on this environment actor ({why})")
         return as_step(self.env.step(model_turn, self.states[key]))
 
-    def close(self, key: int) -> None:
+    def close(self, key: EpisodeKey) -> None:
         with self._lock:
             state = self.states.pop(key, None)
         if state is not None:
@@ -70,7 +82,7 @@ class RemoteEnvironment(Environment):
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["hosts"], state["timeout_s"])
 
-    def reset(self, prompt: str, meta: dict) -> tuple[Any, int]:
+    def reset(self, prompt: str, meta: dict) -> tuple[Any, EpisodeKey]:
         """Start the episode on the next host round-robin, or on the one after it while that one restarts."""
         with self._lock:
             first = next(self._next)
@@ -82,11 +94,11 @@ class RemoteEnvironment(Environment):
                 continue  # restarting or gone: the next one
         return order[-1], self._get(order[-1], order[-1].reset.remote(prompt, meta))
 
-    def step(self, model_turn: str, state: tuple[Any, int]) -> Step:
+    def step(self, model_turn: str, state: tuple[Any, EpisodeKey]) -> Step:
         host, key = state
         return self._get(host, host.step.remote(model_turn, key))
 
-    def close(self, state: tuple[Any, int]) -> None:
+    def close(self, state: tuple[Any, EpisodeKey]) -> None:
         host, key = state
         host.close.remote(key)  # not waited for
 
