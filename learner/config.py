@@ -219,7 +219,9 @@ class LearnerConfig(_Strict):
         "terminal",
         description=(
             "A response cut at max_new_tokens: 'terminal' (value 0 after its last token) or 'bootstrap' "
-            "(the critic's value of the state after its last token; gae/vtrace only)."
+            "(the critic's value of the state after its last token; gae/vtrace only, and single responses only: "
+            "with rollout.environment that state is followed by observation tokens, never a value target, so "
+            "the run config refuses it)."
         ),
     )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
