@@ -17,11 +17,17 @@ from reward_service.config import RewardConfig
 
 @dataclass
 class ScoreBatch:
-    """Scores of one batch. A failed sample has ok=False, score NaN and an error text: never a silent 0."""
+    """Scores of one batch. A failed sample has ok=False, score NaN and an error text: never a silent 0.
+
+    `turn_rewards` says where a multi-turn episode's reward comes from (the one rule, set by
+    `RewardScorer.score`): with reward.kind='environment' from ALL of the environment's turn rewards (the
+    last turn's is the score, on the episode's last model token; each earlier one stays on its turn's last
+    token), with any other kind from the score alone (NONE of the environment's rewards is trained)."""
 
     scores: np.ndarray  # float32 [n]
     ok: np.ndarray  # bool [n]
     errors: list[str | None] = field(default_factory=list)
+    turn_rewards: bool = False  # the episodes' earlier-turn rewards are trained beside the score
 
     @classmethod
     def empty(cls, n: int) -> ScoreBatch:
@@ -100,7 +106,10 @@ class RewardScorer:
     ) -> ScoreBatch:
         """One score per sample. `episodes[i]` (a `rollout_workers.environment.Episode`, or None) is the
         multi-turn record of sample i: an episode whose environment failed is failed here (dropped and
-        counted, never scored); with kind='environment' the score is the episode's outcome reward."""
+        counted, never scored). With kind='environment' the environment's rewards are the reward, all of
+        them: the score is the episode's outcome (its last turn's reward) and `turn_rewards` is set, so the
+        earlier turns' rewards are trained too; any other kind scores the decoded transcript and its score
+        is the episode's whole reward (none of the environment's turn rewards is used)."""
         n = len(prompts)
         meta = [{} for _ in range(n)] if meta is None else list(meta)
         episodes = [None] * n if episodes is None else list(episodes)
@@ -114,6 +123,7 @@ class RewardScorer:
             if e is not None and e.failed:
                 out.fail(i, f"environment {e.status}: {e.error}")
         if self.config.kind == "environment":
+            out.turn_rewards = True
             for i, e in enumerate(episodes):
                 if e is None:
                     out.fail(

@@ -131,3 +131,67 @@ def test_packed_batch_masks_observations_and_keeps_response_lengths():
     with pytest.raises(ValueError, match="mask entries"):
         t.action_mask = np.ones(3, dtype=np.uint8)
         pack_trajectories([t], pad_id=0)
+
+
+# ----------------------------------------------------------------- which rewards an episode trains on
+
+# A 2-turn episode: "good film" | observation "the" | "very good"; the environment gave -0.25 for turn 1
+# and 1.0 (the outcome) for turn 2.
+EPISODE_RESPONSE = np.array([11, 6, 4, 25, 11])
+
+
+def _episode_sample():
+    from rollout_workers.environment import Episode
+    from rollout_workers.types import Sample
+
+    episode = Episode(
+        loss_mask=np.array([1, 1, 0, 1, 1], dtype=np.uint8),
+        turn_ends=np.array([1, 4]),
+        turn_rewards=np.array([-0.25, 1.0], dtype=np.float32),
+        status="done",
+    )
+    return Sample(0, np.array([4, 5]), EPISODE_RESPONSE, np.zeros(5, np.float32), "stop", 0, episode=episode)
+
+
+def test_a_score_from_another_reward_kind_takes_none_of_the_environments_turn_rewards():
+    """The scorer's score (here a rule's 0.5) is the whole reward of an episode scored by any kind but
+    'environment': the environment's earlier-turn rewards (the -0.25) are not added beside it."""
+    from cluster.placement.actors import to_trajectory
+
+    t = to_trajectory(_episode_sample(), np.zeros(5, np.float32), 0.5)
+    assert t.token_rewards is None and t.action_mask.tolist() == [1, 1, 0, 1, 1]
+    assert "token_rewards" not in pack_trajectories([t], pad_id=0).tokens
+
+
+@pytest.mark.parametrize("kind", ["environment", "rule"])
+def test_the_reward_kind_decides_whether_all_or_none_of_the_environments_rewards_are_trained(kind, tmp_path):
+    """Scorer -> the learner's parts -> trajectories, as a run builds them. kind='environment': every turn's
+    reward (outcome 1.0 as the score on the last token, -0.25 on turn 1's last token: 0.75 in all); a rule:
+    its score alone (0.5: one of the two keywords), none of the environment's."""
+    from tiny_models import build_tokenizer
+
+    from cluster.pipeline.chunks import Chunk, sample_facts
+    from cluster.pipeline.data import Prompt
+    from cluster.pipeline.groups import shard_parts
+    from cluster.placement.actors import part_trajectories
+    from reward_service.config import RewardConfig
+    from reward_service.scorer import RewardScorer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    sample = _episode_sample()
+    config = RewardConfig(kind=kind, rule="contains_keyword" if kind == "rule" else None)
+    meta = {"keywords": ["good", "plot"]}
+    scored = RewardScorer(config, str(tmp_path)).score(
+        [sample.prompt_ids], [sample.response_ids], [meta], [sample.episode]
+    )
+    assert scored.turn_rewards == (kind == "environment")
+    chunk = Chunk(0, [Prompt(0, "the movie", sample.prompt_ids, meta)], seed=0)
+    chunk.facts, chunk.scores = [sample_facts(sample)], scored
+    chunk.samples_ref, chunk.ref_logprobs_ref = "samples", "reference logprobs"
+    (((part,), _chunks),) = shard_parts([(chunk, [0])], 1, "count")
+    assert part.turn_rewards == (kind == "environment")
+    (t,) = part_trajectories(part, [sample], [np.zeros(5, np.float32)])
+    if kind == "environment":
+        assert t.score == 1.0 and t.token_rewards.tolist() == [0.0, -0.25, 0.0, 0.0, 0.0]
+    else:
+        assert t.score == 0.5 and t.token_rewards is None
