@@ -195,3 +195,29 @@ def test_the_reward_kind_decides_whether_all_or_none_of_the_environments_rewards
         assert t.score == 1.0 and t.token_rewards.tolist() == [0.0, -0.25, 0.0, 0.0, 0.0]
     else:
         assert t.score == 0.5 and t.token_rewards is None
+
+
+def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
+    """One group of four episodes, right in the end after 0-3 wrong guesses (-0.05 each): outcomes 1.0,
+    returns 1, .95, .9, .85 (the return dynamic sampling filters on, tests/test_dynamic_sampling.py).
+    grpo (kl 0): mean .925, std sqrt(.0125 / 3) = .0645497: advantages +-1.161895 and +-0.387298 on every
+    model token; rollout/reward_mean is the mean return, .925, as the driver's."""
+    from test_dynamic_sampling import _guess_episode
+    from test_learner_packing import GradientTap
+
+    from cluster.placement.actors import to_trajectory
+    from learner.config import LearnerConfig
+    from learner.model import PolicyWithValueHead
+    from learner.prepare import prepare
+
+    samples = [_guess_episode(k) for k in range(4)]
+    trajs = [to_trajectory(s, np.zeros(len(s.response_ids), np.float32), 1.0, 0, True) for s in samples]
+    batch = pack_trajectories(trajs, pad_id=0)
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
+    stats = prepare(tap, batch, LearnerConfig(advantage="grpo"), 0.0, 1.0, 0, tap.device)
+    assert stats["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
+    adv = batch.tokens["advantages"]
+    for row, want in enumerate([1.161895, 0.387298, -0.387298, -1.161895]):
+        valid = batch.mask[row] > 0
+        np.testing.assert_allclose(adv[row][valid].tolist(), [want] * int(valid.sum()), atol=1e-4)
+        assert adv[row][~valid].abs().sum() == 0
