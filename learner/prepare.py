@@ -27,7 +27,7 @@ from learner.critic import (
     RunningMoments,
     critic_stats,
     moments_over_ranks,
-    normalized_scores,
+    normalized_rewards,
     value_clip_radius,
 )
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
@@ -118,12 +118,14 @@ def prepare(
         buffer=config.overlong_buffer,
         factor=config.overlong_penalty,
     )
-    scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
+    raw_turns = batch.tokens.get("token_rewards")  # earlier turns of multi-turn episodes
+    scores, turns, norm_stats = normalized_rewards(
+        penalized, config, reward_moments, reduce_sum, raw_turns, mask
+    )
     beta = kl_coef if config.kl.mode == "reward" else 0.0
     rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
-    token_rewards = batch.tokens.get("token_rewards")  # earlier turns of multi-turn episodes
-    if token_rewards is not None:
-        rewards, scores = place_token_rewards(config.advantage, rewards, scores, token_rewards, mask)
+    if turns is not None:
+        rewards, scores = place_token_rewards(config.advantage, rewards, scores, turns, mask)
     adv, returns = estimate(
         config.advantage,
         scores=scores,
@@ -140,7 +142,7 @@ def prepare(
         c_clip=config.vtrace_c_clip,
         whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
     )
-    raw_returns = batch.scores if token_rewards is None else episode_return(batch.scores, token_rewards, mask)
+    raw_returns = batch.scores if raw_turns is None else episode_return(batch.scores, raw_turns, mask)
     valid = mask.to(torch.bool)
     gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
     g = BatchSums(

@@ -221,3 +221,49 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
         valid = batch.mask[row] > 0
         np.testing.assert_allclose(adv[row][valid].tolist(), [want] * int(valid.sum()), atol=1e-4)
         assert adv[row][~valid].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "mode, clip, want",
+    [
+        # G / 2: turn penalties -1 -> -0.5, outcomes 0, 2, 3 -> 0, 1, 1.5
+        ("scale", None, [[-0.5, -0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 1.0], [1.5, 1.5, 1.5, 1.5]]),
+        # (G - 1) / 2 = -1, 0, 1: turn penalties -0.5, the outcomes take the rest (-0.5, 0.5, 1)
+        ("standardize", None, [[-1.0, -1.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]]),
+        # the normalised returns clipped to [-0.75, 0.75]: -0.75, 0, 0.75; outcomes -0.25, 0.5, 0.75
+        ("standardize", 0.75, [[-0.75, -0.75, 0.0, -0.25], [0.0, 0.0, 0.0, 0.5], [0.75, 0.75, 0.75, 0.75]]),
+    ],
+)
+def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_policy_dir, mode, clip, want):
+    """Three samples: two 2-turn episodes (m m | o | m) with a -1 penalty on turn 1 and outcomes 0 and 2,
+    and a single response scored 3: returns G = -1, 1, 3, running mean 1 and std 2. Every reward is
+    divided by the same std (the penalty too), the mean comes off once (from the outcome) and a clip
+    bounds the return. gae with V = 0 (zero value head), gamma = lam = 1, no KL and no whitening: each
+    model token's advantage is the normalised reward to go."""
+    from test_learner_packing import GradientTap
+
+    from learner.config import LearnerConfig
+    from learner.critic import RunningMoments
+    from learner.model import PolicyWithValueHead
+    from learner.prepare import prepare
+
+    def episode(score):
+        return Trajectory(
+            np.array([4, 5]), np.array([11, 6, 4, 25]), np.zeros(4, np.float32), np.zeros(4, np.float32), score,
+            action_mask=np.array([1, 1, 0, 1], dtype=np.uint8),
+            token_rewards=np.array([0.0, -1.0, 0.0, 0.0], dtype=np.float32),
+        )  # fmt: skip
+
+    single = Trajectory(
+        np.array([4, 5]), np.array([11, 6, 4, 25]), np.zeros(4, np.float32), np.zeros(4, np.float32), 3.0
+    )
+    batch = pack_trajectories([episode(0.0), episode(2.0), single], pad_id=0)
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
+    config = LearnerConfig(
+        advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False, reward_norm=mode, reward_norm_clip=clip
+    )
+    stats = prepare(tap, batch, config, 0.0, 1.0, 0, tap.device, RunningMoments())
+    np.testing.assert_allclose(batch.tokens["advantages"].tolist(), want, atol=1e-6)
+    assert (stats["reward_norm/count"], stats["reward_norm/mean"]) == (3.0, pytest.approx(1.0))
+    assert stats["reward_norm/std"] == pytest.approx(2.0)
+    assert stats["rollout/reward_mean"] == pytest.approx(1.0)  # the raw returns' mean
