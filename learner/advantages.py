@@ -29,6 +29,7 @@ from learner.algorithms import (
     LOG_RATIO_CLAMP,
     _zero_invalid,
     compute_gae,
+    episode_return,
     kl_penalty,
     last_valid_index,
     masked_whiten,
@@ -263,13 +264,14 @@ def place_token_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rewards, scores)` with the per-token rewards of multi-turn episodes (each earlier turn's reward
     on its last token) added: on their tokens for token-level estimators; for the group estimators
-    (grpo, rloo), whose advantage is the episode's outcome, into the score (the episode's return), which
-    also stands on the last token of `rewards` so the KL part they take from it stays the same."""
+    (grpo, rloo), whose advantage is the episode's outcome, into the score, which becomes the episode's
+    return (`algorithms.episode_return`) and also stands on the last token of `rewards` so the KL part they
+    take from it stays the same."""
     extra = _zero_invalid(token_rewards.to(rewards.dtype), mask)
     if estimator not in GROUP_ESTIMATORS:
         return rewards + extra, scores
-    total = extra.sum(-1)
-    return rewards + _next(torch.zeros_like(rewards), mask, total), scores + total.to(scores.dtype)
+    on_last = _next(torch.zeros_like(rewards), mask, extra.sum(-1))
+    return rewards + on_last, episode_return(scores, extra.to(scores.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,6 +107,21 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(_valid(mask), positions, torch.full_like(positions, -1)).max(dim=-1).values
 
 
+def episode_return(score, token_rewards, mask=None):
+    """A sample's return G = s + sum_t r_t: its score s (on its last token) plus the rewards on its other
+    tokens r_t (a multi-turn episode's earlier turns, each on its turn's last token; none for a single
+    response, where G = s). Undiscounted: the reward the sample earned, not a value target.
+
+    `score` `[B]` (or a scalar) and `token_rewards` `[B, T]` (or `[T]`), numpy or torch alike; with `mask`
+    (torch) only valid tokens count. The one definition every reader of a sample's reward uses: the
+    scorer's `ScoreBatch.returns` (dynamic sampling's filter and rollout/reward_mean in the driver), the
+    group advantages (grpo, rloo), `learner.reward_norm` and the learner's rollout/reward_mean.
+    """
+    if mask is not None:
+        token_rewards = _zero_invalid(token_rewards, mask)
+    return score + token_rewards.sum(-1)
+
+
 def shape_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,

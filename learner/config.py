@@ -135,15 +135,20 @@ class LearnerConfig(_Strict):
     reward_norm: Literal["off", "scale", "standardize"] = Field(
         "off",
         description=(
-            "Normalise sequence scores with their running mean/std over all ranks and steps (saved in "
-            "checkpoints) before the KL penalty is added: 'scale' score/std (keeps the reward's zero), "
-            "'standardize' (score - mean)/std, 'off' raw scores."
+            "Normalise each sample's return (its score plus a multi-turn episode's earlier-turn rewards) with "
+            "the returns' running mean/std over all ranks and steps (saved in checkpoints) before the KL penalty "
+            "is added: every reward (score and turn rewards) is divided by the std, and 'standardize' also takes "
+            "the mean off once, from the score: 'scale' return/std (keeps the reward's zero), 'standardize' "
+            "(return - mean)/std, 'off' raw rewards."
         ),
     )
     reward_norm_clip: float | None = Field(
         None,
         gt=0.0,
-        description="Clip normalised scores to [-c, c] (None = no clip; unused when reward_norm is off).",
+        description=(
+            "Clip normalised returns to [-c, c], the score (on the last token) taking the difference (None = no "
+            "clip; unused when reward_norm is off)."
+        ),
     )
     vf_coef: float = Field(0.1, ge=0.0, description="Weight of the value loss.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
@@ -219,7 +224,9 @@ class LearnerConfig(_Strict):
         "terminal",
         description=(
             "A response cut at max_new_tokens: 'terminal' (value 0 after its last token) or 'bootstrap' "
-            "(the critic's value of the state after its last token; gae/vtrace only)."
+            "(the critic's value of the state after its last token; gae/vtrace only, and single responses only: "
+            "with rollout.environment that state is followed by observation tokens, never a value target, so "
+            "the run config refuses it)."
         ),
     )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from learner.algorithms import _zero_invalid, episode_return
 from learner.config import LearnerConfig
 
 ReduceSum = Callable[[Sequence[float | torch.Tensor]], torch.Tensor]
@@ -42,8 +43,8 @@ def merge_moments(a: tuple[float, float, float], b: tuple[float, float, float]) 
 class RunningMoments:
     """Mean and standard deviation of every number seen so far, merged batch by batch (`merge_moments`).
 
-    The learner feeds it each iteration's sequence scores from all ranks, so every rank holds the
-    same state; it is saved in checkpoints (`state_dict`) and restored on resume.
+    The learner feeds it each iteration's sequence returns (`normalized_rewards`) from all ranks, so every
+    rank holds the same state; it is saved in checkpoints (`state_dict`) and restored on resume.
     """
 
     def __init__(self) -> None:
@@ -114,23 +115,48 @@ def moments_over_ranks(
     return count, mean, m2
 
 
-def normalized_scores(
-    scores: torch.Tensor, config: LearnerConfig, moments: RunningMoments | None, reduce_sum: ReduceSum
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The scores that enter the reward: raw, or normalised (`learner.reward_norm`) with the running
-    moments of every finite score seen on all ranks, this batch's merged in first."""
+def normalized_rewards(
+    scores: torch.Tensor,
+    config: LearnerConfig,
+    moments: RunningMoments | None,
+    reduce_sum: ReduceSum,
+    token_rewards: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """The score `[B]` and the per-token rewards `[B, T]` (a multi-turn episode's earlier turns, read on
+    `mask`'s valid tokens, every token when None; None: none) that enter the reward: raw, or normalised
+    (`learner.reward_norm`) by one rule for both, on each sample's return G = s + sum_t r_t
+    (`algorithms.episode_return`):
+
+        mu, sigma = running moments of every finite G seen on all ranks, this batch's merged in first
+        r'_t = r_t / (sigma + eps)                         every per-token reward: the same scale as the score
+        s'   = norm(G) - sum_t r'_t                        the score (on the last token) takes the rest
+        norm(G) = G / (sigma + eps)          'scale'
+                  (G - mu) / (sigma + eps)   'standardize'
+                  clipped to [-reward_norm_clip, reward_norm_clip] when set
+
+    so a sample's normalised rewards add up to norm(G): unclipped, s' = s / (sigma + eps) ('scale') or
+    (s - mu) / (sigma + eps) ('standardize': the mean comes off once, from the score), and a clip bounds the
+    return, the score absorbing the difference. Without per-token rewards (single responses) G = s and s' is
+    `normalize_scores` of the scores. Returns `(s', r' or None, stats)`."""
     if config.reward_norm == "off":
-        return scores, {}
+        return scores, token_rewards, {}
     if moments is None:
         raise ValueError(f"learner.reward_norm={config.reward_norm!r} needs running reward moments")
+    turns = None
+    if token_rewards is not None:
+        turns = token_rewards.double() if mask is None else _zero_invalid(token_rewards.double(), mask)
+    returns = scores.double() if turns is None else episode_return(scores.double(), turns)
     # A non-finite score (it skips the step) must not poison the statistics for the rest of the run.
-    moments.update(*moments_over_ranks(scores, torch.isfinite(scores), reduce_sum))
-    out = normalize_scores(scores, moments.mean, moments.std, config.reward_norm, config.reward_norm_clip)
-    return out, {
-        "reward_norm/mean": moments.mean,
-        "reward_norm/std": moments.std,
-        "reward_norm/count": moments.count,
-    }
+    moments.update(*moments_over_ranks(returns, torch.isfinite(returns), reduce_sum))
+    mean, std, mode, clip = moments.mean, moments.std, config.reward_norm, config.reward_norm_clip
+    stats = {"reward_norm/mean": mean, "reward_norm/std": std, "reward_norm/count": moments.count}
+    if turns is None:
+        return normalize_scores(scores, mean, std, mode, clip, eps), None, stats
+    turns = turns / (std + eps)
+    out = normalize_scores(returns, mean, std, mode, clip, eps) - turns.sum(-1)
+    return out.to(scores.dtype), turns.to(token_rewards.dtype), stats
 
 
 def critic_stats(

@@ -20,14 +20,14 @@ from learner.advantages import (
     overlong_filter_mask,
     place_token_rewards,
 )
-from learner.algorithms import shape_rewards, whiten_with
+from learner.algorithms import episode_return, shape_rewards, whiten_with
 from learner.batch import Batch, dummy_batch
 from learner.config import LearnerConfig
 from learner.critic import (
     RunningMoments,
     critic_stats,
     moments_over_ranks,
-    normalized_scores,
+    normalized_rewards,
     value_clip_radius,
 )
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
@@ -79,7 +79,7 @@ class BatchSums(RankSums):
 
     tokens: float = 0.0  # valid response tokens
     sequences: float = 0.0
-    reward: float = 0.0  # sum of the sequences' scores
+    reward: float = 0.0  # sum of the sequences' returns (raw: before length shaping and reward_norm)
     kl: float = 0.0  # per-sequence KL sums, summed
     logprob_gap: float = 0.0  # sum over tokens of |proximal - behaviour| logprob
     values: float = 0.0  # sums over valid tokens
@@ -118,13 +118,14 @@ def prepare(
         buffer=config.overlong_buffer,
         factor=config.overlong_penalty,
     )
-    scores, norm_stats = normalized_scores(penalized, config, reward_moments, reduce_sum)
+    raw_turns = batch.tokens.get("token_rewards")  # earlier turns of multi-turn episodes
+    scores, turns, norm_stats = normalized_rewards(
+        penalized, config, reward_moments, reduce_sum, raw_turns, mask
+    )
     beta = kl_coef if config.kl.mode == "reward" else 0.0
     rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
-    if "token_rewards" in batch.tokens:  # earlier turns of multi-turn episodes
-        rewards, scores = place_token_rewards(
-            config.advantage, rewards, scores, batch.tokens["token_rewards"], mask
-        )
+    if turns is not None:
+        rewards, scores = place_token_rewards(config.advantage, rewards, scores, turns, mask)
     adv, returns = estimate(
         config.advantage,
         scores=scores,
@@ -141,12 +142,13 @@ def prepare(
         c_clip=config.vtrace_c_clip,
         whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
     )
+    raw_returns = batch.scores if raw_turns is None else episode_return(batch.scores, raw_turns, mask)
     valid = mask.to(torch.bool)
     gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
     g = BatchSums(
         tokens=float(mask.sum()),
         sequences=float(len(batch)),
-        reward=float(batch.scores.sum()),
+        reward=float(raw_returns.sum()),
         kl=float(kl.sum()),  # per-sequence sums, summed
         logprob_gap=float(gap.sum()),
         values=float((values * mask).sum()),

@@ -25,5 +25,6 @@ class Trajectory:
     # Multi-turn episodes: 1 on tokens the policy sampled, 0 on observation tokens (None: all sampled).
     # Only sampled tokens are actions: they alone carry losses, KL and advantages.
     action_mask: np.ndarray | None = None  # uint8 [r]
-    # Rewards on tokens besides the score (an episode's earlier turns, each on its turn's last token).
+    # Rewards on tokens besides the score (an episode's earlier turns, each on its turn's last token, when
+    # its environment's rewards are the reward); None: the score is the whole reward.
     token_rewards: np.ndarray | None = None  # float32 [r]

@@ -15,8 +15,10 @@ class RewardConfig(_Strict):
     kind: Literal["model", "rule", "remote", "environment"] = Field(
         "model",
         description="Reward source: a sequence-classification model, a registered rule function, a remote HTTP "
-        "endpoint, or 'environment': the outcome reward of each multi-turn episode (rollout.environment), "
-        "its last turn's reward.",
+        "endpoint, or 'environment': the rewards of each multi-turn episode's environment (rollout.environment), "
+        "all of them: the outcome (the last turn's reward) on the last model token and each earlier turn's reward "
+        "on that turn's last token. With any other kind an episode's transcript is scored and that score is its "
+        "whole reward: none of the environment's turn rewards is used.",
     )
     model_path: str | None = Field(
         None, description="Folder of the reward model (save_pretrained layout); kind='model'."

@@ -12,34 +12,54 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from learner.algorithms import episode_return
 from reward_service.config import RewardConfig
 
 
 @dataclass
 class ScoreBatch:
-    """Scores of one batch. A failed sample has ok=False, score NaN and an error text: never a silent 0."""
+    """Scores of one batch. A failed sample has ok=False, score and return NaN and an error text: never a
+    silent 0.
+
+    `scores[i]` is what stands on sample i's last token; `returns[i]` the reward the sample earned in all
+    (`learner.algorithms.episode_return`: the score plus the rewards of an episode's earlier turns when they
+    are trained, else the score), which every reader of a sample's reward takes: dynamic sampling's filter,
+    rollout/reward_mean, and (from the same rewards) the learner's group advantages.
+
+    `turn_rewards` says where a multi-turn episode's reward comes from (the one rule, set by
+    `RewardScorer.score`): with reward.kind='environment' from ALL of the environment's turn rewards (the
+    last turn's is the score, on the episode's last model token; each earlier one stays on its turn's last
+    token), with any other kind from the score alone (NONE of the environment's rewards is trained)."""
 
     scores: np.ndarray  # float32 [n]
+    returns: np.ndarray  # float32 [n]
     ok: np.ndarray  # bool [n]
     errors: list[str | None] = field(default_factory=list)
+    turn_rewards: bool = False  # the episodes' earlier-turn rewards are trained beside the score
 
     @classmethod
     def empty(cls, n: int) -> ScoreBatch:
-        return cls(np.full(n, np.nan, dtype=np.float32), np.zeros(n, dtype=bool), [None] * n)
+        nan = np.full(n, np.nan, dtype=np.float32)
+        return cls(nan, nan.copy(), np.zeros(n, dtype=bool), [None] * n)
 
-    def set(self, i: int, value: Any, source: str) -> None:
-        """Record a score after checking it is a finite number; anything else marks the sample failed."""
+    def set(self, i: int, value: Any, source: str, token_rewards: np.ndarray | None = None) -> None:
+        """Record a score after checking it is a finite number (anything else marks the sample failed),
+        and the sample's return: the score plus `token_rewards` (an episode's earlier turns' rewards on
+        their tokens, when they are trained), or the score alone."""
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.number)):
             self.fail(i, f"{source} returned {type(value).__name__} {value!r}, not a number")
         elif not math.isfinite(float(value)):
             self.fail(i, f"{source} returned a non-finite score ({value})")
         else:
             self.scores[i] = float(value)
+            single = token_rewards is None
+            self.returns[i] = self.scores[i] if single else episode_return(self.scores[i], token_rewards)
             self.ok[i] = True
             self.errors[i] = None
 
     def fail(self, i: int, error: str) -> None:
         self.scores[i] = np.nan
+        self.returns[i] = np.nan
         self.ok[i] = False
         self.errors[i] = error
 
@@ -100,7 +120,10 @@ class RewardScorer:
     ) -> ScoreBatch:
         """One score per sample. `episodes[i]` (a `rollout_workers.environment.Episode`, or None) is the
         multi-turn record of sample i: an episode whose environment failed is failed here (dropped and
-        counted, never scored); with kind='environment' the score is the episode's outcome reward."""
+        counted, never scored). With kind='environment' the environment's rewards are the reward, all of
+        them: the score is the episode's outcome (its last turn's reward) and `turn_rewards` is set, so the
+        earlier turns' rewards are trained too; any other kind scores the decoded transcript and its score
+        is the episode's whole reward (none of the environment's turn rewards is used)."""
         n = len(prompts)
         meta = [{} for _ in range(n)] if meta is None else list(meta)
         episodes = [None] * n if episodes is None else list(episodes)
@@ -114,6 +137,7 @@ class RewardScorer:
             if e is not None and e.failed:
                 out.fail(i, f"environment {e.status}: {e.error}")
         if self.config.kind == "environment":
+            out.turn_rewards = True
             for i, e in enumerate(episodes):
                 if e is None:
                     out.fail(
@@ -121,7 +145,7 @@ class RewardScorer:
                         "reward.kind='environment' but the sample is no episode (rollout.environment.name unset)",
                     )
                 elif not e.failed:
-                    out.set(i, e.outcome, "environment")
+                    out.set(i, e.outcome, "environment", e.token_rewards())
             self._count(n, out, start)
             return out
         prompt_text, response_text, full_text = self._decode(prompts, responses, out)

@@ -125,3 +125,19 @@ def test_environment_combinations_are_named():
         build_config(tree(rollout={"environment": {"name": "tools", "placement": "sandbox"}}))
     cfg = build_config(tree(rollout=env, reward={"kind": "environment"}, data={"max_prompt_tokens": 8}))
     assert cfg.rollout.environment.enabled and not cfg.rollout.environment.max_turns < 1
+
+
+def test_bootstrap_truncation_with_an_environment_is_refused():
+    """With an environment the state after a cut episode's last model token is always followed by
+    observation tokens (masked: the critic is never trained there), so `truncation: bootstrap` would take
+    every episode ending at max_turns / max_total_tokens from an untrained value: refused, naming both
+    fields and the alternatives."""
+    env = {"environment": {"name": "tools", "max_total_tokens": 48}}
+    small = {"max_prompt_tokens": 8}
+    with pytest.raises(ConfigError) as info:
+        build_config(tree(rollout=env, data=small, learner={"truncation": "bootstrap"}))
+    message = str(info.value)
+    assert "learner.truncation='bootstrap'" in message and "rollout.environment.name" in message
+    assert "learner.truncation='terminal'" in message
+    assert build_config(tree(rollout=env, data=small)).learner.truncation == "terminal"
+    assert build_config(tree(learner={"truncation": "bootstrap"})).learner.truncation == "bootstrap"

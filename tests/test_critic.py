@@ -128,7 +128,7 @@ def _one_process(values):
 
 
 def test_critic_stats_and_score_normalisation_in_one_process():
-    from learner.critic import critic_stats, moments_over_ranks, normalized_scores
+    from learner.critic import critic_stats, moments_over_ranks, normalized_rewards
 
     # returns [1, 2, 3 | pad], values [1, 1, 1]: Var(R) = 1, R - V = [0, 1, 2] -> Var 1: EV = 0.
     ret, val, mask = T([[1.0, 2.0], [3.0, 9.0]]), T([[1.0, 1.0], [1.0, 5.0]]), T([[1, 1], [1, 0]])
@@ -140,18 +140,18 @@ def test_critic_stats_and_score_normalisation_in_one_process():
     cfg = LearnerConfig(reward_norm="standardize")
     rm = RunningMoments()
     scores = T([2.0, float("nan"), 4.0, 6.0])  # the NaN row is left out of the statistics
-    out, stats = normalized_scores(scores, cfg, rm, _one_process)
+    out, turns, stats = normalized_rewards(scores, cfg, rm, _one_process)
     assert (stats["reward_norm/count"], stats["reward_norm/mean"], stats["reward_norm/std"]) == (
         3.0,
         4.0,
         2.0,
     )
     torch.testing.assert_close(out[[0, 2, 3]], T([-1.0, 0.0, 1.0]))
-    assert torch.isnan(out[1])  # still NaN: the step is skipped as before
-    same, none = normalized_scores(scores, LearnerConfig(), None, _one_process)
+    assert torch.isnan(out[1]) and turns is None  # still NaN: the step is skipped as before
+    same, _, none = normalized_rewards(scores, LearnerConfig(), None, _one_process)
     assert same is scores and none == {}
     with pytest.raises(ValueError, match="needs running reward moments"):
-        normalized_scores(scores, cfg, None, _one_process)
+        normalized_rewards(scores, cfg, None, _one_process)
 
 
 def test_value_lr_puts_the_value_head_in_its_own_parameter_group(tiny_policy_dir):

@@ -89,7 +89,9 @@ def _chunk(prompts, rewards, ok=None):
     facts = [SampleFacts(p.index, 0, 3, "stop") for p, rs in zip(prompts, rewards, strict=True) for _ in rs]
     flat = [r for rs in rewards for r in rs]
     ok = np.ones(len(flat), dtype=bool) if ok is None else np.asarray(ok)
-    scores = SimpleNamespace(scores=np.asarray(flat, dtype=np.float32), ok=ok)
+    scores = SimpleNamespace(
+        scores=np.asarray(flat, dtype=np.float32), returns=np.asarray(flat, np.float32), ok=ok
+    )
     return SimpleNamespace(prompts=prompts, facts=facts, scores=scores)
 
 
@@ -176,6 +178,55 @@ def test_sync_accounting_trains_short_after_max_rounds_and_refuses_an_empty_batc
 def test_an_inconsistent_round_is_refused():
     with pytest.raises(ValueError, match="drew 4 prompts"):
         StepAccount(4).record_round(4, 3, [])
+
+
+def _guess_episode(wrong: int):
+    """The README's guessing game: `wrong` wrong guesses (-0.05 each, one model token and one observation
+    token per turn), then the right one (1.0, the outcome)."""
+    from rollout_workers.environment import Episode
+    from rollout_workers.types import Sample
+
+    response = np.array([11, 4] * wrong + [11])
+    episode = Episode(
+        loss_mask=np.array([1, 0] * wrong + [1], dtype=np.uint8),
+        turn_ends=np.arange(0, 2 * wrong + 1, 2),
+        turn_rewards=np.array([-0.05] * wrong + [1.0], dtype=np.float32),
+        status="done",
+    )
+    return Sample(
+        0, np.array([4, 5]), response, np.zeros(len(response), np.float32), "stop", 0, episode=episode
+    )
+
+
+def test_the_filter_and_the_reward_metric_read_each_episodes_return(tmp_path):
+    """Group 0: all four episodes right in the end, after 0-3 wrong guesses: equal outcomes (1.0) but
+    returns 1, .95, .9, .85, which grpo trains on (advantages +-1.16 and +-0.39: the learner's side is
+    tests/test_multiturn_learner.py), so the group is kept. Group 1: right at once, all four: returns 1,
+    1, 1, 1, filtered. rollout/reward_mean is the mean return of the trained group, 0.925."""
+    from tiny_models import build_tokenizer
+
+    from cluster.pipeline.chunks import Chunk, sample_facts
+    from cluster.run.metrics import sample_metrics
+    from reward_service.config import RewardConfig
+    from reward_service.scorer import RewardScorer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    samples = [_guess_episode(k) for k in range(4)] + [_guess_episode(0) for _ in range(4)]
+    for k, s in enumerate(samples):
+        s.prompt_index = k // 4
+    scorer = RewardScorer(RewardConfig(kind="environment"), str(tmp_path))
+    scored = scorer.score(
+        [s.prompt_ids for s in samples], [s.response_ids for s in samples], None, [s.episode for s in samples]
+    )
+    chunk = Chunk(0, _prompts(2), seed=0)
+    chunk.facts, chunk.scores = [sample_facts(s) for s in samples], scored
+    kept, filtered = split_chunk(chunk, resolve_filter("nonzero_std"))
+    assert kept == {0: [0, 1, 2, 3]} and filtered == [1]
+    assert scored.scores.tolist() == [1.0] * 8  # the outcomes
+    np.testing.assert_allclose(scored.returns, [1.0, 0.95, 0.9, 0.85, 1.0, 1.0, 1.0, 1.0], rtol=1e-6)
+    stats = SimpleNamespace(empty=0, truncated=0, skipped_long=0)
+    m = sample_metrics([(chunk, kept[0])], 1.0, stats, RewardConfig(kind="environment"))
+    assert m["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
 
 
 # ---------------------------------------------------------------------- real Ray, both pipelines

@@ -131,3 +131,139 @@ def test_packed_batch_masks_observations_and_keeps_response_lengths():
     with pytest.raises(ValueError, match="mask entries"):
         t.action_mask = np.ones(3, dtype=np.uint8)
         pack_trajectories([t], pad_id=0)
+
+
+# ----------------------------------------------------------------- which rewards an episode trains on
+
+# A 2-turn episode: "good film" | observation "the" | "very good"; the environment gave -0.25 for turn 1
+# and 1.0 (the outcome) for turn 2.
+EPISODE_RESPONSE = np.array([11, 6, 4, 25, 11])
+
+
+def _episode_sample():
+    from rollout_workers.environment import Episode
+    from rollout_workers.types import Sample
+
+    episode = Episode(
+        loss_mask=np.array([1, 1, 0, 1, 1], dtype=np.uint8),
+        turn_ends=np.array([1, 4]),
+        turn_rewards=np.array([-0.25, 1.0], dtype=np.float32),
+        status="done",
+    )
+    return Sample(0, np.array([4, 5]), EPISODE_RESPONSE, np.zeros(5, np.float32), "stop", 0, episode=episode)
+
+
+def test_a_score_from_another_reward_kind_takes_none_of_the_environments_turn_rewards():
+    """The scorer's score (here a rule's 0.5) is the whole reward of an episode scored by any kind but
+    'environment': the environment's earlier-turn rewards (the -0.25) are not added beside it."""
+    from cluster.placement.actors import to_trajectory
+
+    t = to_trajectory(_episode_sample(), np.zeros(5, np.float32), 0.5)
+    assert t.token_rewards is None and t.action_mask.tolist() == [1, 1, 0, 1, 1]
+    assert "token_rewards" not in pack_trajectories([t], pad_id=0).tokens
+
+
+@pytest.mark.parametrize("kind", ["environment", "rule"])
+def test_the_reward_kind_decides_whether_all_or_none_of_the_environments_rewards_are_trained(kind, tmp_path):
+    """Scorer -> the learner's parts -> trajectories, as a run builds them. kind='environment': every turn's
+    reward (outcome 1.0 as the score on the last token, -0.25 on turn 1's last token: 0.75 in all); a rule:
+    its score alone (0.5: one of the two keywords), none of the environment's."""
+    from tiny_models import build_tokenizer
+
+    from cluster.pipeline.chunks import Chunk, sample_facts
+    from cluster.pipeline.data import Prompt
+    from cluster.pipeline.groups import shard_parts
+    from cluster.placement.actors import part_trajectories
+    from reward_service.config import RewardConfig
+    from reward_service.scorer import RewardScorer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    sample = _episode_sample()
+    config = RewardConfig(kind=kind, rule="contains_keyword" if kind == "rule" else None)
+    meta = {"keywords": ["good", "plot"]}
+    scored = RewardScorer(config, str(tmp_path)).score(
+        [sample.prompt_ids], [sample.response_ids], [meta], [sample.episode]
+    )
+    assert scored.turn_rewards == (kind == "environment")
+    chunk = Chunk(0, [Prompt(0, "the movie", sample.prompt_ids, meta)], seed=0)
+    chunk.facts, chunk.scores = [sample_facts(sample)], scored
+    chunk.samples_ref, chunk.ref_logprobs_ref = "samples", "reference logprobs"
+    (((part,), _chunks),) = shard_parts([(chunk, [0])], 1, "count")
+    assert part.turn_rewards == (kind == "environment")
+    (t,) = part_trajectories(part, [sample], [np.zeros(5, np.float32)])
+    if kind == "environment":
+        assert t.score == 1.0 and t.token_rewards.tolist() == [0.0, -0.25, 0.0, 0.0, 0.0]
+    else:
+        assert t.score == 0.5 and t.token_rewards is None
+
+
+def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
+    """One group of four episodes, right in the end after 0-3 wrong guesses (-0.05 each): outcomes 1.0,
+    returns 1, .95, .9, .85 (the return dynamic sampling filters on, tests/test_dynamic_sampling.py).
+    grpo (kl 0): mean .925, std sqrt(.0125 / 3) = .0645497: advantages +-1.161895 and +-0.387298 on every
+    model token; rollout/reward_mean is the mean return, .925, as the driver's."""
+    from test_dynamic_sampling import _guess_episode
+    from test_learner_packing import GradientTap
+
+    from cluster.placement.actors import to_trajectory
+    from learner.config import LearnerConfig
+    from learner.model import PolicyWithValueHead
+    from learner.prepare import prepare
+
+    samples = [_guess_episode(k) for k in range(4)]
+    trajs = [to_trajectory(s, np.zeros(len(s.response_ids), np.float32), 1.0, 0, True) for s in samples]
+    batch = pack_trajectories(trajs, pad_id=0)
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
+    stats = prepare(tap, batch, LearnerConfig(advantage="grpo"), 0.0, 1.0, 0, tap.device)
+    assert stats["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
+    adv = batch.tokens["advantages"]
+    for row, want in enumerate([1.161895, 0.387298, -0.387298, -1.161895]):
+        valid = batch.mask[row] > 0
+        np.testing.assert_allclose(adv[row][valid].tolist(), [want] * int(valid.sum()), atol=1e-4)
+        assert adv[row][~valid].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "mode, clip, want",
+    [
+        # G / 2: turn penalties -1 -> -0.5, outcomes 0, 2, 3 -> 0, 1, 1.5
+        ("scale", None, [[-0.5, -0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 1.0], [1.5, 1.5, 1.5, 1.5]]),
+        # (G - 1) / 2 = -1, 0, 1: turn penalties -0.5, the outcomes take the rest (-0.5, 0.5, 1)
+        ("standardize", None, [[-1.0, -1.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.5], [1.0, 1.0, 1.0, 1.0]]),
+        # the normalised returns clipped to [-0.75, 0.75]: -0.75, 0, 0.75; outcomes -0.25, 0.5, 0.75
+        ("standardize", 0.75, [[-0.75, -0.75, 0.0, -0.25], [0.0, 0.0, 0.0, 0.5], [0.75, 0.75, 0.75, 0.75]]),
+    ],
+)
+def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_policy_dir, mode, clip, want):
+    """Three samples: two 2-turn episodes (m m | o | m) with a -1 penalty on turn 1 and outcomes 0 and 2,
+    and a single response scored 3: returns G = -1, 1, 3, running mean 1 and std 2. Every reward is
+    divided by the same std (the penalty too), the mean comes off once (from the outcome) and a clip
+    bounds the return. gae with V = 0 (zero value head), gamma = lam = 1, no KL and no whitening: each
+    model token's advantage is the normalised reward to go."""
+    from test_learner_packing import GradientTap
+
+    from learner.config import LearnerConfig
+    from learner.critic import RunningMoments
+    from learner.model import PolicyWithValueHead
+    from learner.prepare import prepare
+
+    def episode(score):
+        return Trajectory(
+            np.array([4, 5]), np.array([11, 6, 4, 25]), np.zeros(4, np.float32), np.zeros(4, np.float32), score,
+            action_mask=np.array([1, 1, 0, 1], dtype=np.uint8),
+            token_rewards=np.array([0.0, -1.0, 0.0, 0.0], dtype=np.float32),
+        )  # fmt: skip
+
+    single = Trajectory(
+        np.array([4, 5]), np.array([11, 6, 4, 25]), np.zeros(4, np.float32), np.zeros(4, np.float32), 3.0
+    )
+    batch = pack_trajectories([episode(0.0), episode(2.0), single], pad_id=0)
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
+    config = LearnerConfig(
+        advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False, reward_norm=mode, reward_norm_clip=clip
+    )
+    stats = prepare(tap, batch, config, 0.0, 1.0, 0, tap.device, RunningMoments())
+    np.testing.assert_allclose(batch.tokens["advantages"].tolist(), want, atol=1e-6)
+    assert (stats["reward_norm/count"], stats["reward_norm/mean"]) == (3.0, pytest.approx(1.0))
+    assert stats["reward_norm/std"] == pytest.approx(2.0)
+    assert stats["rollout/reward_mean"] == pytest.approx(1.0)  # the raw returns' mean

@@ -189,7 +189,7 @@ def test_a_lost_chunk_starts_a_new_round():
 
 class _Rewards:
     def __init__(self, values):
-        self.scores = np.asarray(values, dtype=np.float32)
+        self.scores = self.returns = np.asarray(values, dtype=np.float32)
         self.ok = np.ones(len(values), dtype=bool)
 
 

@@ -138,6 +138,17 @@ class RunConfig(_Strict):
                 "rollout.environment set use rollout.environment.max_total_tokens and missing_eos_penalty "
                 "(an episode the environment did not end counts as truncated) instead"
             )
+        if self.learner.truncation == "bootstrap":
+            # The bootstrap value is V at the state after the episode's last model token. In an episode
+            # that state is always followed by observation tokens, which carry no value target, so the
+            # critic is never trained there; the state the next action would see (after the environment's
+            # observation) is not in the sample at all.
+            raise ValueError(
+                "learner.truncation='bootstrap' with rollout.environment.name set would bootstrap every episode "
+                "cut at max_turns / max_total_tokens from a value the critic is never trained on (the state "
+                "after a turn's last token is followed by observation tokens): set learner.truncation='terminal', "
+                "or unset rollout.environment.name (single responses)"
+            )
 
     def _overlong(self) -> None:
         """The overlong ramp ends where the workers cut responses: rollout.sampling.max_new_tokens."""

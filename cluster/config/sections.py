@@ -55,8 +55,10 @@ class DynamicSamplingSection(_Strict):
         description="Which groups (the rollout.sampling.n samples of one prompt) are trained: 'none' (all: dynamic "
         "sampling off), 'nonzero_std' (only groups whose rewards' std exceeds std_eps: DAPO's dynamic sampling), or "
         "a user function 'package.module:function' / 'path/to/file.py:function' taking the group's successful "
-        "rewards (a float64 array) and returning whether to keep it. Dropped groups are counted and the batch is "
-        "refilled with more prompts; needs rollout.sampling.n >= 2.",
+        "rewards (a float64 array) and returning whether to keep it. A sample's reward is its return (a multi-turn "
+        "episode's outcome plus its earlier turns' rewards with reward.kind='environment'), what grpo and rloo "
+        "train on. Dropped groups are counted and the batch is refilled with more prompts; needs "
+        "rollout.sampling.n >= 2.",
     )
     max_rounds: int = Field(
         8,

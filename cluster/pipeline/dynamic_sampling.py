@@ -11,8 +11,11 @@ chunk into kept and filtered groups, and the per-step accounting. Both pipelines
 
 A group is the samples of one prompt in one chunk. The filter sees the rewards of the group's samples
 whose reward succeeded (a failed reward is dropped and counted, never scored); a group with no
-successful reward is filtered without calling the filter. Every drawn prompt ends exactly once as
-trained or filtered (or, in async mode, still outstanding: re-generated after a resume).
+successful reward is filtered without calling the filter. A sample's reward is its return
+(`ScoreBatch.returns`: a multi-turn episode's outcome plus its earlier turns' rewards, when they are
+trained), the number grpo and rloo train on, so a group of equal outcomes but different returns is
+kept. Every drawn prompt ends exactly once as trained or filtered (or, in async mode, still
+outstanding: re-generated after a resume).
 """
 
 from __future__ import annotations
@@ -108,9 +111,9 @@ def groups(chunk: Any) -> list[list[int]]:
 
 
 def group_rewards(chunk: Any, positions: Sequence[int]) -> np.ndarray:
-    """The successful rewards of the samples at `positions` of `chunk`."""
+    """The successful rewards (returns, `ScoreBatch.returns`) of the samples at `positions` of `chunk`."""
     s = chunk.scores
-    return np.array([float(s.scores[j]) for j in positions if s.ok[j]], dtype=np.float64)
+    return np.array([float(s.returns[j]) for j in positions if s.ok[j]], dtype=np.float64)
 
 
 def keeps(keep: GroupFilter | None, rewards: np.ndarray) -> bool:

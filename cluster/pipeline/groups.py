@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -81,17 +81,26 @@ def shard_batch(groups: Sequence[int], tokens: Sequence[int], num_shards: int, h
     raise ValueError(f"learner.balance_ranks={how!r}; allowed: 'tokens', 'count'")
 
 
+class RankPart(NamedTuple):
+    """Consecutive samples of one chunk as a learner rank takes them (`train_parts`)."""
+
+    samples_ref: Any  # the chunk's samples object
+    ref_logprobs_ref: Any  # its reference logprobs object
+    picks: list[tuple[int, float, int]]  # (sample position, score, group id)
+    turn_rewards: bool  # the chunk's `ScoreBatch.turn_rewards`: episodes train their earlier turns' rewards
+
+
 def shard_parts(
     parts: Sequence[tuple[Any, Sequence[int]]], num_shards: int, how: str
-) -> list[tuple[list, list]]:
+) -> list[tuple[list[RankPart], list]]:
     """A learner batch split over `num_shards` ranks as each rank's `train_parts` argument.
 
     `parts` is the batch as both pipelines hand it over: (chunk, sample positions) in chunk order,
     the chunks as `cluster.pipeline.collector.Chunk` (facts, scores, prompts and the two object references).
     Samples whose reward failed are left out; groups (a prompt's run of samples in one chunk) stay
     whole and shards balance tokens (`shard_batch`). Consecutive samples of one chunk travel as one
-    part: (samples ref, reference-logprobs ref, [(position, score, group id), ...]). Returns per rank
-    (its parts, the chunk of each part: a rank names a lost input by its part's position)."""
+    `RankPart`. Returns per rank (its parts, the chunk of each part: a rank names a lost input by its
+    part's position)."""
     items = [(chunk, j) for chunk, pos in parts for j in pos if chunk.scores.ok[j]]
     group = group_runs([(chunk.index, chunk.facts[j].prompt_index) for chunk, j in items])
     prompt_len = {(c.index, p.index): len(p.ids) for c, _ in parts for p in c.prompts}
@@ -105,10 +114,11 @@ def shard_parts(
             for chunk, run in itertools.groupby(((k, items[k]) for k in shard), key=lambda it: it[1][0])
         ]
         args = [
-            (
+            RankPart(
                 chunk.samples_ref,
                 chunk.ref_logprobs_ref,
                 [(j, float(chunk.scores.scores[j]), group[k]) for k, (_, j) in run],
+                bool(chunk.scores.turn_rewards),
             )
             for chunk, run in runs
         ]

@@ -28,7 +28,7 @@ class LearnerRanks:
 
     def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
         """Start a learner step on `parts` (both pipelines): each rank gets its shard as object
-        references with (position, score, group) triples and assembles its trajectories itself
+        references with (position, score, group) triples (`RankPart`s) and assembles its trajectories itself
         (`train_parts`), so no sample passes through the driver. Returns per rank (its name, the
         call's reference, the chunk of each of its parts)."""
         shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)

@@ -16,7 +16,8 @@ from typing import Any
 import ray
 
 from cluster.pipeline.chunks import SampleFacts, sample_facts
-from cluster.placement.actors import to_trajectory
+from cluster.pipeline.groups import RankPart
+from cluster.placement.actors import part_trajectories
 from cluster.placement.pools import LOST_OBJECT_ERRORS
 from learner.rank import LearnerRank
 from reward_service.reference import ReferencePolicy
@@ -68,22 +69,21 @@ class StreamingLearnerRank(LearnerRank):
         bundle = self.export_weights(describe, dtype)
         return bundle is not None, bundle
 
-    def train_parts(self, parts: list[tuple[Any, Any, list[tuple[int, float, int]]]]) -> dict[str, Any]:
-        """`train_step` on trajectories assembled here from object references: each part is
-        (samples ref, reference-logprobs ref, [(sample position, score, group id), ...]).
+    def train_parts(self, parts: list[RankPart]) -> dict[str, Any]:
+        """`train_step` on trajectories assembled here from object references (`part_trajectories`).
 
         An input whose object is lost (its node died with the only copy) trains nothing anywhere:
         every rank learns whether any rank lost an input before the step's first collective, and
         all return `{"lost_parts": [positions in their own parts]}` so the driver can regenerate
         those prompts and give the rest of the batch back."""
         trajectories, lost = [], []
-        for k, (samples_ref, ref_lp_ref, picks) in enumerate(parts):
+        for k, part in enumerate(parts):
             try:
-                samples, ref_lps = ray.get([samples_ref, ref_lp_ref])
+                samples, ref_lps = ray.get([part.samples_ref, part.ref_logprobs_ref])
             except LOST_OBJECT_ERRORS:
                 lost.append(k)
                 continue
-            trajectories += [to_trajectory(samples[j], ref_lps[j], score, g) for j, score, g in picks]
+            trajectories += part_trajectories(part, samples, ref_lps)
         if self.any_rank(bool(lost)):
             return {"lost_parts": lost}
         return self.train_step(trajectories)

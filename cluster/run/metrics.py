@@ -66,10 +66,11 @@ def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]
 
 def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> dict[str, float]:
     """The metrics of a step's samples (`parts`, as the learner took them) and of the data, the same in
-    both pipelines: from the chunks' facts and scores, never the samples themselves. `reward` is the
-    run's reward section (how a score maps to a probability, when it does)."""
+    both pipelines: from the chunks' facts and scores, never the samples themselves. A sample's reward is
+    its return (`ScoreBatch.returns`, what the learner trains on). `reward` is the run's reward section
+    (how a score maps to a probability, when it does)."""
     trained = kept(parts)
-    scores = np.array([float(c.scores.scores[j]) for c, j in trained])
+    scores = np.array([float(c.scores.returns[j]) for c, j in trained])
     lengths = np.array([c.facts[j].length for c, j in trained])
     finish = [c.facts[j].finish_reason for c, j in trained]
     failures = sum(len(pos) for _c, pos in parts) - len(trained)
