@@ -189,10 +189,10 @@ def test_environment_errors_and_time_outs_fail_their_episodes_only(policies):  #
     assert all(len(s.response_ids) >= 1 for s in samples)
 
 
-def test_the_readme_environment_example_runs_in_episodes(policies, tmp_path):  # noqa: F811
-    """The README's user-written environment, taken from the README as a .py module and run in episodes."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    code = readme.split("```python\n# my_envs.py\n", 1)[1].split("```", 1)[0]
+def test_the_documented_environment_example_runs_in_episodes(policies, tmp_path):  # noqa: F811
+    """The user-written environment of docs/environments.md, taken as a .py module and run in episodes."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    code = page.split("```python\n# my_envs.py\n", 1)[1].split("```", 1)[0]
     module = tmp_path / "my_envs.py"
     module.write_text(code)
     env = make_environment("guess", str(module), {"low": 1, "high": 100})

@@ -1,6 +1,6 @@
-"""The dependency rule of the architecture (DESIGN.md), checked on the source: `cluster/` composes the
-roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`, of the demos
-or benchmarks, and of no other role, except the pure, stateless `learner.algorithms` and
+"""The dependency rule of the architecture (docs/architecture.md), checked on the source: `cluster/`
+composes the roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`,
+of the demos or benchmarks, and of no other role, except the pure, stateless `learner.algorithms` and
 `learner.sequences`, which any role may use. Every import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
