@@ -39,7 +39,8 @@ def dropped_lines(stats: DataStats, kept: int, cfg: DataSection) -> list[str]:
     if stats.skipped_long:
         lines.append(
             f"  skipped {stats.skipped_long} over data.max_prompt_tokens={cfg.max_prompt_tokens} (the longest "
-            f"{stats.longest_skipped} tokens; chat prompts are never cut, plain text with data.long_prompt='skip')"
+            f"{stats.longest_skipped} tokens; raise data.max_prompt_tokens to keep them), e.g. "
+            + "; ".join(stats.skipped_rows)
         )
     if stats.truncated:
         lines.append(

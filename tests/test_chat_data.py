@@ -5,7 +5,6 @@ file, the row and the field. No Ray, no model: word-level tokenizers with real c
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from chat_tokenizers import (
     THINKING_TEMPLATE,
     chat_tokenizer,
 )
+from data_files import WRITERS, write, write_dataset, write_json, write_jsonl, write_parquet
 
 from cluster.config.schema import ConfigError, DataSection, build_config
 from cluster.pipeline.data import PromptStream, load_prompts, read_prompts
@@ -51,41 +51,6 @@ def reference_ids(tok, messages, **kwargs) -> list[int]:
 
 def reference_text(tok, messages, **kwargs) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-
-
-# ------------------------------------------------------------------ files of every format
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def write_json(path: Path, rows: list) -> Path:
-    path.write_text(json.dumps(rows))
-    return path
-
-
-def write_parquet(path: Path, rows: list) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def write_dataset(path: Path, rows: list) -> Path:
-    import datasets
-
-    datasets.Dataset.from_list(rows).save_to_disk(str(path))
-    return path
-
-
-WRITERS = {"jsonl": write_jsonl, "json": write_json, "parquet": write_parquet, "dataset": write_dataset}
-
-
-def write(tmp_path: Path, fmt: str, rows: list, name: str = "prompts") -> Path:
-    return WRITERS[fmt](tmp_path / (name if fmt == "dataset" else f"{name}.{fmt}"), rows)
 
 
 def section(path, **fields) -> DataSection:

@@ -22,6 +22,7 @@ from cluster.pipeline.chat import ChatTemplate, chat_template, check_messages
 from cluster.pipeline.prompt_files import read_rows
 
 JSON_SCALARS = (str, int, float, bool, type(None))
+SHOWN_SKIPPED = 3
 
 
 @dataclass
@@ -42,6 +43,15 @@ class DataStats:
     truncated: int = 0  # plain text cut from the left (data.long_prompt='truncate')
     skipped_long: int = 0  # over data.max_prompt_tokens: chat prompts always, plain text with 'skip'
     longest_skipped: int = 0  # tokens of the longest skipped prompt
+    skipped_rows: list[str] = field(
+        default_factory=list
+    )  # where the first few skipped rows are (SHOWN_SKIPPED)
+
+    def skip(self, where: str, tokens: int) -> None:
+        self.skipped_long += 1
+        self.longest_skipped = max(self.longest_skipped, tokens)
+        if len(self.skipped_rows) < SHOWN_SKIPPED:
+            self.skipped_rows.append(where)
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ def pad_token_id(tokenizer) -> int:
     return pad_id_of(tokenizer)
 
 
-def _plain_ids(text: str, tokenizer, cfg: DataSection, stats: DataStats) -> list[int] | None:
+def _plain_ids(row: PromptRow, tokenizer, cfg: DataSection, stats: DataStats) -> list[int] | None:
     """Plain text's ids: BOS (data.add_bos) + the text's tokens, cut from the left or skipped when long.
 
     `max_prompt_tokens` counts the BOS token; a truncated prompt keeps its BOS: the text is cut to the
@@ -134,11 +144,10 @@ def _plain_ids(text: str, tokenizer, cfg: DataSection, stats: DataStats) -> list
             f"data.max_prompt_tokens={cfg.max_prompt_tokens} leaves no room for prompt text after the BOS "
             "token: raise it, or set data.add_bos=false"
         )
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(row.text, add_special_tokens=False)["input_ids"]
     if len(ids) > room:
         if cfg.long_prompt == "skip":
-            stats.skipped_long += 1
-            stats.longest_skipped = max(stats.longest_skipped, len(ids) + (bos is not None))
+            stats.skip(row.where, len(ids) + (bos is not None))
             return None
         stats.truncated += 1
         ids = ids[-room:]
@@ -166,15 +175,14 @@ def tokenize_prompts(
             continue
         messages = _chat(row, cfg)
         if messages is None:
-            text, ids = row.text, _plain_ids(row.text, tokenizer, cfg, stats)
+            text, ids = row.text, _plain_ids(row, tokenizer, cfg, stats)
             if ids is None:
                 continue
         else:
             messages = template.conversation(messages)
             text, ids = template.render(tokenizer, messages, f"{row.where}: field {cfg.prompt_key!r}")
             if len(ids) > cfg.max_prompt_tokens:
-                stats.skipped_long += 1
-                stats.longest_skipped = max(stats.longest_skipped, len(ids))
+                stats.skip(row.where, len(ids))
                 continue
         prompts.append(Prompt(row.index, text, np.asarray(ids, dtype=np.int64), row.meta, messages))
     if not prompts:
