@@ -31,9 +31,8 @@ class Prompt:
     text: str  # what the rest of the run sees: the plain text, or a chat prompt's rendered template
     ids: np.ndarray
     meta: dict = field(default_factory=dict)  # the row's other columns
-    messages: list[dict] | None = (
-        None  # a chat prompt's messages (system prompt included); None for plain text
-    )
+    # a chat prompt's messages as rendered (data.system_prompt included); None for plain text
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -43,9 +42,7 @@ class DataStats:
     truncated: int = 0  # plain text cut from the left (data.long_prompt='truncate')
     skipped_long: int = 0  # over data.max_prompt_tokens: chat prompts always, plain text with 'skip'
     longest_skipped: int = 0  # tokens of the longest skipped prompt
-    skipped_rows: list[str] = field(
-        default_factory=list
-    )  # where the first few skipped rows are (SHOWN_SKIPPED)
+    skipped_rows: list[str] = field(default_factory=list)  # where the first SHOWN_SKIPPED skipped rows are
 
     def skip(self, where: str, tokens: int) -> None:
         self.skipped_long += 1
@@ -82,16 +79,15 @@ def _check_meta(value: Any, where: str, column: str) -> None:
         )
 
 
-def read_prompts(cfg: DataSection, field: str = "data.prompts_path") -> list[PromptRow]:
-    """The rows of the files `cfg.prompts_path` names (`field` is the option, for messages), each
+def read_prompts(cfg: DataSection, option: str = "data.prompts_path") -> list[PromptRow]:
+    """The rows of the files `cfg.prompts_path` names (`option`: its name, for messages), each
     checked: the prompt column present and a string or a valid messages list, `meta_keys` present."""
     key = cfg.prompt_key
     rows = []
-    for raw in read_rows(cfg.prompts_path, field):
+    for raw in read_rows(cfg.prompts_path, option):
         if key not in raw.columns:
-            raise ConfigError(
-                f"{raw.where}: missing field {key!r} (data.prompt_key); the row has {', '.join(sorted(raw.columns)) or 'no fields'}"
-            )
+            has = ", ".join(sorted(raw.columns)) or "no fields"
+            raise ConfigError(f"{raw.where}: missing field {key!r} (data.prompt_key); the row has {has}")
         missing = [k for k in cfg.meta_keys if k not in raw.columns]
         if missing:
             raise ConfigError(f"{raw.where}: missing field {missing[0]!r} (listed in data.meta_keys)")
@@ -110,7 +106,7 @@ def read_prompts(cfg: DataSection, field: str = "data.prompts_path") -> list[Pro
             _check_meta(v, raw.where, column)
         rows.append(PromptRow(raw.index, raw.where, text, messages, meta))
     if not rows:
-        raise ConfigError(f"{field}: {cfg.prompts_path} holds no prompts")
+        raise ConfigError(f"{option}: {cfg.prompts_path} holds no prompts")
     return rows
 
 
@@ -121,8 +117,8 @@ def load_tokenizer(cfg: RunConfig):
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer_path)
     except (OSError, ValueError) as err:
-        field = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.policy_path"
-        raise ConfigError(f"{field}: cannot load a tokenizer from {cfg.tokenizer_path}: {err}") from None
+        option = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.policy_path"
+        raise ConfigError(f"{option}: cannot load a tokenizer from {cfg.tokenizer_path}: {err}") from None
 
 
 def pad_token_id(tokenizer) -> int:
@@ -163,7 +159,7 @@ def _chat(row: PromptRow, cfg: DataSection) -> list[dict[str, Any]] | None:
 
 
 def tokenize_prompts(
-    rows: list[PromptRow], tokenizer, cfg: DataSection, field: str = "data.prompts_path"
+    rows: list[PromptRow], tokenizer, cfg: DataSection, option: str = "data.prompts_path"
 ) -> tuple[list[Prompt], DataStats]:
     """Empty prompts are dropped and over-long ones skipped or (plain text) truncated, all counted."""
     stats = DataStats(rows=len(rows))
@@ -187,17 +183,17 @@ def tokenize_prompts(
         prompts.append(Prompt(row.index, text, np.asarray(ids, dtype=np.int64), row.meta, messages))
     if not prompts:
         raise ConfigError(
-            f"{field}: no usable prompts ({stats.empty} empty, {stats.skipped_long} over "
+            f"{option}: no usable prompts ({stats.empty} empty, {stats.skipped_long} over "
             f"data.max_prompt_tokens={cfg.max_prompt_tokens}, the longest {stats.longest_skipped} tokens)"
         )
     return prompts, stats
 
 
 def load_prompts(
-    cfg: DataSection, tokenizer, field: str = "data.prompts_path"
+    cfg: DataSection, tokenizer, option: str = "data.prompts_path"
 ) -> tuple[list[Prompt], DataStats]:
     """`read_prompts` then `tokenize_prompts`: the prompts a run hands out, and their counts."""
-    return tokenize_prompts(read_prompts(cfg, field), tokenizer, cfg, field)
+    return tokenize_prompts(read_prompts(cfg, option), tokenizer, cfg, option)
 
 
 @dataclass

@@ -110,18 +110,18 @@ SAVED_DATASET = FileFormat("datasets folder", _read_saved_dataset, by_line=False
 ALLOWED = f"{', '.join(FORMATS)} or a folder written by datasets' save_to_disk"
 
 
-def file_format(path: Path, field: str) -> FileFormat:
+def file_format(path: Path, option: str) -> FileFormat:
     if path.is_dir():
         return SAVED_DATASET
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(
-            f"{field}: {path}: unknown format {path.suffix or '(no suffix)'!r}; allowed: {ALLOWED}"
+            f"{option}: {path}: unknown format {path.suffix or '(no suffix)'!r}; allowed: {ALLOWED}"
         )
     return fmt
 
 
-def prompt_files(spec: str | list[str], field: str) -> list[Path]:
+def prompt_files(spec: str | list[str], option: str) -> list[Path]:
     """The files (and saved-dataset folders) `spec` names, in reading order; each exists and has a
     known format. A glob matching nothing, a missing file or an unknown suffix is a ConfigError."""
     paths: list[Path] = []
@@ -130,23 +130,23 @@ def prompt_files(spec: str | list[str], field: str) -> list[Path]:
         if glob.has_magic(pattern):
             matches = sorted(glob.glob(pattern))
             if not matches:
-                raise ConfigError(f"{field}: no file matches {entry}")
+                raise ConfigError(f"{option}: no file matches {entry}")
             paths += [Path(m) for m in matches]
         elif Path(pattern).exists():
             paths.append(Path(pattern))
         else:
-            raise ConfigError(f"{field}: file not found: {entry}")
+            raise ConfigError(f"{option}: file not found: {entry}")
     for path in paths:
-        file_format(path, field)
+        file_format(path, option)
     return paths
 
 
-def read_rows(spec: str | list[str], field: str) -> list[RawRow]:
+def read_rows(spec: str | list[str], option: str) -> list[RawRow]:
     """Every row of the files `spec` names, concatenated in order; each row an object (a dict)."""
     rows: list[RawRow] = []
     offset = 0
-    for path in prompt_files(spec, field):
-        fmt = file_format(path, field)
+    for path in prompt_files(spec, option):
+        fmt = file_format(path, option)
         found, span = fmt.read(path)
         for position, obj in found:
             where = fmt.where(path, position)
