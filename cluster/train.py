@@ -19,6 +19,8 @@ from pathlib import Path
 
 from cluster.config.schema import ConfigError, RunConfig, load_config
 from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
+from cluster.pipeline.data import RunPrompts, load_run_prompts, load_tokenizer
+from cluster.pipeline.prompt_files import prompt_files
 from cluster.run.folder import resolve_paths
 from cluster.run.job_env import (
     SharedSessionError,
@@ -32,8 +34,10 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Build the demo assets if asked, then check every path the actors will open."""
+def preflight(cfg: RunConfig) -> RunPrompts:
+    """Build the demo assets if asked, check every path the actors will open, then read and render the
+    prompts (`cluster.pipeline.data`, as `python -m cluster.data` shows them): a bad row is found before
+    any actor starts. Returns the prompts, which the run then uses instead of reading them again."""
     if cfg.model.demo_assets:
         from cluster.demo_assets import DemoAssetsError, build_demo_assets
 
@@ -54,10 +58,9 @@ def preflight(cfg: RunConfig) -> None:
             raise ConfigError(f"{field}: folder not found: {path}")
         if must_hold and not (p / must_hold).is_file():
             raise ConfigError(f"{field}: {path} has no {must_hold} (expected a save_pretrained folder)")
-    if not Path(cfg.data.prompts_path).is_file():
-        raise ConfigError(f"data.prompts_path: file not found: {cfg.data.prompts_path}")
-    if cfg.eval.prompts_path and not Path(cfg.eval.prompts_path).is_file():
-        raise ConfigError(f"eval.prompts_path: file not found: {cfg.eval.prompts_path}")
+    prompt_files(cfg.data.prompts_path, "data.prompts_path")
+    if cfg.eval.prompts_path:
+        prompt_files(cfg.eval.prompts_path, "eval.prompts_path")
     if cfg.reward.kind == "rule":
         from reward_service.rules import get_reward
 
@@ -65,6 +68,7 @@ def preflight(cfg: RunConfig) -> None:
             get_reward(cfg.reward.rule, cfg.reward.rule_module)
         except (ValueError, ImportError) as err:
             raise ConfigError(f"reward.rule: {err}") from None
+    return load_run_prompts(cfg, load_tokenizer(cfg))
 
 
 def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
@@ -121,8 +125,8 @@ def run_dir_for(cfg: RunConfig, explicit: str | None, resolve: bool = True) -> P
     return folder.resolve() if resolve else folder
 
 
-def add_run_arguments(ap: argparse.ArgumentParser) -> None:
-    """The arguments that name a run, shared by `cluster.train` and `cluster.submit`."""
+def add_config_arguments(ap: argparse.ArgumentParser) -> None:
+    """CONFIG and its --set overrides, shared by every command that reads a run config."""
     ap.add_argument("config", help="YAML run config, e.g. configs/sentiment_tiny.yaml")
     ap.add_argument(
         "--set",
@@ -132,6 +136,16 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set learner.lr=1e-5 (repeatable)",
     )
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The config `add_config_arguments` named, overrides applied, its paths made absolute here."""
+    return resolve_paths(load_config(args.config, args.overrides))
+
+
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments that name a run, shared by `cluster.train` and `cluster.submit`."""
+    add_config_arguments(ap)
     ap.add_argument(
         "--run-dir", default=None, help="run folder (default: <run.output_dir>/<run.name>-<time>)"
     )
@@ -162,8 +176,8 @@ def resolve_resume(cfg: RunConfig, resume: str | None) -> tuple[Path | None, Pat
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = resolve_paths(load_config(args.config, args.overrides))
-        preflight(cfg)
+        cfg = run_config(args)
+        prompts = preflight(cfg)
         resume_dir, ckpt = resolve_resume(cfg, args.resume)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -206,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
     trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
     trainer.clock = clock
+    trainer.data = prompts
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
     try:
         trainer.setup()

@@ -189,7 +189,7 @@ def load_prompts(path: str | Path) -> list[str]:
     from cluster.config.schema import DataSection
     from cluster.pipeline.data import read_prompts
 
-    return [text for _, text, _ in read_prompts(DataSection(prompts_path=str(path)))]
+    return [row.text for row in read_prompts(DataSection(prompts_path=str(path)))]
 
 
 # --- torch side; imported lazily so the up-to-date check stays instant ---

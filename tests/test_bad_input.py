@@ -67,7 +67,7 @@ def test_unusable_prompt_files_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: not valid JSON"):
         read_prompts(DataSection(prompts_path=str(tmp_path / "bad.jsonl")))
     (tmp_path / "key.jsonl").write_text('{"text": "ok"}\n')
-    with pytest.raises(ConfigError, match="missing key 'prompt'"):
+    with pytest.raises(ConfigError, match=r"key.jsonl:1: missing field 'prompt' \(data.prompt_key\)"):
         read_prompts(DataSection(prompts_path=str(tmp_path / "key.jsonl")))
 
 

@@ -3,7 +3,7 @@ role's own section): run, model, data, cluster, timeouts, pipeline, checkpoint, 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -84,26 +84,140 @@ class DynamicSamplingSection(_Strict):
         return self.filter != "none"
 
 
+CHAT_TEMPLATE_KEYWORDS = ("auto", "none")  # data.chat_template's values that are not a Jinja file
+# apply_chat_template arguments the data loader sets itself: data.chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = (
+    "conversation",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+)
+
+
 class DataSection(_Strict):
-    prompts_path: str = Field(..., description="JSONL file of prompts, one object per line.")
-    prompt_key: str = Field("prompt", description="Key of the prompt text in each JSONL object.")
+    prompts_path: str | list[str] = Field(
+        ...,
+        description="The prompts: a file (.jsonl: one object per line; .json: a list of objects; .parquet), a "
+        "folder saved by datasets' save_to_disk, a glob of them (sorted), or a list of any of these, read in "
+        "order and concatenated. Each row's identity is its position in that concatenation (a JSONL file's "
+        "line number, blank lines included). See docs/data.md.",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        description="Column holding the prompt: a string, or a list of chat messages ({role: system|user|"
+        "assistant|tool, content: string, optional tool_calls}) rendered with data.chat_template. Every other "
+        "column of the row is the prompt's meta (handed to rule/remote rewards and environments).",
+    )
     meta_keys: list[str] = Field(
-        default_factory=list, description="Extra JSONL keys passed to rule rewards as meta."
+        default_factory=list,
+        description="Columns every row must have (checked when the prompts are read; a row without one is an "
+        "error). Every column besides data.prompt_key reaches the reward as meta whether listed or not.",
     )
     prompts_per_step: int = Field(
         64, ge=1, description="Prompts per PPO iteration (rollout batch = this x sampling.n)."
     )
-    max_prompt_tokens: int = Field(64, ge=1, description="Longest prompt in tokens.")
-    long_prompt: Literal["truncate", "skip"] = Field(
-        "truncate", description="Over-long prompts: keep the last tokens, or skip them (counted)."
+    max_prompt_tokens: int = Field(
+        64,
+        ge=1,
+        description="Longest prompt in tokens, counted as the model sees it (BOS and, for chat prompts, the "
+        "whole rendered template: system prompt, role markers and the generation prompt). It also sizes the "
+        "engines' context (+ rollout.sampling.max_new_tokens): chat prompts usually need hundreds; "
+        "`python -m cluster.data CONFIG` prints the lengths.",
     )
-    add_bos: bool = Field(True, description="Prepend the tokenizer's BOS token when it has one.")
+    long_prompt: Literal["truncate", "skip"] = Field(
+        "truncate",
+        description="Over-long plain-text prompts: keep the last tokens, or skip them (counted). Over-long "
+        "chat prompts are always skipped and counted (never cut through the template).",
+    )
+    add_bos: bool = Field(
+        True,
+        description="Prepend the tokenizer's BOS token to plain-text prompts when it has one. Never added to a "
+        "rendered chat prompt: its ids are the template's (a template that wants a BOS writes {{ bos_token }}).",
+    )
+    chat_template: str = Field(
+        "auto",
+        description="How chat-message prompts become tokens: 'auto' (the tokenizer's own chat template; a "
+        "messages prompt with a tokenizer that has none is an error), 'none' (messages prompts are an error), "
+        "or a path to a Jinja file used instead of the tokenizer's. Rendered with add_generation_prompt=True.",
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message put first in every chat prompt whose messages have none."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (apply_chat_template's keyword arguments), e.g. "
+        "{enable_thinking: false}.",
+    )
+    wrap_string_prompts: bool = Field(
+        False,
+        description="A string prompt becomes one user message rendered with the chat template (instead of "
+        "plain text).",
+    )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
     dynamic_sampling: DynamicSamplingSection = Field(
         default_factory=DynamicSamplingSection,
         description="Drop groups whose rewards carry no signal and refill the batch with more prompts "
         "(off by default: filter='none').",
     )
+
+    @field_validator("prompts_path")
+    @classmethod
+    def _some_path(cls, value: str | list[str]) -> str | list[str]:
+        paths = [value] if isinstance(value, str) else value
+        if not paths or any(not p.strip() for p in paths):
+            raise ValueError(
+                "give a file, folder or glob (or a non-empty list of them); empty paths are not allowed"
+            )
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} set by the data loader (a prompt is rendered with add_generation_prompt=True, "
+                "tokenize=True); keys allowed are the template's own variables, e.g. enable_thinking"
+            )
+        return kwargs
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(f"give one of {', '.join(CHAT_TEMPLATE_KEYWORDS)} or a path to a Jinja file")
+        return value
+
+    @model_validator(mode="after")
+    def _chat_fields_need_a_template(self) -> DataSection:
+        if self.chat_template != "none":
+            return self
+        used = [
+            name
+            for name, on in (
+                ("data.system_prompt", self.system_prompt is not None),
+                ("data.chat_template_kwargs", bool(self.chat_template_kwargs)),
+                ("data.wrap_string_prompts", self.wrap_string_prompts),
+            )
+            if on
+        ]
+        if used:
+            raise ValueError(
+                f"{', '.join(used)} apply to chat prompts, which data.chat_template='none' refuses: set "
+                "data.chat_template to 'auto' or a Jinja file, or remove them"
+            )
+        return self
+
+    @property
+    def chat_template_file(self) -> str | None:
+        """The Jinja file of data.chat_template, None for 'auto' and 'none'."""
+        return None if self.chat_template in CHAT_TEMPLATE_KEYWORDS else self.chat_template
 
 
 class ClusterSection(_Strict):
@@ -217,10 +331,10 @@ class CheckpointSection(_Strict):
 
 
 class EvalSection(_Strict):
-    prompts_path: str | None = Field(
+    prompts_path: str | list[str] | None = Field(
         None,
-        description="JSONL of held-out prompts, read like data.prompts_path (same prompt_key and meta_keys) "
-        "and never trained on; None turns evaluation off.",
+        description="Held-out prompts in any of data.prompts_path's forms, read and rendered like them (same "
+        "prompt_key, meta_keys and chat template fields) and never trained on; None turns evaluation off.",
     )
     every_steps: int = Field(
         10,

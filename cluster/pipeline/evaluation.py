@@ -22,23 +22,13 @@ import ray
 from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.pipeline.collector import RolloutCollector
-from cluster.pipeline.data import Prompt, read_prompts, tokenize_prompts
+from cluster.pipeline.data import Prompt
 from cluster.run.metrics import episode_metrics
 from cluster.run.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
 
 # The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.
 EVAL_SEED_STEP = 10**9
-
-
-def load_eval_prompts(cfg: RunConfig, tokenizer) -> list[Prompt]:
-    """The held-out prompts (`eval.prompts_path`, first `eval.max_prompts`), tokenized like the data's;
-    [] when evaluation is off."""
-    if not cfg.eval.enabled:
-        return []
-    section = cfg.data.model_copy(update={"prompts_path": cfg.eval.prompts_path})
-    prompts, _stats = tokenize_prompts(read_prompts(section), tokenizer, section)
-    return prompts[: cfg.eval.max_prompts]
 
 
 def eval_sampling(cfg: RunConfig) -> SamplingConfig:

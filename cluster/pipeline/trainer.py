@@ -20,9 +20,16 @@ from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Parts, RolloutBatch, env_errors, reward_errors
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
-from cluster.pipeline.data import Prompt, PromptStream, pad_token_id, read_prompts, tokenize_prompts
+from cluster.pipeline.data import (
+    Prompt,
+    PromptStream,
+    RunPrompts,
+    load_run_prompts,
+    load_tokenizer,
+    pad_token_id,
+)
 from cluster.pipeline.dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
-from cluster.pipeline.evaluation import Evaluator, load_eval_prompts
+from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
@@ -73,6 +80,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
+        self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
 
     def make_publisher(self) -> WeightPublisher:
         return WeightPublisher(self.cfg)
@@ -96,10 +104,9 @@ class Trainer:
         )
         if cfg.cluster.placement == "colocated":  # the hosts import and load while the driver tokenizes
             self.roles = launch_colocated(cfg, self.run_id)
-        from transformers import AutoTokenizer  # here, not at import: it imports torch
-
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        prompts, self.data_stats = tokenize_prompts(read_prompts(cfg.data), self.tokenizer, cfg.data)
+        self.tokenizer = load_tokenizer(cfg)
+        data = self.data or load_run_prompts(cfg, self.tokenizer)
+        prompts, self.data_stats = data.train, data.stats
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
         pad = pad_token_id(self.tokenizer)
@@ -123,7 +130,7 @@ class Trainer:
         self.evaluator = Evaluator(
             cfg,
             self.tokenizer,
-            load_eval_prompts(cfg, self.tokenizer),
+            data.eval,
             prompts,
             self.telemetry,
             lambda: self.make_collector(RolloutCollector),

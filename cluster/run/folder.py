@@ -17,17 +17,20 @@ from typing import Any
 import ray
 
 from cluster.config.schema import RunConfig
+from cluster.config.sections import CHAT_TEMPLATE_KEYWORDS
 
 PATH_FIELDS = (  # attribute paths from the run config
     ("run", "output_dir"),
     ("model", "policy_path"),
     ("model", "tokenizer_path"),
     ("model", "demo_assets", "folder"),
-    ("data", "prompts_path"),
+    ("data", "prompts_path"),  # a path, a glob or a list of them: each made absolute
+    ("data", "chat_template"),
     ("eval", "prompts_path"),
     ("reference", "model_path"),
     ("reward", "model_path"),
 )
+KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_KEYWORDS}  # a path field's values that are no path
 
 
 class SharedStorageError(RuntimeError):
@@ -38,13 +41,20 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     """Every path field made absolute against the driver's working directory (in place; returned),
     so actors whose working directory differs (other nodes, job copies) mean the same file."""
     for *parents, field in PATH_FIELDS:
+        keywords = KEYWORDS.get((*parents, field), ())
         part = cfg
         for name in parents:
             part = getattr(part, name, None) if part is not None else None
         value = getattr(part, field) if part is not None else None
-        if value:
-            setattr(part, field, str(Path(value).expanduser().resolve()))
+        if isinstance(value, list):
+            setattr(part, field, [_absolute(v) for v in value])
+        elif value and value not in keywords:
+            setattr(part, field, _absolute(value))
     return cfg
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def rank_paths(cfg: RunConfig) -> list[tuple[str, str]]:
