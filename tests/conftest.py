@@ -91,7 +91,13 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_vllm_*",
     ),
     "reward": ("test_reward_*", "test_pass_at_k*"),
-    "data": ("test_chat_data*", "test_data_preview*", "test_gsm8k_example*", "test_config*", "test_bad_input*"),
+    "data": (
+        "test_chat_data*",
+        "test_data_preview*",
+        "test_gsm8k_example*",
+        "test_config*",
+        "test_bad_input*",
+    ),
     "demos": ("test_demo_*",),
     "bench": ("test_bench_*", "test_async_sim*"),
 }

@@ -126,14 +126,14 @@ def test_views_ask_for_two_returns_where_the_roles_return_two():
     return (facts, payload) (the driver reads the first only), one for every other method."""
     import inspect
 
-    from cluster.placement import role_actors
+    from cluster.placement import learner_actor, role_actors
     from cluster.placement.colocated import TWO_RETURNS
 
     classes = (
         role_actors.StreamingRolloutWorker,
         role_actors.StreamingReference,
         role_actors.StreamingScorer,
-        role_actors.StreamingLearnerRank,
+        learner_actor.StreamingLearnerRank,
     )
     two = {
         name
@@ -151,6 +151,19 @@ def test_the_driver_imports_no_framework():
         "import json, sys\n"
         "import cluster.train, cluster.pipeline.trainer, cluster.pipeline.async_trainer, cluster.placement.actors, cluster.placement.colocated\n"
         "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_an_actor_imports_only_its_own_roles_frameworks():
+    """An actor's process imports the module of its class: the rollout worker's, the reference's and
+    the scorer's never import DeepSpeed (the learner rank's alone needs it)."""
+    code = (
+        "import json, sys\n"
+        "import cluster.placement.role_actors\n"
+        "print(json.dumps([m for m in ('deepspeed', 'learner.rank') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

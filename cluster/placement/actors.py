@@ -154,7 +154,7 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
-    from cluster.placement.role_actors import StreamingLearnerRank
+    from cluster.placement.learner_actor import StreamingLearnerRank
 
     lc = cfg.learner
     wait = cfg.timeouts.actor_start_s

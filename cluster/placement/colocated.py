@@ -68,12 +68,8 @@ class ColocatedHost:
         t0 = time.perf_counter()
         import torch
 
-        from cluster.placement.role_actors import (
-            StreamingLearnerRank,
-            StreamingReference,
-            StreamingRolloutWorker,
-            StreamingScorer,
-        )
+        from cluster.placement.learner_actor import StreamingLearnerRank
+        from cluster.placement.role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
 
         self.timings = {"import_s": time.perf_counter() - t0}
         self._torch = torch

@@ -1,0 +1,43 @@
+"""The learner rank's actor class: `LearnerRank` with the streaming adapters of cluster/ (see
+`cluster.placement.role_actors` for the other roles' and the rule: samples travel as object
+references, never through the driver). Its own module because it imports DeepSpeed, which no other
+role's process needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from cluster.pipeline.groups import RankPart
+from cluster.placement.actors import part_trajectories
+from cluster.placement.pools import LOST_OBJECT_ERRORS
+from learner.rank import LearnerRank
+
+
+class StreamingLearnerRank(LearnerRank):
+    @ray.method(num_returns=2)
+    def export_split(self, describe: Any = None, dtype: str | None = None) -> tuple[bool, Any]:
+        """`export_weights` as (whether this rank holds the bundle, the bundle): the driver waits on
+        the flag and publishes the bundle's reference; the bundle itself never reaches the driver."""
+        bundle = self.export_weights(describe, dtype)
+        return bundle is not None, bundle
+
+    def train_parts(self, parts: list[RankPart]) -> dict[str, Any]:
+        """`train_step` on trajectories assembled here from object references (`part_trajectories`).
+
+        An input whose object is lost (its node died with the only copy) trains nothing anywhere:
+        every rank learns whether any rank lost an input before the step's first collective, and
+        all return `{"lost_parts": [positions in their own parts]}` so the driver can regenerate
+        those prompts and give the rest of the batch back."""
+        trajectories, lost = [], []
+        for k, part in enumerate(parts):
+            try:
+                samples, ref_lps = ray.get([part.samples_ref, part.ref_logprobs_ref])
+            except LOST_OBJECT_ERRORS:
+                lost.append(k)
+                continue
+            trajectories += part_trajectories(part, samples, ref_lps)
+        if self.any_rank(bool(lost)):
+            return {"lost_parts": lost}
+        return self.train_step(trajectories)
