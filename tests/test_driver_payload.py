@@ -164,30 +164,41 @@ def _cfg(assets, tmp_path, mode, policy=None, **more):
     return load_config(CONFIG, demo_overrides(assets, 3, **extra))
 
 
+HELD_OUT_EVERY_STEP = {"eval.every_steps": 1, "eval.max_prompts": 8}
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_driver_never_holds_weights_or_samples(
     ray_local, demo_assets, big_policy, tmp_path, mode, monkeypatch
 ):
+    """With a model whose weights are unmistakable, in either pipeline. In sync mode (separate
+    placement) the run also evaluates held-out prompts after every step: the driver gets each chunk's
+    facts and scores, never its samples or reference logprobs (before, sync mode fetched both for every
+    chunk and sent the token ids on itself); the colocated placement is checked below."""
     folder, bundle_bytes = big_policy
     assert bundle_bytes > 150 * MAX_DRIVER_VALUE  # the model would be unmistakable
-    big = _run(_cfg(demo_assets, tmp_path, mode, folder), tmp_path / "big", 3, monkeypatch)
+    held_out = (
+        {"eval.prompts_path": demo_assets.eval_prompts, **HELD_OUT_EVERY_STEP} if mode == "sync" else {}
+    )
+    big = _run(_cfg(demo_assets, tmp_path, mode, folder, **held_out), tmp_path / "big", 3, monkeypatch)
     got = big.largest
     assert got < MAX_DRIVER_VALUE, f"the driver got a {got / 2**20:.1f} MB value from Ray ({mode})"
     assert big.samples == big.sample_arrays == 0 and big.facts > 0, big
+    if mode == "sync":  # 8 prompts x 1 sample per step, 8 held-out prompts x 2 samples per evaluation
+        assert big.facts >= 2 * 8, big  # (2 steps; the last step's evaluation is the run's 'after' one)
     if mode == "async":  # the driver's memory does not follow the model
         small = _run(_cfg(demo_assets, tmp_path, mode), tmp_path / "small", 3, monkeypatch)
         assert big.grew - small.grew < 100 * 2**20, (small.grew, big.grew, bundle_bytes)
 
 
-@pytest.mark.parametrize("placement", ["separate", "colocated"])
-def test_sync_mode_driver_reads_facts_never_samples(ray_local, demo_assets, tmp_path, placement, monkeypatch):
-    """The lock-step pipeline with a held-out evaluation after every step: the driver gets each
-    chunk's facts and scores, never its samples or reference logprobs (before, sync mode fetched
-    both for every chunk and sent the token ids on itself), in either placement."""
-    held_out = {"eval.prompts_path": demo_assets.eval_prompts, "eval.every_steps": 1, "eval.max_prompts": 8}
-    cfg = _cfg(demo_assets, tmp_path, "sync", **{"cluster.placement": placement}, **held_out)
+def test_sync_mode_driver_reads_facts_never_samples_colocated(ray_local, demo_assets, tmp_path, monkeypatch):
+    """The lock-step pipeline with a held-out evaluation after every step, colocated: the driver gets
+    each chunk's facts and scores, never its samples or reference logprobs (the separate placement is
+    checked in the test above)."""
+    held_out = {"eval.prompts_path": demo_assets.eval_prompts, **HELD_OUT_EVERY_STEP}
+    cfg = _cfg(demo_assets, tmp_path, "sync", **{"cluster.placement": "colocated"}, **held_out)
     fetched = _run(cfg, tmp_path / "run", 3, monkeypatch)
-    print(f"sync, {placement}, steps 2-3: the driver got {fetched}")
+    print(f"sync, colocated, steps 2-3: the driver got {fetched}")
     assert fetched.samples == fetched.sample_arrays == 0, fetched
     # 8 prompts x 1 sample per step, 8 held-out prompts x 2 samples per evaluation (2 steps; the last
     # step's evaluation is the run's 'after' one, not in iteration)
