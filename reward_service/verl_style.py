@@ -10,6 +10,7 @@ whose `score` key holds it (verl's richer results); `extra_info` is passed only 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ def ground_truth(meta: dict[str, Any]) -> Any:
     )
 
 
+@functools.cache
 def takes_extra_info(fn: Callable) -> bool:
     params = inspect.signature(fn).parameters.values()
     return any(p.name == "extra_info" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
