@@ -62,12 +62,12 @@ def preflight(cfg: RunConfig) -> RunPrompts:
     if cfg.eval.prompts_path:
         prompt_files(cfg.eval.prompts_path, "eval.prompts_path")
     if cfg.reward.kind == "rule":
-        from reward_service.rules import get_reward
+        from reward_service.weighted import load_functions
 
         try:
-            get_reward(cfg.reward.rule, cfg.reward.rule_module)
-        except (ValueError, ImportError) as err:
-            raise ConfigError(f"reward.rule: {err}") from None
+            load_functions(cfg.reward)
+        except (ValueError, ImportError) as err:  # the message names the field
+            raise ConfigError(str(err)) from None
     return load_run_prompts(cfg, load_tokenizer(cfg))
 
 

@@ -1,20 +1,81 @@
-"""Config sections owned by the scoring role (reward model, rule rewards, reference policy)."""
+"""Config sections owned by the scoring role (reward model, reward functions, reference policy)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# A function's name is its metric's: reward/<name>.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RewardFunctionConfig(_Strict):
+    """One entry of reward.functions (docs/rewards.md)."""
+
+    name: str | None = Field(
+        None,
+        description="A registered rule (e.g. 'exact_match'; with `module` naming no function, one that module "
+        "registers), or the name of the function `module` names. Either way the function's metric is "
+        "reward/<name>; default: the function's own name.",
+    )
+    module: str | None = Field(
+        None,
+        description="'path/to/file.py:function' or 'dotted.module:function'; a module without ':function' is "
+        "imported so that its @register_reward rules exist, and `name` picks one.",
+    )
+    weight: float = Field(
+        1.0, allow_inf_nan=False, description="Factor of this function's score in the sample's weighted sum."
+    )
+    style: Literal["auto", "rule", "record", "batched", "verl"] = Field(
+        "auto",
+        description="How the function is called: 'auto' tells from its @reward_function mark or its signature; "
+        "'rule' fn(prompt, response, meta), 'record' fn(RewardInput), 'batched' fn(list[RewardInput]) -> "
+        "list, 'verl' compute_score(data_source, solution_str, ground_truth, extra_info).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.fullmatch(v):
+            raise ValueError(f"{v!r} is no metric name: letters, digits, '_', '.', '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _named(self) -> RewardFunctionConfig:
+        if self.name is None and (self.module is None or ":" not in self.module):
+            raise ValueError(
+                "give `name` (a registered rule) or `module` as 'file.py:function' / 'dotted.module:function'"
+            )
+        return self
+
+    @property
+    def metric_name(self) -> str:
+        """The function's name in metrics (reward/<name>) and messages."""
+        return self.name or (self.module or "").rsplit(":", 1)[1]
+
+
+@dataclass(frozen=True)
+class FunctionEntry:
+    """A reward function to load, with the config fields that name it (for messages)."""
+
+    spec: RewardFunctionConfig
+    name_field: str  # "reward.functions[1].name", or "reward.rule" for the shorthand
+    module_field: str  # "reward.functions[1].module", or "reward.rule_module"
+    style_field: str
+
+
 class RewardConfig(_Strict):
     kind: Literal["model", "rule", "remote", "environment"] = Field(
         "model",
-        description="Reward source: a sequence-classification model, a registered rule function, a remote HTTP "
+        description="Reward source: a sequence-classification model, reward functions (reward.rule or "
+        "reward.functions), a remote HTTP "
         "endpoint, or 'environment': the rewards of each multi-turn episode's environment (rollout.environment), "
         "all of them: the outcome (the last turn's reward) on the last model token and each earlier turn's reward "
         "on that turn's last token. With any other kind an episode's transcript is scored and that score is its "
@@ -28,10 +89,19 @@ class RewardConfig(_Strict):
         description="Scalar taken from the classifier: positive-class logit, logit(pos) - logit(neg), or P(pos).",
     )
     positive_label: int = Field(1, ge=0, description="Index of the class that counts as reward.")
-    rule: str | None = Field(None, description="Name of a registered rule reward function; kind='rule'.")
+    rule: str | None = Field(
+        None,
+        description="Name of a registered rule reward function; kind='rule'. The one-function shorthand of "
+        "reward.functions: [{name: <rule>, module: <rule_module>}].",
+    )
     rule_module: str | None = Field(
         None,
         description="Module (dotted name or .py file) imported before the rule lookup, so it can register its own rules.",
+    )
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list,
+        description="kind='rule': the reward functions, each {name and/or module, weight, style}; a sample's score "
+        "is the weighted sum of their scores, each logged as reward/<name> (docs/rewards.md).",
     )
     url: str | None = Field(None, description="Remote reward endpoint; kind='remote'.")
     token_env: str = Field(
@@ -56,11 +126,50 @@ class RewardConfig(_Strict):
         description="Custom Ray resources each reward actor needs besides CPUs/GPUs, to pin it to node types: {'reward_node': 1} runs it only on nodes started with `ray start --resources` naming reward_node; {'node:<ip>': 0.01} pins it to one node. Empty: any node.",
     )
     batch_size: int = Field(
-        64, ge=1, description="Samples per reward-model forward (and per remote request)."
+        64,
+        ge=1,
+        description="Samples per reward-model forward (and per remote request, and per call of a batched "
+        "reward function).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Reward model weights dtype; scores are computed in float32."
     )
+
+    @model_validator(mode="after")
+    def _functions(self) -> RewardConfig:
+        if not self.functions:
+            return self
+        if self.rule or self.rule_module:
+            raise ValueError(
+                "reward.rule/reward.rule_module and reward.functions: set one (reward.rule is the "
+                "one-function shorthand of reward.functions)"
+            )
+        if self.kind != "rule":
+            raise ValueError(f"reward.functions: needs reward.kind='rule' (got {self.kind!r})")
+        seen: dict[str, int] = {}
+        for i, f in enumerate(self.functions):
+            name = f.metric_name
+            if name in seen:
+                raise ValueError(
+                    f"reward.functions[{i}].name: {name!r} already names reward.functions[{seen[name]}]; give "
+                    "each function its own name (its metric is reward/<name>)"
+                )
+            seen[name] = i
+        return self
+
+    def function_entries(self) -> list[FunctionEntry]:
+        """The reward functions of kind='rule': reward.functions, or reward.rule (with reward.rule_module)
+        as the one function of weight 1. The one place the shorthand becomes a function entry."""
+        if self.functions:
+            return [
+                FunctionEntry(f, *(f"reward.functions[{i}].{k}" for k in ("name", "module", "style")))
+                for i, f in enumerate(self.functions)
+            ]
+        if self.rule is None:
+            return []
+        # constructed unchecked: a rule's registered name need not be a metric name's shape
+        spec = RewardFunctionConfig.model_construct(name=self.rule, module=self.rule_module)
+        return [FunctionEntry(spec, "reward.rule", "reward.rule_module", "reward.rule")]
 
 
 class ReferenceConfig(_Strict):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +12,9 @@ from transformers import AutoTokenizer
 
 from learner.algorithms import episode_return
 from reward_service.config import RewardConfig
+from reward_service.functions import RewardInput
+from reward_service.values import score_problem
+from reward_service.weighted import load_functions, score_functions
 
 
 @dataclass
@@ -29,13 +30,17 @@ class ScoreBatch:
     `turn_rewards` says where a multi-turn episode's reward comes from (the one rule, set by
     `RewardScorer.score`): with reward.kind='environment' from ALL of the environment's turn rewards (the
     last turn's is the score, on the episode's last model token; each earlier one stays on its turn's last
-    token), with any other kind from the score alone (NONE of the environment's rewards is trained)."""
+    token), with any other kind from the score alone (NONE of the environment's rewards is trained).
+
+    `function_values` (reward functions, kind='rule'): each function's own value per sample, unweighted,
+    NaN where it failed or did not run; the score is their weighted sum (`reward_service.weighted`)."""
 
     scores: np.ndarray  # float32 [n]
     returns: np.ndarray  # float32 [n]
     ok: np.ndarray  # bool [n]
     errors: list[str | None] = field(default_factory=list)
     turn_rewards: bool = False  # the episodes' earlier-turn rewards are trained beside the score
+    function_values: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 [n]
 
     @classmethod
     def empty(cls, n: int) -> ScoreBatch:
@@ -46,10 +51,9 @@ class ScoreBatch:
         """Record a score after checking it is a finite number (anything else marks the sample failed),
         and the sample's return: the score plus `token_rewards` (an episode's earlier turns' rewards on
         their tokens, when they are trained), or the score alone."""
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.number)):
-            self.fail(i, f"{source} returned {type(value).__name__} {value!r}, not a number")
-        elif not math.isfinite(float(value)):
-            self.fail(i, f"{source} returned a non-finite score ({value})")
+        problem = score_problem(value)
+        if problem is not None:
+            self.fail(i, f"{source} {problem}")
         else:
             self.scores[i] = float(value)
             single = token_rewards is None
@@ -65,7 +69,8 @@ class ScoreBatch:
 
 
 class RewardScorer:
-    """Scores samples with a reward model, a registered rule, or a remote endpoint (`config.kind`).
+    """Scores samples with a reward model, reward functions, a remote endpoint or the environment
+    (`config.kind`).
 
     A plain class: `cluster/` wraps it with `ray.remote`; tests call it directly.
     """
@@ -75,7 +80,7 @@ class RewardScorer:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(policy_tokenizer_path)
         self._classifier = None
-        self._rule = None
+        self._functions = None
         self._remote = None
         if config.kind == "model":
             if not config.model_path:
@@ -86,11 +91,11 @@ class RewardScorer:
                 config.model_path, config.score, config.positive_label, config.batch_size, config.dtype
             )
         elif config.kind == "rule":
-            from reward_service.rules import get_reward
-
-            if not config.rule:
-                raise ValueError("reward.kind='rule' needs reward.rule (a registered rule name)")
-            self._rule = get_reward(config.rule, config.rule_module)
+            if not config.function_entries():
+                raise ValueError(
+                    "reward.kind='rule' needs reward.rule (a registered rule name) or reward.functions"
+                )
+            self._functions = load_functions(config)
         elif config.kind == "remote":
             from reward_service.remote import RemoteRewardClient
 
@@ -117,19 +122,31 @@ class RewardScorer:
         responses: list[np.ndarray],
         meta: list[dict] | None = None,
         episodes: list[Any] | None = None,
+        *,
+        prompt_texts: list[str] | None = None,
+        messages: list[list[dict] | None] | None = None,
+        finish_reasons: list[str] | None = None,
     ) -> ScoreBatch:
         """One score per sample. `episodes[i]` (a `rollout_workers.environment.Episode`, or None) is the
         multi-turn record of sample i: an episode whose environment failed is failed here (dropped and
         counted, never scored). With kind='environment' the environment's rewards are the reward, all of
         them: the score is the episode's outcome (its last turn's reward) and `turn_rewards` is set, so the
         earlier turns' rewards are trained too; any other kind scores the decoded transcript and its score
-        is the episode's whole reward (none of the environment's turn rewards is used)."""
+        is the episode's whole reward (none of the environment's turn rewards is used).
+
+        Reward functions (kind='rule') also see each prompt's rendered text and chat messages and each
+        response's finish reason (`RewardInput`): a run passes them all; a direct caller without
+        `prompt_texts` has the prompt ids decoded instead, without `messages` or `finish_reasons` None."""
         n = len(prompts)
         meta = [{} for _ in range(n)] if meta is None else list(meta)
         episodes = [None] * n if episodes is None else list(episodes)
-        if len(responses) != n or len(meta) != n or len(episodes) != n:
+        given = {"prompt texts": prompt_texts, "messages": messages, "finish reasons": finish_reasons}
+        lengths = [len(meta), len(episodes), *(len(v) for v in given.values() if v is not None)]
+        if len(responses) != n or any(k != n for k in lengths):
+            described = "".join(f", {len(v)} {k}" for k, v in given.items() if v is not None)
             raise ValueError(
-                f"{n} prompts, {len(responses)} responses, {len(meta)} meta entries, {len(episodes)} episodes"
+                f"{n} prompts, {len(responses)} responses, {len(meta)} meta entries, "
+                f"{len(episodes)} episodes{described}"
             )
         start = time.perf_counter()
         out = ScoreBatch.empty(n)
@@ -152,14 +169,19 @@ class RewardScorer:
         live = [i for i in range(n) if out.errors[i] is None]  # failed episodes already carry their error
         if self._classifier is not None:
             self._score_model([full_text[i] for i in live], live, out)
-        elif self._rule is not None:
-            for i in live:
-                try:
-                    value = self._rule(prompt_text[i], response_text[i], meta[i])
-                except Exception as e:  # one bad sample must not sink the batch
-                    out.fail(i, f"rule {self.config.rule!r} raised {type(e).__name__}: {e}")
-                    continue
-                out.set(i, value, f"rule {self.config.rule!r}")
+        elif self._functions is not None:
+            inputs = [
+                RewardInput(
+                    prompt=prompt_text[i] if prompt_texts is None else prompt_texts[i],
+                    messages=None if messages is None else messages[i],
+                    response=response_text[i],
+                    response_ids=np.asarray(responses[i], dtype=np.int64).tolist(),
+                    finish_reason=None if finish_reasons is None else finish_reasons[i],
+                    meta=meta[i],
+                )
+                for i in live
+            ]
+            self._score_functions(inputs, live, out)
         else:
             self._score_remote(prompt_text, response_text, meta, live, out)
         self._count(n, out, start)
@@ -200,6 +222,20 @@ class RewardScorer:
                 out.set(i, s, "reward model")
             else:
                 out.fail(i, err)
+
+    def _score_functions(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
+        """The weighted sum of the reward functions as each sample's score, and each function's values."""
+        assert self._functions is not None
+        scored = score_functions(self._functions, inputs, self.config.batch_size)
+        for k, i in enumerate(index):
+            if scored.errors[k] is not None:
+                out.fail(i, scored.errors[k])
+            else:
+                out.set(i, scored.total[k], "the reward functions' weighted sum")
+        for name, values in scored.values.items():
+            column = np.full(len(out.ok), np.nan, dtype=np.float32)
+            column[index] = values
+            out.function_values[name] = column
 
     def _score_remote(
         self, prompts: list[str], responses: list[str], meta: list[dict], live: list[int], out: ScoreBatch

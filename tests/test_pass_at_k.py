@@ -111,7 +111,7 @@ def test_pass_k_defaults_and_validation_names_the_field():
         config(samples_per_prompt=2, pass_k=[1, 4])
     with pytest.raises(ConfigError, match=r"eval\.pass_k"):
         config(pass_k=[2])  # samples_per_prompt defaults to 1
-    with pytest.raises(ConfigError, match=r"eval\.pass_k\.0"):
+    with pytest.raises(ConfigError, match=r"eval\.pass_k\[0\]"):
         config(samples_per_prompt=2, pass_k=[0])
     with pytest.raises(ConfigError, match=r"eval\.pass_k"):
         config(pass_k="all")

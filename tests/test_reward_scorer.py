@@ -1,4 +1,5 @@
-"""RewardScorer with a real sequence-classification model, against a direct forward of the same texts."""
+"""RewardScorer: a real sequence-classification model against a direct forward of the same texts, and
+reward functions' weighted sum beside each function's own values."""
 
 from __future__ import annotations
 
@@ -131,3 +132,28 @@ def test_config_errors_name_the_problem(tiny_policy_dir, tiny_reward_dir):
     scorer = RewardScorer(RewardConfig(model_path=str(tiny_reward_dir)), str(tiny_policy_dir))
     with pytest.raises(ValueError, match="2 prompts, 1 responses"):
         scorer.score([np.array([4]), np.array([5])], [np.array([6])])
+
+
+def test_reward_functions_keep_their_own_values_beside_the_weighted_sum(tiny_policy_dir):
+    """Two shipped rules as reward.functions: the score is 2 * keywords + 1 * length penalty, and the
+    scorer's record carries each function's own (unweighted) values; a sample one function cannot judge
+    fails with that function's message, the other function's value kept beside it."""
+    tok = build_tokenizer()
+    prompts, responses = _ids(tok, TEXTS[:3])
+    functions = [{"name": "contains_keyword", "weight": 2.0}, {"name": "length_penalty", "weight": 1.0}]
+    scorer = RewardScorer(RewardConfig(kind="rule", functions=functions), str(tiny_policy_dir))
+    meta = [
+        {"keywords": ["great", "plot"], "max_words": 2},  # "great and fun ." : 1/2, -(4-2)/2
+        {"keywords": ["it"], "max_words": 5},  # "hated it": 1, 0
+        {"keywords": ["story"]},  # no max_words: length_penalty raises
+    ]
+    out = scorer.score(prompts, responses, meta, finish_reasons=["stop"] * 3)
+    assert out.ok.tolist() == [True, True, False]
+    np.testing.assert_allclose(out.scores[:2], [2 * 0.5 - 1.0, 2 * 1.0 + 0.0])
+    np.testing.assert_allclose(out.function_values["contains_keyword"], [0.5, 1.0, 1.0])
+    np.testing.assert_allclose(out.function_values["length_penalty"], [-1.0, 0.0, np.nan])
+    assert (
+        out.errors[2]
+        == "reward function 'length_penalty' raised KeyError: \"rule length_penalty needs meta['max_words']\""
+    )
+    assert scorer.stats()["failures"] == 1

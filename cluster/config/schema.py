@@ -111,8 +111,8 @@ class RunConfig(_Strict):
             )
         if self.reward.kind == "model" and not self.reward.model_path:
             raise ValueError("reward.model_path is required when reward.kind='model'")
-        if self.reward.kind == "rule" and not self.reward.rule:
-            raise ValueError("reward.rule is required when reward.kind='rule'")
+        if self.reward.kind == "rule" and not self.reward.function_entries():
+            raise ValueError("reward.rule or reward.functions is required when reward.kind='rule'")
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
         return self
@@ -267,10 +267,15 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
+def field_path(loc: tuple) -> str:
+    """A field's dotted path, list positions in brackets: reward.functions[1].weight."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "<root>"
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = field_path(e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"

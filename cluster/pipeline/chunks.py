@@ -49,6 +49,20 @@ class SampleFacts(NamedTuple):
     spans: tuple[tuple[int, int], ...] = ()
 
 
+class PromptFacts(NamedTuple):
+    """What a reward scorer is sent of a prompt (its ids travel with the samples): the rendered text, the
+    chat messages (None for plain text) and the row's other columns."""
+
+    text: str
+    messages: list[dict] | None
+    meta: dict
+
+
+def prompt_facts(prompts: list[Prompt]) -> dict[int, PromptFacts]:
+    """The facts of `prompts` by prompt index, as `StreamingScorer.score_samples` takes them."""
+    return {p.index: PromptFacts(p.text, p.messages, p.meta) for p in prompts}
+
+
 def sample_facts(sample: Any) -> SampleFacts:
     """The facts of one `rollout_workers.types.Sample` (built where the sample is, on the worker)."""
     e = sample.episode

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from cluster.pipeline.calls import Call, CallTracker
-from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
+from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed, prompt_facts
 from cluster.pipeline.data import Prompt
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 
@@ -96,7 +96,7 @@ class RolloutCollector:
             ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
             keep = {"logprobs": logprobs}
         else:
-            ref = h.score_samples.remote(chunk.samples_ref, {p.index: p.meta for p in chunk.prompts})
+            ref = h.score_samples.remote(chunk.samples_ref, prompt_facts(chunk.prompts))
             keep = {}
         return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round, **keep)
 

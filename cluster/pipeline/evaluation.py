@@ -23,7 +23,7 @@ from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.data import Prompt
-from cluster.run.metrics import episode_metrics
+from cluster.run.metrics import episode_metrics, function_metrics
 from cluster.run.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
 
@@ -99,6 +99,7 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
         m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
     # every episode, failed ones included (as in training: eval/env/failures counts them)
     m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos], prefix="eval/"))
+    m.update(function_metrics(scored, prefix="eval/"))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")

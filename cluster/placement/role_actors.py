@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.chunks import SampleFacts, sample_facts
+from cluster.pipeline.chunks import PromptFacts, SampleFacts, sample_facts
 from reward_service.reference import ReferencePolicy
 from reward_service.scorer import RewardScorer
 from rollout_workers.worker import RolloutWorker
@@ -53,10 +53,15 @@ class StreamingReference(ReferencePolicy):
 
 
 class StreamingScorer(RewardScorer):
-    def score_samples(self, samples: list, meta_by_prompt: dict[int, dict]) -> Any:
+    def score_samples(self, samples: list, prompts: dict[int, PromptFacts]) -> Any:
+        """`score` of the samples, each with its prompt's text, messages and meta (`prompt_facts`)."""
+        rows = [prompts[s.prompt_index] for s in samples]
         return self.score(
             [s.prompt_ids for s in samples],
             [s.response_ids for s in samples],
-            [meta_by_prompt[s.prompt_index] for s in samples],
+            [r.meta for r in rows],
             [s.episode for s in samples],
+            prompt_texts=[r.text for r in rows],
+            messages=[r.messages for r in rows],
+            finish_reasons=[s.finish_reason for s in samples],
         )

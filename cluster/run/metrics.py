@@ -75,6 +75,7 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
     finish = [c.facts[j].finish_reason for c, j in trained]
     failures = sum(len(pos) for _c, pos in parts) - len(trained)
     m = {
+        **function_metrics(trained),
         "rollout/reward_mean": float(scores.mean()),
         "rollout/reward_std": float(scores.std()),
         "rollout/response_length": float(lengths.mean()),
@@ -92,6 +93,16 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
         m["rollout/reward_prob_mean"] = float(probs.mean())
     m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos]))
     return m
+
+
+def function_metrics(scored: list[tuple[Any, int]], prefix: str = "") -> dict[str, float]:
+    """reward/<name>: each reward function's own value (unweighted; `ScoreBatch.function_values`), the mean
+    over `scored`, the (chunk, position) of samples whose reward succeeded. Empty without reward functions."""
+    names = sorted({name for c, _j in scored for name in c.scores.function_values})
+    return {
+        f"{prefix}reward/{name}": float(np.mean([c.scores.function_values[name][j] for c, j in scored]))
+        for name in names
+    }
 
 
 def version_metrics(facts: list[Any], version: int) -> dict[str, float]:

@@ -1,0 +1,167 @@
+"""The forms a reward function may take, told apart in this one place, and how each is called.
+
+| form      | signature                                                   | how it is known                      |
+|-----------|-------------------------------------------------------------|--------------------------------------|
+| `rule`    | `fn(prompt, response, meta) -> float`                       | three required positional parameters |
+| `record`  | `fn(x: RewardInput) -> float`                               | `@reward_function(batched=False)`    |
+| `batched` | `fn(xs: list[RewardInput]) -> list[float]`                  | `@reward_function(batched=True)`     |
+| `verl`    | `compute_score(data_source, solution_str, ground_truth, extra_info) -> float or {'score': ...}` | those parameter names |
+
+A config's `style` names the form outright (a function that cannot be decorated). Any form may be an
+`async def`: whatever a call returns that is awaitable is awaited, a batched call's once, the per-sample
+calls' together (`asyncio.gather`). A call that raises, or a batched result that is no list of one entry
+per input, is a `Failed` entry for each sample it was meant for; the values themselves are checked by
+the caller (`reward_service.values`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reward_service.functions import FORM_ATTRIBUTE, RewardInput
+from reward_service.verl_style import PARAMETERS as VERL_PARAMETERS
+from reward_service.verl_style import verl_call, verl_score
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Form:
+    """How to call one form: per sample or per batch, with which arguments, and what of its result is
+    the score."""
+
+    batched: bool
+    call: Callable[[Callable, Any], Any]  # (fn, a RewardInput or a list of them) -> result or awaitable
+    score: Callable[[Any], Any] = _same  # one sample's result -> its score
+
+
+FORMS: dict[str, Form] = {
+    "rule": Form(False, lambda fn, x: fn(x.prompt, x.response, x.meta)),
+    "record": Form(False, lambda fn, x: fn(x)),
+    "batched": Form(True, lambda fn, xs: fn(xs)),
+    "verl": Form(False, verl_call, verl_score),
+}
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A sample a function gave no result for; `why` follows the function's name in the message."""
+
+    why: str
+
+
+def detect_form(fn: Callable, style: str, field: str) -> str:
+    """The form of `fn`: `style` when it names one (it must agree with a `@reward_function` mark), else
+    the mark, else the verl parameter names, else the legacy three-argument rule. ValueError naming
+    `field` when none fits."""
+    declared = getattr(fn, FORM_ATTRIBUTE, None)
+    if style != "auto":
+        if style not in FORMS:
+            raise ValueError(f"{field}: unknown style {style!r}; known: auto, {', '.join(FORMS)}")
+        if declared is not None and declared != style:
+            raise ValueError(
+                f"{field}: style {style!r}, but the function is marked {declared!r} by @reward_function"
+            )
+        return style
+    if declared is not None:
+        return declared
+    what = getattr(fn, "__qualname__", repr(fn))
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: cannot read the signature of {what}: set its style") from None
+    if set(VERL_PARAMETERS) <= set(sig.parameters):
+        return "verl"
+    if _binds(sig, 3) and not _binds(sig, 1):
+        return "rule"
+    raise ValueError(
+        f"{field}: cannot tell how to call {what}{sig}: write it as fn(prompt, response, meta), mark it "
+        "with @reward_function(batched=False) (one RewardInput) or @reward_function(batched=True) (a list), "
+        f"or set its style ({', '.join(FORMS)})"
+    )
+
+
+def _binds(sig: inspect.Signature, n: int) -> bool:
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def call_form(fn: Callable, form: Form, inputs: list[RewardInput]) -> list[Any]:
+    """One result per input: the score as the function gave it (unchecked), or `Failed`."""
+    if form.batched:
+        return _call_batched(fn, form, inputs)
+    results: list[Any] = []
+    pending: dict[int, Any] = {}
+    for k, x in enumerate(inputs):
+        try:
+            result = form.call(fn, x)
+        except Exception as e:  # one bad sample must not sink the others
+            result = _raised(e)
+        if inspect.isawaitable(result):
+            pending[k] = result
+        results.append(result)
+    for k, value in zip(pending, run_awaitables(list(pending.values())), strict=True):
+        results[k] = value
+    return [r if isinstance(r, Failed) else _score(form, r) for r in results]
+
+
+def _call_batched(fn: Callable, form: Form, inputs: list[RewardInput]) -> list[Any]:
+    n = len(inputs)
+    try:
+        result = form.call(fn, inputs)
+    except Exception as e:
+        return [_raised(e)] * n
+    if inspect.isawaitable(result):
+        result = run_awaitables([result])[0]
+    if isinstance(result, Failed):
+        return [result] * n
+    if isinstance(result, (str, bytes, dict)) or not isinstance(result, (Sequence, np.ndarray)):
+        return [Failed(f"returned {type(result).__name__}, not a list of {n} scores")] * n
+    if len(result) != n:
+        return [Failed(f"returned {len(result)} scores for {n} samples")] * n
+    return [_score(form, r) for r in result]
+
+
+def _score(form: Form, result: Any) -> Any:
+    try:
+        return form.score(result)
+    except Exception as e:
+        return _raised(e)
+
+
+def _raised(e: BaseException) -> Failed:
+    return Failed(f"raised {type(e).__name__}: {e}")
+
+
+def run_awaitables(awaitables: list[Any]) -> list[Any]:
+    """Await them together; each one's value, or `Failed` for one that raised. Runs its own event loop
+    (in a helper thread when this thread already runs one)."""
+    if not awaitables:
+        return []
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        values = asyncio.run(gather())
+    else:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            values = pool.submit(asyncio.run, gather()).result()
+    for v in values:
+        if isinstance(v, BaseException) and not isinstance(v, Exception):
+            raise v  # KeyboardInterrupt, SystemExit, a cancelled run: not a sample's failure
+    return [_raised(v) if isinstance(v, Exception) else v for v in values]
