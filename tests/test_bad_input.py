@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tiny_models import build_tokenizer
@@ -112,10 +113,14 @@ def test_corrupt_or_missing_checkpoints_are_errors(tmp_path):
         latest_checkpoint(run)
 
 
-def test_cli_resume_of_an_empty_run_folder_exits_2(tmp_path, demo_assets, capsys):
+def test_cli_resume_of_an_empty_run_folder_exits_2(tmp_path, tiny_policy_dir, tiny_reward_dir, capsys):
+    """On the tests' tiny models (no demo build: a fast test)."""
     (tmp_path / "run").mkdir()
     from demo_run import CONFIG, demo_overrides
 
-    sets = sum((["--set", s] for s in demo_overrides(demo_assets, 2)), [])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the movie was"}\n{"prompt": "i loved it"}\n')
+    tiny = SimpleNamespace(policy=tiny_policy_dir, prompts=prompts, reward=tiny_reward_dir)
+    sets = sum((["--set", s] for s in demo_overrides(tiny, 2)), [])
     assert main([str(CONFIG), "--resume", str(tmp_path / "run"), *sets]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
