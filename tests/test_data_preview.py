@@ -133,11 +133,15 @@ def test_preview_refuses_chat_prompts_without_a_template(tmp_path, capsys):
     )
 
 
-def test_train_stops_on_bad_data_before_ray_starts(tmp_path, tiny_policy_dir, capsys):
-    """`cluster.train`'s preflight reads the prompts as the preview does: exit 2, no Ray, no actor."""
+def test_train_stops_on_bad_data_before_ray_starts(tmp_path, tiny_policy_dir, capsys, monkeypatch):
+    """`cluster.train`'s preflight reads the prompts as the preview does: exit 2, no Ray, no actor.
+    (`ray.init` is watched, not `ray.is_initialized()`: the session's own Ray may be up already.)"""
     import ray
 
     from cluster.train import main as train
+
+    inits = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append((a, k)))
 
     bad = write_jsonl(
         tmp_path / "p.jsonl", [{"prompt": "the film", "answer": "1"}, {"prompt": ["the film"], "answer": "2"}]
@@ -145,4 +149,4 @@ def test_train_stops_on_bad_data_before_ray_starts(tmp_path, tiny_policy_dir, ca
     cfg = config(tmp_path, bad, tok=tiny_policy_dir)
     assert train([str(cfg)]) == 2
     assert "p.jsonl:2: field 'prompt' (data.prompt_key): message 0 is a str" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert inits == []
