@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-scale clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-scale gpu-smoke gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,22 @@ bench-learner: $(STAMP)
 # (bench/bench_scale.py; ARGS="--smoke" for tiny models).
 bench-scale: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python bench/bench_scale.py $(ARGS)
+
+# The roles' GPU code in one process without Ray (bench/gpu_smoke.py): hf engine generation, behaviour
+# logprobs against a float32 forward, sleep/wake, one bf16 DeepSpeed learner rank, the weight round trip.
+# Runs on the CPU with tiny sizes where no GPU is. On a lent GPU machine: `make gpu-wheels` here, carry
+# .gpu/, and run `bash bench/gpu_smoke.sh --out $$OUT` there (docs/benchmarks.md, "GPU smoke").
+gpu-smoke: $(STAMP)
+	$(BIN)/python bench/gpu_smoke.py $(ARGS)
+
+# DeepSpeed's source distribution and the wheels a lent GPU machine lacks (Python 3.12), into .gpu/.
+GPU_WHEELS := hjson msgpack ninja py-cpuinfo psutil pydantic pydantic-core annotated-types \
+	typing-inspection typing-extensions einops nvidia-ml-py setuptools wheel
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d .gpu deepspeed==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('deepspeed'))")
+	$(BIN)/pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d .gpu $(GPU_WHEELS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

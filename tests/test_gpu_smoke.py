@@ -1,0 +1,63 @@
+"""Keeps bench/gpu_smoke.py working between the rare days a GPU is lent: the whole script runs here on
+the CPU (gloo, float32, the tiny Qwen2 shape) in its own process, without Ray, and every section must
+pass its own checks (digest after the load, same tokens after sleep/wake, finite training metrics).
+
+Numbers are not checked: they are the script's report, recorded in docs/benchmarks.md ("GPU smoke")
+with the card they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    rows = {r["section"]: r for r in report["rows"]}
+    assert list(rows) == ["build", "generate", "behaviour logprobs", "sleep/wake", "learner", "weights"]
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    assert rows["weights"]["facts"]["digest_matches"] and rows["weights"]["facts"]["digest_changed"]
+    assert rows["sleep/wake"]["facts"]["same_tokens"]
+    # float32 engine and float32 teacher read the same weights: the sampled tokens' logprobs agree
+    assert rows["behaviour logprobs"]["facts"]["vs_fp32_max"] < 1e-3
+    assert rows["learner"]["facts"]["tokens_per_step"] > 0
+
+
+def test_gpu_smoke_says_why_sections_are_skipped_without_deepspeed(tmp_path):
+    """Without DeepSpeed the learner and weights sections say 'skipped' and why; the rest still run."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "deepspeed.py").write_text("raise ImportError('deepspeed blocked for this test')\n")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(blocker),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["section"]: r for r in json.loads((tmp_path / "gpu_smoke.json").read_text())["rows"]}
+    assert rows["learner"]["status"] == "skipped" and "deepspeed blocked" in rows["learner"]["note"]
+    assert rows["weights"]["status"] == "skipped"
+    assert rows["generate"]["status"] == rows["sleep/wake"]["status"] == "ok"
