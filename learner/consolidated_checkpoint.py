@@ -251,3 +251,28 @@ def load(engine, path: str | Path) -> dict:
     if dist.is_initialized():
         dist.barrier()
     return extra
+
+
+def read_weights(path: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of the parameters named `prefix`... in the consolidated checkpoint at
+    `path`, keyed without the prefix (`"policy."` gives the HF policy's own names). Reads files only:
+    no engine, no torch.distributed, one tensor at a time."""
+    path = Path(path)
+    if not is_consolidated(path):
+        raise ValueError(
+            f"{path}: not a consolidated learner checkpoint (no {INDEX}); one written with "
+            "learner.checkpoint_format: deepspeed holds ZeRO partitions that only a learner can load"
+        )
+    index = json.loads((path / INDEX).read_text())
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{path / INDEX}: format {index.get('format')!r}, expected {FORMAT!r}")
+    by_shard: dict[str, list[str]] = {}
+    for name, entry in index["params"].items():
+        if name.startswith(prefix):
+            by_shard.setdefault(entry["shard"], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(by_shard):
+        with safe_open(str(path / shard), framework="pt") as f:
+            for name in by_shard[shard]:
+                out[name[len(prefix) :]] = f.get_tensor(f"fp32/{name}")
+    return out

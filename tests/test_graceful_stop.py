@@ -112,6 +112,35 @@ def test_sigterm_checkpoints_stops_everything_and_resumes(demo_assets, tmp_path)
     assert [p.name for p in list_checkpoints(run_dir)][-1] == f"step-{done + 1:06d}"
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert (run_dir / "final" / "tokenizer.json").is_file()  # written by rank 0 with the model
+    assert_export_matches_final(list_checkpoints(run_dir)[-1], run_dir / "final", tmp_path / "export")
+
+
+def assert_export_matches_final(ckpt: Path, final: Path, out: Path) -> None:
+    """`cluster.export` of the last checkpoint computes what the learner's own `final/` computes: the
+    same weights (fp32 master weights from the checkpoint files; the learner's gathered module weights
+    in final/), the same logits, and a tokenizer that encodes alike."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cluster.export import main as export_main
+
+    assert export_main([str(ckpt), str(out), "--dtype", "float32", "--value-head"]) == 0
+    record = json.loads((out / "export.json").read_text())
+    assert record["step"] == json.loads((ckpt / "state.json").read_text())["step"]
+    assert (out / "value_head.safetensors").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    learner = AutoModelForCausalLM.from_pretrained(final, local_files_only=True).eval()
+    tok_a, tok_b = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(final)
+    text = "the movie was"
+    assert tok_a(text)["input_ids"] == tok_b(text)["input_ids"]
+    ids = torch.tensor([tok_a(text)["input_ids"] + [5, 9, 11]])
+    with torch.no_grad():
+        a, b = exported(ids).logits, learner(ids).logits
+    assert (a - b).abs().max().item() < 1e-5
+    mine, theirs = exported.state_dict(), learner.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    base = AutoModelForCausalLM.from_pretrained(record["base_policy"], local_files_only=True).state_dict()
+    assert any(not torch.equal(mine[k], base[k]) for k in base), "the export holds the untrained weights"
 
 
 def test_ctrl_c_checkpoints_prints_a_run_summary_and_stops_everything(demo_assets, tmp_path):

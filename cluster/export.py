@@ -1,0 +1,143 @@
+"""A run checkpoint as a Hugging Face model folder: `python -m cluster.export CHECKPOINT OUT`.
+
+CHECKPOINT is a run's `checkpoints/step-N`, checked as a resume checks it (its COMPLETE marker and
+state checksum); the run's `config.yaml`, two folders up, names the base policy and the tokenizer.
+The weights are the checkpoint's fp32 master weights (`learner.consolidated_checkpoint.read_weights`)
+loaded into the base architecture as the learner loads it (dropout off, the fused tanh-GELU name:
+`learner.model`), so the folder computes what the learner computed. Every parameter must be
+accounted for: a weight the model lacks, or a parameter the checkpoint lacks, is an error naming them.
+They are cast to `--dtype` and written with `save_pretrained` (safetensors, config, generation
+config); the tokenizer is saved beside them carrying the chat template the run rendered its prompts
+with (`data.chat_template`: the tokenizer's own, or the Jinja file's, then written into the folder).
+`--value-head` also writes the critic's `value_head.safetensors`. `export.json` records the source.
+Nothing here starts Ray or DeepSpeed: it runs wherever the run folder is readable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported; the message names the folder and what is wrong."""
+
+
+def run_config(checkpoint: Path):
+    """The RunConfig of the run that wrote `checkpoint` (its `config.yaml`, two folders up)."""
+    from cluster.config.schema import load_config
+
+    path = checkpoint.parent.parent / "config.yaml"
+    if not path.is_file():
+        raise ExportError(f"{checkpoint}: no run config at {path} (a checkpoint lives in <run>/checkpoints/)")
+    return load_config(path)
+
+
+def load_policy(cfg, checkpoint: Path):
+    """The base policy with the checkpoint's weights, float32."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.consolidated_checkpoint import read_weights
+    from learner.model import zero_dropout
+    from learner.sequences import fused_gelu_kwargs
+
+    try:
+        state = read_weights(checkpoint / "learner", "policy.")
+    except ValueError as err:
+        raise ExportError(str(err)) from None
+    config = AutoConfig.from_pretrained(cfg.model.policy_path, local_files_only=True)
+    zero_dropout(config)
+    config.update(fused_gelu_kwargs(config))
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.policy_path, config=config, dtype=torch.float32, local_files_only=True
+    )
+    params = dict(model.named_parameters())  # tied weights appear once, as in the checkpoint
+    missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    shaped = sorted(n for n in set(params) & set(state) if params[n].shape != state[n].shape)
+    if missing or extra or shaped:
+        raise ExportError(
+            f"{checkpoint}: its weights do not fit {cfg.model.policy_path}: only in the model {missing[:5]}, "
+            f"only in the checkpoint {extra[:5]}, different shapes {shaped[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+    return model.eval()
+
+
+def save_tokenizer(cfg, out: Path) -> str:
+    """The run's tokenizer into `out`, with the chat template the run used; returns where it came from."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+    source = "the tokenizer's own"
+    template = cfg.data.chat_template
+    if template not in ("auto", "none"):
+        tokenizer.chat_template = Path(template).read_text()
+        source = str(template)
+    tokenizer.save_pretrained(out)
+    return source
+
+
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", value_head: bool = False
+) -> dict:
+    """Write the folder `out` from `checkpoint`; returns what `export.json` records."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cluster.pipeline.checkpoint import CheckpointError, read_state
+    from learner.consolidated_checkpoint import read_weights
+    from learner.model import VALUE_HEAD_FILE
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {list(DTYPES)}")
+    checkpoint, out = Path(checkpoint).resolve(), Path(out)
+    try:
+        state = read_state(checkpoint)
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
+    cfg = run_config(checkpoint)
+    model = load_policy(cfg, checkpoint).to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    template = save_tokenizer(cfg, out)
+    if value_head:
+        head = read_weights(checkpoint / "learner", "value_head.")
+        save_file({k: v.contiguous() for k, v in head.items()}, str(out / VALUE_HEAD_FILE))
+    record = {
+        "checkpoint": str(checkpoint),
+        "step": state.get("step"),
+        "base_policy": cfg.model.policy_path,
+        "dtype": dtype,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "chat_template": template,
+        "value_head": value_head,
+    }
+    (out / "export.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a run's checkpoints/step-N folder")
+    p.add_argument("out", help="the folder to write (save_pretrained layout)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights' dtype (default bfloat16)")
+    p.add_argument("--value-head", action="store_true", help="also write value_head.safetensors")
+    args = p.parse_args(argv)
+    try:
+        record = export(args.checkpoint, args.out, args.dtype, args.value_head)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported step {record['step']} ({record['parameters']:,} parameters, {args.dtype}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
