@@ -227,3 +227,60 @@ def test_a_failing_tracker_is_reported_once_and_dropped(tmp_path, monkeypatch, c
     warnings = [r for r in caplog.records if "'mlflow' dropped" in r.getMessage()]
     assert len(warnings) == 1
     assert sorted(jsonl_steps(run_dir)) == [1, 2, 3] and sorted(tensorboard_steps(run_dir)) == [1, 2, 3]
+
+
+@pytest.mark.slow  # a real run on the tests' tiny models (Ray, one DeepSpeed rank), then its resume
+def test_a_run_and_its_resume_put_the_same_step_metrics_in_all_four(
+    ray_local, tmp_path, tiny_policy_dir, tiny_reward_dir, wandb_offline, mlflow_url, monkeypatch
+):
+    from types import SimpleNamespace
+
+    from demo_run import CONFIG, demo_overrides
+    from mlflow import MlflowClient
+
+    from cluster.pipeline.checkpoint import latest_checkpoint, read_state
+    from cluster.train import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    words = ["the movie was", "i loved it", "the plot is", "a film and", "the acting was", "it is very"]
+    prompts.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
+    tiny = SimpleNamespace(policy=tiny_policy_dir, prompts=prompts, reward=tiny_reward_dir)
+    run_dir = tmp_path / "run-e"
+
+    def sets(steps: int) -> list[str]:
+        extra = {
+            "run.loggers": "[jsonl,tensorboard,wandb,mlflow]",
+            "run.wandb.mode": "offline",
+            "run.mlflow.tracking_uri": mlflow_url,
+            "run.mlflow.experiment": "e2e",
+            "checkpoint.every_steps": 1,
+            "data.prompts_per_step": 2,
+            "rollout.chunk_size": 2,
+            "rollout.sampling.max_new_tokens": 4,
+            "learner.micro_batch_size": 2,
+        }
+        return sum((["--set", s] for s in demo_overrides(tiny, steps, **extra)), [])
+
+    assert main([str(CONFIG), "--run-dir", str(run_dir), *sets(2)]) == 0
+    ids = read_state(latest_checkpoint(run_dir))["trackers"]
+    assert set(ids) == {"wandb", "mlflow"}
+    assert main([str(CONFIG), "--resume", str(run_dir), *sets(3)]) == 0
+    assert read_state(latest_checkpoint(run_dir))["trackers"] == ids  # the same tracker runs, continued
+
+    want = finite(jsonl_steps(run_dir))
+    assert sorted(want) == [1, 2, 3]
+    keys = sorted(want[1])
+    tb = tensorboard_steps(run_dir)
+    assert_same({s: {k: v for k, v in r.items() if k in keys} for s, r in tb.items() if s in want}, want)
+    wb: dict[int, dict] = {}
+    for folder in sorted((run_dir / "wandb").glob("offline-run-*")):
+        run = read_offline_run(folder)
+        assert run.run_id == ids["wandb"]
+        wb.update(finite(run.history))
+    assert_same(wb, want)
+    client = MlflowClient(tracking_uri=mlflow_url)
+    assert_same(mlflow_steps(client, ids["mlflow"], keys), want)
+    artifacts = {a.path for a in client.list_artifacts(ids["mlflow"])}
+    assert {"config.yaml", "startup.json", "curves.png"} <= artifacts
+    summary = client.get_run(ids["mlflow"]).data.metrics
+    assert summary["run/steps"] == 3 and any(k.startswith("startup/") for k in summary)
