@@ -284,3 +284,25 @@ def test_a_run_and_its_resume_put_the_same_step_metrics_in_all_four(
     assert {"config.yaml", "startup.json", "curves.png"} <= artifacts
     summary = client.get_run(ids["mlflow"]).data.metrics
     assert summary["run/steps"] == 3 and any(k.startswith("startup/") for k in summary)
+
+
+def test_run_loggers_are_checked_with_the_field_and_the_allowed_values():
+    from demo_run import CONFIG
+
+    from cluster.config.schema import ConfigError, load_config
+
+    cfg = load_config(CONFIG, ["run.loggers=[jsonl,wandb,mlflow]", "run.wandb.tags=[a]"])
+    assert cfg.run.loggers == ["jsonl", "wandb", "mlflow"] and cfg.run.wandb.tags == ["a"]
+    for override, message in (
+        (
+            "run.loggers=[jsonl,neptune]",
+            r"run\.loggers: .*unknown logger\(s\) \['neptune'\]; allowed: jsonl, tensorboard",
+        ),
+        ("run.loggers=[tensorboard]", r"run\.loggers: .*'jsonl' must be listed"),
+        ("run.loggers=[jsonl,jsonl]", r"run\.loggers: .*listed twice"),
+        ("run.tensorboard=false", r"run\.tensorboard was replaced by run\.loggers"),
+        ("run.wandb.mode=cloud", r"run\.wandb\.mode: .*'online' or 'offline'"),
+        ("run.mlflow.uri=x", r"run\.mlflow\.uri"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(CONFIG, [override])
