@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,wandb,mlflow]"
 	touch $(STAMP)
 
 # AREA=learner|rollout|reward|data|demos|bench|cluster: one area's tests only (tests/conftest.py AREAS).

@@ -169,7 +169,7 @@ def main() -> int:
     base = [
         "run.progress_bar=false",
         "run.sample_log_count=0",
-        "run.tensorboard=false",
+        "run.loggers=[jsonl,prometheus]",
         "cluster.dashboard=false",
     ]
     base += [] if arith else [f"run.steps={args.steps}"]

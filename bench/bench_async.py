@@ -51,7 +51,7 @@ def measured_overrides(steps: int) -> list[str]:
         "run.progress_bar=false",
         "run.sample_log_count=0",
         "eval.prompts_path=null",
-        "run.tensorboard=false",
+        "run.loggers=[jsonl,prometheus]",
         "cluster.dashboard=false",
     ]
 

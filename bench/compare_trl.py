@@ -163,7 +163,7 @@ def quiet_overrides(steps: int) -> list[str]:
         "run.progress_bar=false",
         "run.sample_log_count=0",
         "eval.prompts_path=null",  # no held-out evaluation inside the timed steps
-        "run.tensorboard=false",
+        "run.loggers=[jsonl,prometheus]",
     ] + ["cluster.dashboard=false"]
 
 

@@ -58,6 +58,11 @@ def preflight(cfg: RunConfig) -> RunPrompts:
             raise ConfigError(f"{field}: folder not found: {path}")
         if must_hold and not (p / must_hold).is_file():
             raise ConfigError(f"{field}: {path} has no {must_hold} (expected a save_pretrained folder)")
+    from cluster.run.trackers.registry import missing_packages
+
+    missing = missing_packages(cfg.run.loggers)
+    if missing:
+        raise ConfigError(f"run.loggers: {'; '.join(missing)}")
     prompt_files(cfg.data.prompts_path, "data.prompts_path")
     if cfg.eval.prompts_path:
         prompt_files(cfg.eval.prompts_path, "eval.prompts_path")
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.clock = clock
     trainer.data = prompts
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
+    summary, curves = None, None
     try:
         trainer.setup()
         if cfg.cluster.placement == "separate":
@@ -237,10 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {err}", file=sys.stderr)
         if trainer.step:
             print("\n=== run summary (failed) ===")
-            for line in trainer.summary().lines():
+            failed = trainer.summary()
+            for line in failed.lines():
                 print(line)
+            trainer.publish(failed, curves=False)
         return EXIT_FAILED
     finally:
+        if summary is not None:  # finished or interrupted: the summary and curves.png to every logger
+            curves = trainer.publish(summary)
         trainer.close()
         trainer.stop.uninstall()
         if own_ray:
@@ -249,12 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n=== run summary{f' ({title})' if summary.interrupted else ''} ===")
     for line in summary.lines():
         print(line, flush=True)
-    try:
-        from cluster.plot import plot_run
-
-        print(f"curves       {plot_run(run_dir)}", flush=True)
-    except ImportError:  # matplotlib is optional (the 'plot' extra)
-        pass
+    if curves is not None:
+        print(f"curves       {curves}", flush=True)
     if summary.interrupted:
         return trainer.stop.exit_code or EXIT_INTERRUPTED
     return 0

@@ -17,7 +17,7 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
         "run.steps": steps,
         "run.progress_bar": False,
         "run.sample_log_count": 2,
-        "run.tensorboard": False,
+        "run.loggers": "[jsonl,prometheus]",
         "cluster.dashboard": False,
         "cluster.placement": "separate",  # the tests of scaling, faults and async; test_colocated.py the other
         "rollout.num_cpus_per_worker": 0.5,

@@ -172,7 +172,7 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
         "run.steps": steps,
         "run.progress_bar": False,
         "run.sample_log_count": 3,
-        "run.tensorboard": False,
+        "run.loggers": "[jsonl,prometheus]",
         "cluster.dashboard": False,
         "learner.torch_threads": 1,
         **extra,

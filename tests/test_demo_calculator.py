@@ -35,7 +35,7 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
         "learner.micro_batch_size": 16,
         "run.steps": steps,
         "run.progress_bar": False,
-        "run.tensorboard": False,
+        "run.loggers": "[jsonl,prometheus]",
         "cluster.dashboard": False,
         **extra,
     }

@@ -12,16 +12,65 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class WandbSection(_Strict):
+    project: str = Field("rayppo", description="W&B project of the run.")
+    entity: str | None = Field(None, description="W&B entity (user or team); none: the account's default.")
+    mode: Literal["online", "offline"] | None = Field(
+        None,
+        description="'online', or 'offline' (the run folder's wandb/ holds the run: `wandb sync` it later); "
+        "none: W&B's own choice (the WANDB_MODE environment variable, else online).",
+    )
+    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
+
+
+class MlflowSection(_Strict):
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking server, e.g. http://127.0.0.1:5000; none: MLflow's own default "
+        "(the MLFLOW_TRACKING_URI environment variable, else ./mlruns).",
+    )
+    experiment: str = Field("rayppo", description="MLflow experiment of the run (created when missing).")
+
+
 class RunSection(_Strict):
     name: str = Field("run", description="Run name; the run folder is <output_dir>/<name>-<timestamp>.")
     output_dir: str = Field("runs", description="Parent folder of run folders.")
     seed: int = Field(0, description="Seed of data order, sampling and learner initialisation.")
     steps: int = Field(100, ge=1, description="PPO iterations (rollout batch -> update -> weight push).")
     sample_log_count: int = Field(4, ge=0, description="Sampled responses printed before and after training.")
-    tensorboard: bool = Field(
-        True, description="Also write TensorBoard events (if tensorboard is installed)."
+    loggers: list[str] = Field(
+        ["jsonl", "tensorboard", "prometheus"],
+        description="Where the driver logs the run (cluster/run/trackers/registry.py): 'jsonl' (metrics.jsonl and "
+        "summary.json in the run folder; required), 'tensorboard', 'wandb' (run.wandb), 'mlflow' (run.mlflow), "
+        "'prometheus' (live Ray metrics for Prometheus and the Ray dashboard).",
     )
+    wandb: WandbSection = Field(default_factory=WandbSection, description="The 'wandb' logger.")
+    mlflow: MlflowSection = Field(default_factory=MlflowSection, description="The 'mlflow' logger.")
     progress_bar: bool = Field(True, description="Show a progress bar on the driver.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tensorboard_flag(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tensorboard" in data:
+            raise ValueError(
+                "run.tensorboard was replaced by run.loggers: list 'tensorboard' there, or leave it out "
+                "(e.g. run.loggers=[jsonl,prometheus])"
+            )
+        return data
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, names: list[str]) -> list[str]:
+        from cluster.run.trackers.registry import SINKS
+
+        unknown = [n for n in names if n not in SINKS]
+        if unknown:
+            raise ValueError(f"unknown logger(s) {unknown}; allowed: {', '.join(SINKS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a logger is listed twice: {names}")
+        if "jsonl" not in names:
+            raise ValueError("'jsonl' must be listed: metrics.jsonl is the run's record (resume reads it)")
+        return names
 
 
 class DemoAssetsSection(_Strict):

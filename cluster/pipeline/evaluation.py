@@ -223,10 +223,9 @@ class Evaluator:
         tokenizer: Any,
         eval_prompts: list[Prompt],
         train_prompts: list[Prompt],
-        telemetry: Any,
         make_collector: Callable[[], RolloutCollector],
     ) -> None:
-        self.cfg, self.tokenizer, self.telemetry = cfg, tokenizer, telemetry
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.prompts, self.train_prompts = eval_prompts, train_prompts
         self.make_collector = make_collector
         self.before: dict[str, float] | None = None  # held-out metrics of the initial weights
@@ -247,7 +246,6 @@ class Evaluator:
         m = None
         if self.prompts:
             m, batch = self.evaluate()
-            self.telemetry.record_eval(m)
             print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
         elif self.cfg.run.sample_log_count:
             fixed = self.train_prompts[: self.cfg.run.sample_log_count]

@@ -36,10 +36,11 @@ from cluster.pipeline.stopping import StopRequest
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
 from cluster.run.folder import check_ranks_see_run_folder
-from cluster.run.metrics import MetricsWriter, SyncStepTimes, sync_step_metrics, truncate_metrics
+from cluster.run.metrics import SyncStepTimes, sync_step_metrics, truncate_metrics
 from cluster.run.startup import StartupClock
 from cluster.run.summary import RunSummary
-from cluster.run.telemetry import Telemetry
+from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
+from cluster.run.trackers.run_logger import RunLogger
 from cluster.weights.publisher import WeightPublisher
 
 FIXED_COUNTS = (
@@ -72,7 +73,7 @@ class Trainer:
         self.weights = self.make_publisher()
         self.checkpoints = Checkpointer(self.run_dir, cfg)
         self.roles: Roles | None = None
-        self.writer: MetricsWriter | None = None
+        self.log = RunLogger(cfg.run.loggers)  # opened at the end of set-up; the driver's only logger
         self.control: Any = None
         ds = cfg.data.dynamic_sampling
         self.group_filter = resolve_filter(ds.filter, ds.std_eps)  # None: dynamic sampling off
@@ -126,22 +127,33 @@ class Trainer:
             )
             .remote(self._counts(), FIXED_COUNTS if self.roles.hosts else None)
         )
-        self.telemetry = Telemetry(self.run_id)
         self.evaluator = Evaluator(
-            cfg,
-            self.tokenizer,
-            data.eval,
-            prompts,
-            self.telemetry,
-            lambda: self.make_collector(RolloutCollector),
+            cfg, self.tokenizer, data.eval, prompts, lambda: self.make_collector(RolloutCollector)
         )
         if self.resume_from is not None:
             self.restore(self.resume_from)
-        self.writer = MetricsWriter(self.run_dir, cfg.run.tensorboard)
+        self.open_log()
         self.checkpoints.cadence.written()  # the minutes count from the end of set-up
         self.clock.mark("actors")
         if self.roles.hosts:
             self.clock.actor = ray.get(self.roles.hosts[0].startup_timings.remote(), timeout=60)
+
+    def open_log(self) -> None:
+        """Open the run's loggers, continuing the tracker runs the resumed checkpoint names, and keep the
+        resolved config with them."""
+        state = self.resume_state or {}
+        self.log.open(
+            RunInfo(
+                name=self.cfg.run.name,
+                run_id=self.run_id,
+                run_dir=self.run_dir,
+                config=self.cfg.model_dump(mode="json"),
+                settings=self.cfg.run,
+                resume_step=self.step if self.resume_state is not None else None,
+                resume_ids=state.get("trackers", {}),
+            )
+        )
+        self.log.artifact(self.run_dir / "config.yaml")
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over this run's pools, timeouts and replacement hook."""
@@ -162,9 +174,7 @@ class Trainer:
         return {"rollout": len(r.workers), "reference": len(r.references), "reward": len(r.scorers)}
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self.log.close()
         if self.control is not None:
             ray.kill(self.control, no_restart=True)
         self.control = None
@@ -177,7 +187,7 @@ class Trainer:
     def extra_state(self) -> dict:
         """Run state saved with each checkpoint besides `progress` and the version: the prompt stream's
         position (the async pipeline adds its buffer's)."""
-        return {"stream": self.stream.state_dict()}
+        return {"stream": self.stream.state_dict(), "trackers": dict(self.log.ids)}
 
     def checkpoint(self) -> Path:
         """Write the checkpoint of the current step (once: a second call at the same step returns it)."""
@@ -287,11 +297,10 @@ class Trainer:
         return merged, account
 
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
-        """Record a finished step everywhere (JSONL/TensorBoard, Ray metrics, history); checkpoint if due.
+        """Record a finished step everywhere (the run's loggers, history); checkpoint if due.
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
         metrics.update({f"weights/{stage}": s for stage, s in self.weights.take_stages().items()})
-        self.writer.write(step, metrics)
-        self.telemetry.record_step(metrics, worker_lags=worker_lags)
+        self.log.step(StepRow(step, metrics, worker_lags=worker_lags or {}))
         self.progress.history.append(metrics)
         if self.checkpoints.due(step):
             self.checkpoint()
@@ -321,7 +330,7 @@ class Trainer:
         if self.step == 0:
             before = self.evaluator.report("before")
             if before is not None:
-                self.writer.write(0, before)
+                self.log.step(StepRow(0, before, held_out_only=True))
             self.clock.mark("held-out eval")
         bar = None
         if self.cfg.run.progress_bar:
@@ -336,6 +345,8 @@ class Trainer:
                 if "step 1" not in self.clock.marks:
                     self.clock.mark("step 1")
                     self.clock.write(self.run_dir)
+                    self.log.summary(STARTUP, self.clock.phases())
+                    self.log.artifact(self.run_dir / "startup.json")
                 if bar is not None:
                     bar.set_postfix(_postfix(m))
                     bar.update(1)
@@ -358,8 +369,25 @@ class Trainer:
             timeout=self.cfg.timeouts.train_s,
         )
         self.workers_to_current()
-        self.evaluator.report("after")
+        after = self.evaluator.report("after")
+        if after is not None:
+            self.log.summary(EVAL_AFTER, after)
         return self.summary(final_dir=final_dir)
+
+    def publish(self, summary: RunSummary, curves: bool = True) -> Path | None:
+        """The run's summary to every logger and, with `curves`, curves.png drawn and logged (None without
+        matplotlib, the 'plot' extra)."""
+        self.log.summary(RUN, summary.scalars())
+        if not curves or not self.log.opened:
+            return None
+        from cluster.plot import plot_run
+
+        try:
+            path = plot_run(self.run_dir)
+        except ImportError:  # matplotlib is optional (the 'plot' extra)
+            return None
+        self.log.artifact(path)
+        return path
 
     def summary(self, final_dir: Path | None = None, interrupted: bool = False) -> RunSummary:
         tail = self.progress.history[-5:]

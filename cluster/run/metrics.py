@@ -1,10 +1,9 @@
-"""Per-step metrics: what a trained step reports (`sample_metrics`, `sync_step_metrics`), written to
-JSONL (always) and TensorBoard (when installed)."""
+"""Per-step metrics: what a trained step reports (`sample_metrics`, `sync_step_metrics`); the run's
+loggers (`cluster.run.trackers`) write them, `metrics.jsonl` first."""
 
 from __future__ import annotations
 
 import json
-import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,39 +14,6 @@ import numpy as np
 from cluster.pipeline.chunks import Parts, RolloutBatch, kept
 from cluster.run.summary import reward_to_prob
 from rollout_workers.environment import FAILED, EpisodeStatus
-
-
-class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
-        self._tb: Any = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self._tb = None
-
-    @property
-    def tensorboard_dir(self) -> str | None:
-        return self._tb.log_dir if self._tb is not None else None
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (float(v) if v is not None else None) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, **clean}, allow_nan=True) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                if v is not None and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-
-    def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

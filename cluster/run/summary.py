@@ -33,6 +33,20 @@ class RunSummary:
     interrupted: bool = False
     extra: list[str] = field(default_factory=list)  # more result lines (held-out before -> after)
 
+    def scalars(self) -> dict[str, float]:
+        """The summary's numbers, for the run's loggers (`cluster.run.trackers.base.RUN`)."""
+        out = {
+            "steps": float(self.steps),
+            "samples": float(self.samples),
+            "wall_s": self.wall_s,
+            "final_reward": self.final_reward,
+            "final_kl": self.final_kl,
+            "interrupted": float(self.interrupted),
+        }
+        if self.final_reward_prob is not None:
+            out["final_reward_prob"] = self.final_reward_prob
+        return out
+
     def lines(self) -> list[str]:
         prob = f" (P(positive) {self.final_reward_prob:.3f})" if self.final_reward_prob is not None else ""
         head = "interrupted after" if self.interrupted else "finished"
