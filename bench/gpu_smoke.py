@@ -181,7 +181,11 @@ def sleep_wake(args, s: Shared, row: Row) -> None:
         for ga, gb in zip(before, after, strict=True)
         for a, b in zip(ga, gb, strict=True)
     )
-    row.facts = {"awake_gib": round(awake / GIB, 3), "asleep_gib": round(asleep / GIB, 3), "same_tokens": same}
+    row.facts = {
+        "awake_gib": round(awake / GIB, 3),
+        "asleep_gib": round(asleep / GIB, 3),
+        "same_tokens": same,
+    }
     if not same:
         row.status, row.note = "FAIL", "the same seed sampled other tokens after waking"
     elif torch.cuda.is_available() and not asleep < awake:
@@ -302,7 +306,12 @@ SECTIONS = [
     ("learner", learner_steps),
     ("weights", weights),
 ]
-NEEDS = {"generate": "build", "behaviour logprobs": "generate", "sleep/wake": "generate", "learner": "behaviour logprobs"}
+NEEDS = {
+    "generate": "build",
+    "behaviour logprobs": "generate",
+    "sleep/wake": "generate",
+    "learner": "behaviour logprobs",
+}
 
 
 def run(args) -> list[Row]:
