@@ -70,20 +70,6 @@ def load_policy(cfg, checkpoint: Path):
     return model.eval()
 
 
-def save_tokenizer(cfg, out: Path) -> str:
-    """The run's tokenizer into `out`, with the chat template the run used; returns where it came from."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-    source = "the tokenizer's own"
-    template = cfg.data.chat_template
-    if template not in ("auto", "none"):
-        tokenizer.chat_template = Path(template).read_text()
-        source = str(template)
-    tokenizer.save_pretrained(out)
-    return source
-
-
 def export(
     checkpoint: str | Path, out: str | Path, dtype: str = "bfloat16", value_head: bool = False
 ) -> dict:
@@ -91,6 +77,7 @@ def export(
     import torch
     from safetensors.torch import save_file
 
+    from cluster.pipeline.chat import save_tokenizer
     from cluster.pipeline.checkpoint import CheckpointError, read_state
     from learner.consolidated_checkpoint import read_weights
     from learner.model import VALUE_HEAD_FILE
@@ -106,7 +93,7 @@ def export(
     model = load_policy(cfg, checkpoint).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    template = save_tokenizer(cfg, out)
+    template = save_tokenizer(cfg.data, cfg.tokenizer_path, out)
     if value_head:
         head = read_weights(checkpoint / "learner", "value_head.")
         save_file({k: v.contiguous() for k, v in head.items()}, str(out / VALUE_HEAD_FILE))

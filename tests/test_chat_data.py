@@ -191,6 +191,16 @@ def test_a_jinja_file_replaces_the_tokenizers_template(tmp_path):
     assert prompts[0].ids.tolist() == reference_ids(tok, prompts[0].messages, chat_template=QWEN25_TEMPLATE)
     with pytest.raises(ConfigError, match=r"data.chat_template: file not found: .*missing.jinja"):
         load_prompts(section(path, chat_template=str(tmp_path / "missing.jinja")), tok)
+    # The folders a run writes (final/, cluster.export's) carry that template with the tokenizer.
+    from transformers import AutoTokenizer
+
+    from cluster.pipeline.chat import save_tokenizer
+
+    tok.save_pretrained(tmp_path / "tok")
+    assert save_tokenizer(section(path, chat_template=str(jinja)), str(tmp_path / "tok"), tmp_path / "out")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert saved.chat_template == QWEN25_TEMPLATE
+    assert reference_ids(saved, prompts[0].messages) == prompts[0].ids.tolist()
 
 
 def test_wrapped_string_prompts_render_as_one_user_message(tmp_path):

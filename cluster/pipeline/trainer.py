@@ -17,6 +17,7 @@ import ray
 import yaml
 
 from cluster.config.schema import RunConfig
+from cluster.pipeline.chat import save_tokenizer
 from cluster.pipeline.chunks import Parts, RolloutBatch, env_errors, reward_errors
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
@@ -368,6 +369,11 @@ class Trainer:
             [r.save_pretrained.remote(str(final_dir), self.cfg.tokenizer_path) for r in self.roles.ranks],
             timeout=self.cfg.timeouts.train_s,
         )
+        if self.cfg.data.chat_template not in (
+            "auto",
+            "none",
+        ):  # the Jinja file the prompts were rendered with
+            save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
         self.workers_to_current()
         after = self.evaluator.report("after")
         if after is not None:
