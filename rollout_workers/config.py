@@ -110,6 +110,26 @@ class EnvironmentConfig(_Strict):
         "must be one token of the policy's tokenizer (checked when the worker starts): turns stop on token "
         "ids, the same in every engine.",
     )
+    observation_format: Literal["text", "chat"] = Field(
+        "text",
+        description="How an observation joins the episode: 'text' (its text tokenised as is, for base models "
+        "and plain-text prompts) or 'chat' (rendered by the policy's chat template as a message of "
+        "observation_role, closing the model's turn and opening the next assistant turn, appended token-wise: "
+        "rollout_workers/chat_turns.py; the template must preserve the prefix).",
+    )
+    observation_role: str = Field(
+        "tool", description="observation_format='chat': the role of observation messages ('tool' or 'user')."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="observation_format='chat': the Jinja text of the template, filled in by the cluster from "
+        "data.chat_template when that names a file (the prompts' template); leave unset. None: the tokenizer's.",
+    )
+    chat_template_kwargs: dict = Field(
+        default_factory=dict,
+        description="observation_format='chat': the template's extra variables, filled in by the cluster from "
+        "data.chat_template_kwargs; leave unset.",
+    )
     timeout_s: float = Field(
         30.0, gt=0, description="Deadline of each environment call (reset or step), from the call's start."
     )

@@ -1,8 +1,9 @@
 """Multi-turn episodes, token in, token out: the engine's ids are kept exactly as sampled.
 
 Every episode is a list of token ids that only grows: the prompt's ids, then each model turn's ids as
-the engine returned them, then each observation tokenised once (`add_special_tokens=False`) and
-appended. The next turn continues from those ids; nothing is ever re-tokenised, so the ids trained on
+the engine returned them, then each observation tokenised once (`add_special_tokens=False`), or with
+`observation_format: chat` rendered as a chat message by the policy's template
+(`rollout_workers.chat_turns`), and appended. The next turn continues from those ids; nothing is ever re-tokenised, so the ids trained on
 are the ids the policy produced (no chat-template or merge drift at turn boundaries). The loss mask is
 1 on model tokens, 0 on observation tokens.
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_workers.chat_turns import chat_observations
 from rollout_workers.config import EnvironmentConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, derive_seed
 from rollout_workers.env_calls import CallResult, EnvCaller
@@ -97,6 +99,18 @@ class EpisodeRunner:
         self.engine, self.tokenizer, self.config, self.environment = engine, tokenizer, config, environment
         self.stop_ids = stop_token_ids(tokenizer, config.stop_strings)
         self.caller = EnvCaller(config.timeout_s)
+        self.turn_stops = engine.eos_token_ids | self.stop_ids
+        self.chat = (
+            chat_observations(
+                tokenizer,
+                config.observation_role,
+                self.turn_stops,
+                config.chat_template,
+                config.chat_template_kwargs,
+            )
+            if config.observation_format == "chat"
+            else None
+        )
 
     def run(
         self,
@@ -169,6 +183,13 @@ class EpisodeRunner:
             check(outputs, len(ids), one, self.stop_ids, limits)
             self._advance(live, [outs[0] for outs in outputs], turn)
 
+    def observation_ids(self, turn_ids: list[int], observation: str) -> list[int]:
+        """The ids an observation appends after the model turn `turn_ids`: its text tokenised as is, or
+        with observation_format='chat' the template's message (`rollout_workers.chat_turns`)."""
+        if self.chat is not None:
+            return self.chat(turn_ids, observation, self.turn_stops)
+        return [int(t) for t in self.tokenizer.encode(observation, add_special_tokens=False)]
+
     def _advance(self, episodes: list[_Live], outputs: list[GenerationOutput], turn: int) -> None:
         """Append each episode's new model turn, ask the environment, append its observation."""
         for ep, out in zip(episodes, outputs, strict=True):
@@ -188,7 +209,7 @@ class EpisodeRunner:
             )
             for ep, out in asking
         ]
-        for (ep, _out), result in zip(asking, self.caller.run(calls), strict=True):
+        for (ep, out), result in zip(asking, self.caller.run(calls), strict=True):
             if not result.ok:
                 ep.fail(result)
                 continue
@@ -207,7 +228,7 @@ class EpisodeRunner:
             if turn + 1 >= self.config.max_turns:
                 ep.status = "max_turns"
                 continue
-            obs = [int(t) for t in self.tokenizer.encode(step.observation, add_special_tokens=False)]
+            obs = self.observation_ids([int(t) for t in out.response_ids], step.observation)
             if len(ep.ids) + len(obs) + 1 > self.config.max_total_tokens:  # no room for obs + one token
                 ep.status = "max_tokens"
                 continue

@@ -85,6 +85,7 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_rollout_*",
         "test_engine_*",
         "test_episodes*",
+        "test_chat_turns*",
         "test_environment_hosts*",
         "test_partial_rollout_engines*",
         "test_tools*",

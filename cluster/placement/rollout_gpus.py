@@ -33,8 +33,8 @@ from rollout_workers.config import RolloutConfig
 def worker_config(cfg: RunConfig) -> RolloutConfig:
     """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, an
     unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for the
-    learner step: vLLM sleep mode), `interruptible` from pipeline.partial_rollout, and the text of an
-    environment module given as a .py file."""
+    learner step: vLLM sleep mode), `interruptible` from pipeline.partial_rollout, the text of an
+    environment module given as a .py file, and for chat observations the prompts' template and kwargs."""
     r = cfg.rollout
     if cfg.pipeline.partial_rollout:
         r = r.model_copy(update={"interruptible": True})
@@ -48,6 +48,13 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
         if not source.is_file():
             raise ValueError(f"rollout.environment.module: file {env.module!r} does not exist")
         r = r.model_copy(update={"environment": env.model_copy(update={"module_source": source.read_text()})})
+    if env.observation_format == "chat" and env.chat_template is None:
+        # observations are rendered with the prompts' template and kwargs (data.chat_template / _kwargs)
+        update: dict = {"chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
+        if cfg.data.chat_template not in ("auto", "none"):
+            update["chat_template"] = Path(cfg.data.chat_template).read_text(encoding="utf-8")
+        env = env.model_copy(update=update)
+        r = r.model_copy(update={"environment": env})
     if r.engine != "vllm" or r.vllm.max_model_len is not None:
         return r
     longest = env.max_total_tokens if env.enabled else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens

@@ -1,0 +1,173 @@
+"""Chat observations appended token-wise equal the template's rendering of the whole conversation
+(rollout_workers/chat_turns.py), for ChatML (Qwen2.5) and Llama 3's template; the templates that
+cannot be continued token-wise are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from chat_tokenizers import (
+    LLAMA3_SPECIALS,
+    LLAMA3_TEMPLATE,
+    QWEN25_DEFAULT_SYSTEM,
+    QWEN25_SPECIALS,
+    QWEN25_TEMPLATE,
+    chat_tokenizer,
+)
+
+from rollout_workers.chat_turns import chat_observations
+
+WORDS = [
+    QWEN25_DEFAULT_SYSTEM,
+    "what is two plus three <calc> 2+3 </calc> 5 the answer is five hello hi observation",
+]
+CASES = {  # name -> (tokenizer, the id that ends an assistant turn, observation role)
+    "chatml": (
+        lambda: chat_tokenizer(WORDS, QWEN25_SPECIALS, QWEN25_TEMPLATE, eos="<|im_end|>"),
+        "<|im_end|>",
+        "tool",
+    ),
+    "llama3": (
+        lambda: chat_tokenizer(
+            WORDS, LLAMA3_SPECIALS, LLAMA3_TEMPLATE, bos="<|begin_of_text|>", eos="<|eot_id|>"
+        ),
+        "<|eot_id|>",
+        "user",
+    ),
+}
+
+
+def render(tok, messages, generation=True):
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation, return_dict=True)
+    return list(out["input_ids"])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_episode_grown_token_wise_is_the_template_rendering_of_the_conversation(name):
+    make, end, role = CASES[name]
+    tok = make()
+    stops = frozenset({tok.convert_tokens_to_ids(end)})
+    chat = chat_observations(tok, role, stops)
+    user = {"role": "user", "content": "what is two plus three"}
+    ids = render(tok, [user])  # the prompt, as data.chat_template renders it
+    turns = [("<calc> 2+3 </calc>", "5"), ("the answer is five", None)]
+    messages = [user]
+    for text, observation in turns:
+        turn = tok.encode(text, add_special_tokens=False) + [tok.convert_tokens_to_ids(end)]  # ended by EOS
+        ids += turn
+        messages.append({"role": "assistant", "content": text})
+        if observation is not None:
+            ids += chat(turn, observation, stops)
+            messages.append({"role": role, "content": observation})
+    assert ids == render(tok, messages, generation=False)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_turn_cut_before_its_end_token_gets_it_as_an_observation_token(name):
+    make, end, role = CASES[name]
+    tok = make()
+    end_id = tok.convert_tokens_to_ids(end)
+    chat = chat_observations(tok, role, frozenset({end_id}))
+    cut = tok.encode("<calc> 2+3 </calc>", add_special_tokens=False)  # stopped by a stop string, no EOS
+    obs = chat(cut, "5", frozenset({end_id}))
+    assert obs[0] == end_id
+    assert obs[1:] == chat(cut + [end_id], "5", frozenset({end_id}))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    # renders only the last two messages: adding a message changes the tokens before it
+    last_two = (
+        "{%- for message in messages[-2:] %}{{- '<|im_start|>' + message.role + ' ' + message.content + "
+        "'<|im_end|>' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant' }}{%- endif %}"
+    )
+    tok = chat_tokenizer(WORDS, QWEN25_SPECIALS, last_two, eos="<|im_end|>")
+    with pytest.raises(ValueError, match="does not preserve the prefix"):
+        chat_observations(tok, "tool", frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
+
+
+def test_an_end_token_the_engine_does_not_stop_at_is_refused_by_name():
+    tok = chat_tokenizer(WORDS, QWEN25_SPECIALS, QWEN25_TEMPLATE, eos="<|endoftext|>")
+    with pytest.raises(ValueError, match=r"none of the tokens the engine stops at .*<\|im_end\|>"):
+        chat_observations(tok, "tool", frozenset({tok.convert_tokens_to_ids("<|endoftext|>")}))
+
+
+def test_no_template_is_refused():
+    tok = chat_tokenizer(WORDS, QWEN25_SPECIALS, None, eos="<|im_end|>")
+    with pytest.raises(ValueError, match="has no chat template"):
+        chat_observations(tok, "tool", frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
+
+
+@pytest.fixture(scope="module")
+def chat_policy(tmp_path_factory):
+    """A tiny GPT-2 whose tokenizer carries ChatML (Qwen2.5's template; <|im_end|> is its EOS)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = CASES["chatml"][0]()
+    out = tmp_path_factory.mktemp("chat-policy")
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=len(tok), n_positions=256, n_embd=32, n_layer=2, n_head=2,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    GPT2LMHeadModel(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out), tok
+
+
+def test_a_workers_chat_episode_appends_rendered_observations_with_mask_0(chat_policy):
+    """On a real worker and engine: every observation segment is the template's tool message for the
+    turn before it (closing that turn when the model did not), with logprob 0 and loss mask 0."""
+    import numpy as np
+    from test_episodes import Echo  # noqa: F401  (registers 'test-echo')
+
+    from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
+    from rollout_workers.worker import RolloutWorker
+
+    path, tok = chat_policy
+    env = EnvironmentConfig(
+        name="test-echo", max_turns=3, max_total_tokens=200, turn_max_new_tokens=4, observation_format="chat"
+    )
+    worker = RolloutWorker(path, RolloutConfig(environment=env))
+    prompt = np.asarray(render(tok, [{"role": "user", "content": "what is two plus three"}]), dtype=np.int64)
+    samples = worker.generate([0], [prompt], seed=5, sampling=SamplingConfig(n=2, max_new_tokens=4))
+    runner, end = worker._episodes, tok.convert_tokens_to_ids("<|im_end|>")
+    seen_chat = 0
+    for s in samples:
+        e = s.episode
+        assert e.turns == 3 and e.status == "done"
+        starts = [0]
+        for t in e.turn_ends[:-1]:
+            turn = s.response_ids[starts[-1] : t + 1].tolist()
+            obs = runner.observation_ids(turn, "the movie")
+            a = int(t) + 1
+            assert s.response_ids[a : a + len(obs)].tolist() == obs
+            assert e.loss_mask[a : a + len(obs)].tolist() == [0] * len(obs)
+            assert s.logprobs[a : a + len(obs)].tolist() == [0.0] * len(obs)
+            assert obs[0] == end or turn[-1] == end  # every assistant turn is closed
+            assert tok.convert_tokens_to_ids("<|im_start|>") in obs
+            seen_chat += 1
+            starts.append(a + len(obs))
+    assert seen_chat == 4
+
+
+def test_the_cluster_sends_workers_the_prompts_template_and_kwargs(tmp_path):
+    """A data.chat_template Jinja file travels to the workers as text (they may run on nodes without
+    the file), with data.chat_template_kwargs; a text-observation environment gets neither."""
+    from cluster.config.schema import build_config
+    from cluster.placement.rollout_gpus import worker_config
+
+    jinja = tmp_path / "chatml.jinja"
+    jinja.write_text(QWEN25_TEMPLATE)
+    env = {"name": "test-echo", "max_total_tokens": 200}
+    raw = {
+        "model": {"policy_path": "p"},
+        "reward": {"kind": "environment"},
+        "data": {"prompts_path": "x.jsonl", "chat_template": str(jinja), "chat_template_kwargs": {"x": 1}},
+    }
+    chat = worker_config(
+        build_config({**raw, "rollout": {"environment": {**env, "observation_format": "chat"}}})
+    )
+    assert chat.environment.chat_template == QWEN25_TEMPLATE
+    assert chat.environment.chat_template_kwargs == {"x": 1}
+    text = worker_config(build_config({**raw, "rollout": {"environment": env}}))
+    assert text.environment.chat_template is None and text.environment.chat_template_kwargs == {}
