@@ -1,17 +1,25 @@
-"""Tools for environments: a registry of text-in, text-out tools, a tool-call parser, and the built-in
+"""Tools for environments: a registry of text-in, text-out tools, tool-call parsers, and the built-in
 `tools` environment (a model turn either calls a tool or answers).
 
-A tool call is `<open>argument</close>` with the tags the environment is configured with, e.g.
-`<calc>37*48</calc>`; the environment answers `<result>1776</result>`. A turn without a call is the
-final answer, checked against the prompt's `meta[answer_key]` (last integer in the turn, exact match).
+Two call formats (`call_format`, a registry of parsers):
+- `tags`: `<open>argument</close>` with the tags the environment is configured with, e.g.
+  `<calc>37*48</calc>`; the environment answers `<result>1776</result>`.
+- `hermes`: the JSON tool calls that Qwen2.5's and Hermes' chat templates teach,
+  `<tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>`; `arguments` is an
+  object of one string (a tool takes one text argument), and the answer is the result's bare text (with
+  `rollout.environment.observation_format: chat` and role `tool` the template wraps it, e.g. in
+  `<tool_response>`). Malformed JSON, an unknown tool or other arguments are a failed call.
+A turn without a call is the final answer, checked against the prompt's `meta[answer_key]` (last
+integer in the turn, exact match).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +99,36 @@ def parse_tool_call(text: str, tags: dict[str, tuple[str, str]]) -> ToolCall | N
     return first
 
 
+HERMES_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def parse_hermes_call(text: str, tools: Collection[str]) -> ToolCall | None:
+    """The first `<tool_call>{"name": ..., "arguments": {"<param>": "<text>"}}</tool_call>` in `text`, or
+    None when there is none; a call that does not parse, names no known tool in `tools` or does not
+    carry exactly one string argument is returned not well-formed (the environment answers an error)."""
+    i = text.find(HERMES_TAGS[0])
+    if i == -1:
+        return None
+    j = text.find(HERMES_TAGS[1], i)
+    if j == -1:
+        return ToolCall("", "", False)
+    try:
+        call = json.loads(text[i + len(HERMES_TAGS[0]) : j])
+    except json.JSONDecodeError:
+        return ToolCall("", "", False)
+    name = call.get("name") if isinstance(call, dict) else None
+    args = call.get("arguments") if isinstance(call, dict) else None
+    if isinstance(args, str):  # some models write the arguments object as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    values = list(args.values()) if isinstance(args, dict) else []
+    if name not in tools or len(values) != 1 or not isinstance(values[0], str):
+        return ToolCall(str(name or ""), "", False)
+    return ToolCall(name, values[0], True)
+
+
 _INTEGER = re.compile(r"-?\d+")
 
 
@@ -104,19 +142,27 @@ class ToolEnvironment(Environment):
     """Each model turn either calls a tool (answered with `<result>...</result>`, no reward) or gives the
     final answer (reward 1 when its last integer equals `meta[answer_key]`, else 0; the episode ends).
 
-    Counters (`Step.info`): tool_calls, tool_errors (a malformed call or a tool that refused its
-    argument: the model is told `<result>` + `error_result` + `</result>`), answers."""
+    `call_format` names the parser (`CALL_FORMATS`); `result_tags` default to `<result>`, `</result>` for
+    `tags` and to none for `hermes`. Counters (`Step.info`): tool_calls, tool_errors (a malformed call
+    or a tool that refused its argument: the model is told the result tags around `error_result`),
+    answers."""
 
     def __init__(
         self,
         tools: dict[str, list[str]] | None = None,
-        result_tags: tuple[str, str] | list[str] = ("<result>", "</result>"),
+        result_tags: tuple[str, str] | list[str] | None = None,
         answer_key: str = "answer",
         error_result: str = "error",
+        call_format: str = "tags",
     ) -> None:
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"tools environment: call_format {call_format!r}; one of {sorted(CALL_FORMATS)}")
         tools = tools or {"calculator": ["<calc>", "</calc>"]}
+        self.call_format = call_format
         self.tags = {name: (str(t[0]), str(t[1])) for name, t in tools.items()}
         self.tools = {name: get_tool(name) for name in self.tags}
+        if result_tags is None:  # hermes: the bare result (the chat template marks the tool's answer)
+            result_tags = ("<result>", "</result>") if call_format == "tags" else ("", "")
         self.result_open, self.result_close = result_tags
         self.answer_key = answer_key
         self.error_result = error_result  # what a failed call answers (in the policy tokenizer's alphabet)
@@ -127,7 +173,7 @@ class ToolEnvironment(Environment):
         return {"answer": str(meta[self.answer_key]).strip()}
 
     def step(self, model_turn: str, state: dict[str, Any]) -> Step:
-        call = parse_tool_call(model_turn, self.tags)
+        call = CALL_FORMATS[self.call_format](model_turn, self)
         if call is None:
             right = last_integer(model_turn) == state["answer"]
             return Step("", 1.0 if right else 0.0, True, {"answers": 1.0})
@@ -139,3 +185,10 @@ class ToolEnvironment(Environment):
         except ToolError:
             result, info["tool_errors"] = self.error_result, 1.0
         return Step(f"{self.result_open}{result}{self.result_close}", None, False, info)
+
+
+# call_format -> parser of a model turn (the environment gives the parser what it knows: tags, tools)
+CALL_FORMATS: dict[str, Callable[[str, ToolEnvironment], ToolCall | None]] = {
+    "tags": lambda text, env: parse_tool_call(text, env.tags),
+    "hermes": lambda text, env: parse_hermes_call(text, env.tools),
+}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_workers.environment import Step, as_step, make_environment
-from rollout_workers.tools import ToolError, calculator, last_integer, parse_tool_call
+from rollout_workers.tools import ToolCall, ToolError, calculator, last_integer, parse_tool_call
 
 TAGS = {"calculator": ("<calc>", "</calc>")}
 
@@ -52,3 +52,36 @@ def test_tools_environment_turns():
         make_environment("no-such-env")
     with pytest.raises(TypeError, match="observation"):
         as_step((None, 1.0, True))
+
+
+def test_hermes_json_tool_calls():
+    """Qwen2.5 / Hermes tool calls: `<tool_call>{"name", "arguments"}</tool_call>`, answered with the bare
+    result; every malformed form is a counted tool error, never an answer."""
+    from rollout_workers.tools import parse_hermes_call
+
+    tools = {"calculator"}
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*48"}}\n</tool_call>'
+    assert parse_hermes_call("let me compute " + call, tools) == ToolCall("calculator", "37*48", True)
+    as_string = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2+3\\"}"}</tool_call>'
+    assert parse_hermes_call(as_string, tools).argument == "2+3"
+    assert parse_hermes_call("1776", tools) is None
+    for bad in (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}',  # unterminated
+        "<tool_call>{name: calculator}</tool_call>",  # not JSON
+        '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>',  # unknown tool
+        '<tool_call>{"name": "calculator", "arguments": {"a": "1", "b": "2"}}</tool_call>',  # two arguments
+        '<tool_call>{"name": "calculator", "arguments": {"expression": 12}}</tool_call>',  # not a string
+        "<tool_call>[1, 2]</tool_call>",
+    ):
+        assert not parse_hermes_call(bad, tools).well_formed, bad
+
+    env = make_environment("tools", kwargs={"call_format": "hermes"})
+    state = env.reset("37*48=", {"answer": "1776"})
+    assert as_step(env.step(call, state)) == Step(
+        "1776", None, False, {"tool_calls": 1.0, "tool_errors": 0.0}
+    )
+    bad = as_step(env.step("<tool_call>{oops}</tool_call>", state))
+    assert bad.observation == "error" and bad.info["tool_errors"] == 1.0 and not bad.done
+    assert as_step(env.step("the answer is 1776", state)) == Step("", 1.0, True, {"answers": 1.0})
+    with pytest.raises(ValueError, match=r"call_format 'xml'; one of \['hermes', 'tags'\]"):
+        make_environment("tools", kwargs={"call_format": "xml"})
