@@ -8,9 +8,12 @@ fixed reference conversation:
     base = render([user, assistant], add_generation_prompt=False)
     full = render([user, assistant, {role: observation_role, content: obs}], add_generation_prompt=True)
 
-The template must preserve the prefix (`full` starts with `base`, as ChatML's and Llama 3's do): a
-template that rewrites earlier turns when a message is added (e.g. one that drops past reasoning)
-cannot be continued token-wise, and is refused when the renderer is built. An assistant message in
+The template must preserve the prefix (`full` starts with `base`, as ChatML's and Llama 3's do) and
+write the same continuation whatever came before; both are checked when the renderer is built on a few
+conversations (with a system message, after several turns, after an assistant turn holding a
+`<think>` block): a template that rewrites earlier turns when a message is added (e.g. Qwen3's, which
+drops past reasoning) cannot be continued token-wise and is refused, saying after what it differs. An
+environment may answer a text (one message of `observation_role`) or its own list of messages. An assistant message in
 `base` ends with the template's end-of-turn token (the last token of `base` that the engine stops on)
 followed by a `tail` the model never samples (ChatML: the newline after `<|im_end|>`). An observation's
 ids are then:
@@ -31,6 +34,13 @@ from typing import Any
 
 _BASE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
 _MARK = "observation"
+# Conversations the continuation must not depend on: with a system message, after several turns, and
+# after an assistant turn holding a reasoning block (templates that drop past reasoning fail here).
+_CHECKS = [
+    [{"role": "system", "content": "be brief"}, *_BASE],
+    [*_BASE, {"role": "user", "content": "again"}, {"role": "assistant", "content": "hi again"}],
+    [_BASE[0], {"role": "assistant", "content": "<think> hmm </think> hi"}],
+]
 
 
 def _ids(tokenizer: Any, messages: list[dict], generation: bool, kwargs: dict) -> list[int]:
@@ -51,11 +61,16 @@ class ChatObservations:
     kwargs: dict
     base_len: int
 
-    def __call__(self, turn_ids: list[int], observation: str, stops: Collection[int]) -> list[int]:
-        """The ids to append after a model turn `turn_ids` for `observation`; `stops` are the ids the
-        engine ends a turn on."""
+    def __call__(
+        self, turn_ids: list[int], observation: str | list[dict], stops: Collection[int]
+    ) -> list[int]:
+        """The ids to append after a model turn `turn_ids` for `observation` (a text, sent as one message
+        of `role`, or the environment's own messages); `stops` are the ids the engine ends a turn on."""
         ids = [] if turn_ids and turn_ids[-1] in stops else [self.end_of_turn]
-        full = _ids(self.tokenizer, [*_BASE, {"role": self.role, "content": observation}], True, self.kwargs)
+        messages = (
+            [{"role": self.role, "content": observation}] if isinstance(observation, str) else observation
+        )
+        full = _ids(self.tokenizer, [*_BASE, *messages], True, self.kwargs)
         return ids + list(self.tail) + full[self.base_len :]
 
 
@@ -72,13 +87,25 @@ def chat_observations(
             "rollout.environment.observation_format='chat': the policy's tokenizer has no chat template"
         )
     base = _ids(tokenizer, _BASE, False, kwargs)
-    full = _ids(tokenizer, [*_BASE, {"role": role, "content": _MARK}], True, kwargs)
-    if full[: len(base)] != base:
-        raise ValueError(
-            "rollout.environment.observation_format='chat': the chat template does not preserve the prefix "
-            f"(rendering a {role!r} message after an assistant turn changes the tokens before it), so "
-            "observations cannot be appended token-wise; use observation_format='text'"
-        )
+    observation = {"role": role, "content": _MARK}
+    continuation = None
+    for conversation in [_BASE, *_CHECKS]:
+        before = _ids(tokenizer, conversation, False, kwargs)
+        full = _ids(tokenizer, [*conversation, observation], True, kwargs)
+        shown = " / ".join(f"{m['role']}: {m['content']}" for m in conversation)
+        if full[: len(before)] != before:
+            raise ValueError(
+                "rollout.environment.observation_format='chat': the chat template does not preserve the "
+                f"prefix: rendering a {role!r} message after [{shown}] changes the tokens before it, so "
+                "observations cannot be appended token-wise; use observation_format='text'"
+            )
+        if continuation is not None and full[len(before) :] != continuation:
+            raise ValueError(
+                "rollout.environment.observation_format='chat': the chat template renders a "
+                f"{role!r} message differently after [{shown}] than after a plain exchange, so the "
+                "continuation depends on earlier turns; use observation_format='text'"
+            )
+        continuation = full[len(before) :]
     ends = [i for i, t in enumerate(base) if t in stops]
     if not ends:
         special = [tokenizer.convert_ids_to_tokens(t) for t in base if t in tokenizer.all_special_ids]

@@ -37,7 +37,9 @@ FAILED: frozenset[str] = frozenset({"env_error", "env_timeout"})  # dropped, nev
 class Step:
     """What an environment answers to one model turn."""
 
-    observation: str  # appended to the transcript before the next model turn (ignored when done)
+    # Appended to the transcript before the next model turn (ignored when done): a text, or chat messages
+    # ({"role": "tool" | "user", "content": ...}) rendered by the chat template (observation_format='chat').
+    observation: str | list[dict]
     reward: float | None = None  # this turn's reward; on the last turn, the episode's outcome
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)  # counters summed into env/<key> metrics
@@ -138,8 +140,19 @@ def as_step(answer: Step | tuple) -> Step:
         step = Step(*answer)
     else:
         raise TypeError(f"step() must return a Step or (observation, reward, done), got {answer!r}")
-    if not isinstance(step.observation, str):
-        raise TypeError(f"step() returned a {type(step.observation).__name__} observation, not a str")
+    if isinstance(step.observation, list):
+        for m in step.observation:
+            if not (
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            ):
+                raise TypeError(
+                    f"step() returned an observation list holding {m!r}: each must be a message "
+                    "{'role': str, 'content': str}"
+                )
+    elif not isinstance(step.observation, str):
+        raise TypeError(
+            f"step() returned a {type(step.observation).__name__} observation, not a str or a list of messages"
+        )
     if step.reward is not None:
         step.reward = float(step.reward)
         if not np.isfinite(step.reward):

@@ -183,11 +183,17 @@ class EpisodeRunner:
             check(outputs, len(ids), one, self.stop_ids, limits)
             self._advance(live, [outs[0] for outs in outputs], turn)
 
-    def observation_ids(self, turn_ids: list[int], observation: str) -> list[int]:
+    def observation_ids(self, turn_ids: list[int], observation: str | list[dict]) -> list[int]:
         """The ids an observation appends after the model turn `turn_ids`: its text tokenised as is, or
-        with observation_format='chat' the template's message (`rollout_workers.chat_turns`)."""
+        with observation_format='chat' the template's messages (`rollout_workers.chat_turns`). Messages
+        with observation_format='text' are a ValueError (the episode fails: nothing renders them)."""
         if self.chat is not None:
             return self.chat(turn_ids, observation, self.turn_stops)
+        if not isinstance(observation, str):
+            raise ValueError(
+                "the environment answered chat messages, but rollout.environment.observation_format='text' "
+                "takes text observations: set observation_format='chat'"
+            )
         return [int(t) for t in self.tokenizer.encode(observation, add_special_tokens=False)]
 
     def _advance(self, episodes: list[_Live], outputs: list[GenerationOutput], turn: int) -> None:
@@ -228,7 +234,11 @@ class EpisodeRunner:
             if turn + 1 >= self.config.max_turns:
                 ep.status = "max_turns"
                 continue
-            obs = self.observation_ids([int(t) for t in out.response_ids], step.observation)
+            try:
+                obs = self.observation_ids([int(t) for t in out.response_ids], step.observation)
+            except ValueError as err:
+                ep.fail(CallResult(error=str(err), seconds=0.0))
+                continue
             if len(ep.ids) + len(obs) + 1 > self.config.max_total_tokens:  # no room for obs + one token
                 ep.status = "max_tokens"
                 continue

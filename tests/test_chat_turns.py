@@ -13,6 +13,7 @@ from chat_tokenizers import (
     QWEN25_TEMPLATE,
     chat_tokenizer,
 )
+from engine_contract_shared import ENGINES
 
 from rollout_workers.chat_turns import chat_observations
 
@@ -98,7 +99,8 @@ def test_no_template_is_refused():
 
 @pytest.fixture(scope="module")
 def chat_policy(tmp_path_factory):
-    """A tiny GPT-2 whose tokenizer carries ChatML (Qwen2.5's template; <|im_end|> is its EOS)."""
+    """A tiny GPT-2 whose tokenizer carries ChatML (Qwen2.5's template; <|im_end|> is its EOS); head
+    size 32, the least vLLM's CPU attention takes."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -106,7 +108,7 @@ def chat_policy(tmp_path_factory):
     out = tmp_path_factory.mktemp("chat-policy")
     torch.manual_seed(0)
     cfg = GPT2Config(
-        vocab_size=len(tok), n_positions=256, n_embd=32, n_layer=2, n_head=2,
+        vocab_size=len(tok), n_positions=256, n_embd=64, n_layer=2, n_head=2,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
     )  # fmt: skip
     GPT2LMHeadModel(cfg).save_pretrained(out)
@@ -114,9 +116,11 @@ def chat_policy(tmp_path_factory):
     return str(out), tok
 
 
-def test_a_workers_chat_episode_appends_rendered_observations_with_mask_0(chat_policy):
-    """On a real worker and engine: every observation segment is the template's tool message for the
-    turn before it (closing that turn when the model did not), with logprob 0 and loss mask 0."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_workers_chat_episode_appends_rendered_observations_with_mask_0(chat_policy, engine):
+    """On a real worker and engine (both engines): every observation segment is the template's tool
+    message for the turn before it (closing that turn when the model did not), with logprob 0 and
+    loss mask 0."""
     import numpy as np
     from test_episodes import Echo  # noqa: F401  (registers 'test-echo')
 
@@ -127,7 +131,7 @@ def test_a_workers_chat_episode_appends_rendered_observations_with_mask_0(chat_p
     env = EnvironmentConfig(
         name="test-echo", max_turns=3, max_total_tokens=200, turn_max_new_tokens=4, observation_format="chat"
     )
-    worker = RolloutWorker(path, RolloutConfig(environment=env))
+    worker = RolloutWorker(path, RolloutConfig(engine=engine, environment=env))
     prompt = np.asarray(render(tok, [{"role": "user", "content": "what is two plus three"}]), dtype=np.int64)
     samples = worker.generate([0], [prompt], seed=5, sampling=SamplingConfig(n=2, max_new_tokens=4))
     runner, end = worker._episodes, tok.convert_tokens_to_ids("<|im_end|>")
@@ -171,3 +175,44 @@ def test_the_cluster_sends_workers_the_prompts_template_and_kwargs(tmp_path):
     assert chat.environment.chat_template_kwargs == {"x": 1}
     text = worker_config(build_config({**raw, "rollout": {"environment": env}}))
     assert text.environment.chat_template is None and text.environment.chat_template_kwargs == {}
+
+
+def test_a_template_that_drops_past_reasoning_is_refused_naming_the_conversation():
+    # Qwen3-like: an assistant message that is no longer the last keeps only what follows </think>
+    strips = (
+        "{%- for message in messages %}{%- set content = message.content %}"
+        "{%- if message.role == 'assistant' and not loop.last %}{%- set content = content.split('</think>')[-1] | trim %}"
+        "{%- endif %}{{- '<|im_start|>' + message.role + ' ' + content + ' <|im_end|> ' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' }}{%- endif %}"
+    )
+    tok = chat_tokenizer(
+        WORDS + ["<think> hmm </think> be brief again"], QWEN25_SPECIALS, strips, eos="<|im_end|>"
+    )
+    with pytest.raises(
+        ValueError, match=r"does not preserve the prefix: .*after \[user: hello / assistant: <think>"
+    ):
+        chat_observations(tok, "tool", frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
+
+
+def test_an_environment_may_answer_several_messages():
+    """Two tool results in one observation: ChatML puts consecutive tool messages in one user block; the
+    ids appended are still the full rendering's."""
+    tok = CASES["chatml"][0]()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    chat = chat_observations(tok, "tool", frozenset({end}))
+    user = {"role": "user", "content": "what is two plus three"}
+    turn = tok.encode("<calc> 2+3 </calc>", add_special_tokens=False) + [end]
+    results = [{"role": "tool", "content": "5"}, {"role": "tool", "content": "five"}]
+    ids = render(tok, [user]) + turn + chat(turn, results, frozenset({end}))
+    assistant = {"role": "assistant", "content": "<calc> 2+3 </calc>"}
+    assert ids == render(tok, [user, assistant, *results], generation=True)
+
+
+def test_messages_need_the_chat_observation_format():
+    from rollout_workers.environment import Step, as_step
+
+    with pytest.raises(TypeError, match="each must be a message"):
+        as_step(Step([{"role": "tool"}], None, False))
+    with pytest.raises(TypeError, match="not a str or a list of messages"):
+        as_step(Step(5, None, False))
+    assert as_step(Step([{"role": "tool", "content": "5"}], None, False)).observation[0]["content"] == "5"
