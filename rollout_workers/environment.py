@@ -18,7 +18,9 @@ Register one with `@register_environment("name")` in a module named by `rollout.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import sys
 import types
 from abc import ABC, abstractmethod
@@ -45,6 +47,29 @@ class Step:
     info: dict[str, float] = field(default_factory=dict)  # counters summed into env/<key> metrics
 
 
+@dataclass(frozen=True)
+class TurnEnd:
+    """How a model turn ended: 'eos' (an EOS token), 'stop' (a stop string's token: `stop_text`, which
+    the turn's text then ends with) or 'length' (its token limit)."""
+
+    reason: Literal["eos", "stop", "length"]
+    stop_text: str | None = None
+
+
+def step_with(env: Environment, model_turn: str, state: Any, turn_end: TurnEnd | None) -> Any:
+    """`env.step(model_turn, state)`, with `turn_end=` as well when one is given and its `step` takes
+    that keyword (or **kwargs): environments written without it keep working."""
+    if turn_end is not None and _takes_turn_end(type(env).step):
+        return env.step(model_turn, state, turn_end=turn_end)
+    return env.step(model_turn, state)
+
+
+@functools.cache
+def _takes_turn_end(step: Callable) -> bool:
+    params = inspect.signature(step).parameters.values()
+    return any(p.name == "turn_end" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class Environment(ABC):
     """One environment instance serves many episodes: per-episode data lives in the state `reset`
     returns, so `step` may run for several episodes at once (from threads)."""
@@ -56,7 +81,8 @@ class Environment(ABC):
 
     @abstractmethod
     def step(self, model_turn: str, state: Any) -> Step | tuple[str, float | None, bool]:
-        """Answer one model turn (its text, special tokens such as EOS removed)."""
+        """Answer one model turn (its text, special tokens such as EOS removed; a stop string kept). A
+        `step` that also takes a `turn_end` keyword is told how the turn ended (`TurnEnd`)."""
 
     def close(self, state: Any) -> None:  # noqa: B027  (optional hook)
         """The episode of `state` has ended (any status): free what it holds. Default: nothing."""

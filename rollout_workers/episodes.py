@@ -28,7 +28,7 @@ from rollout_workers.chat_turns import chat_observations
 from rollout_workers.config import EnvironmentConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, derive_seed
 from rollout_workers.env_calls import CallResult, EnvCaller
-from rollout_workers.environment import Environment, Episode, as_step
+from rollout_workers.environment import Environment, Episode, TurnEnd, as_step, step_with
 
 # (outputs, prompts, sampling, stop ids, limits): the worker's output contract, raised on a violation
 Check = Callable[[list[list[GenerationOutput]], int, SamplingConfig, frozenset[int], list[int]], None]
@@ -183,6 +183,18 @@ class EpisodeRunner:
             check(outputs, len(ids), one, self.stop_ids, limits)
             self._advance(live, [outs[0] for outs in outputs], turn)
 
+    def turn_text(self, out: GenerationOutput) -> tuple[str, TurnEnd]:
+        """A model turn as its environment sees it: the text without special tokens but with its stop
+        string (also when that is a special token), and how the turn ended."""
+        text = self.tokenizer.decode(out.response_ids, skip_special_tokens=True)
+        last = int(out.response_ids[-1])
+        if out.finish_reason != "stop":
+            return text, TurnEnd("length")
+        if last in self.engine.eos_token_ids:
+            return text, TurnEnd("eos")
+        stop = self.tokenizer.decode([last], skip_special_tokens=False)
+        return (text if text.endswith(stop) else text + stop), TurnEnd("stop", stop)
+
     def observation_ids(self, turn_ids: list[int], observation: str | list[dict]) -> list[int]:
         """The ids an observation appends after the model turn `turn_ids`: its text tokenised as is, or
         with observation_format='chat' the template's messages (`rollout_workers.chat_turns`). Messages
@@ -208,12 +220,9 @@ class EpisodeRunner:
             ep.turn_rewards.append(float("nan"))
         asking = [(ep, out) for ep, out in zip(episodes, outputs, strict=True) if ep.status is None]
         calls = [
-            (
-                lambda ep=ep, text=self.tokenizer.decode(out.response_ids, skip_special_tokens=True): (
-                    self.environment.step(text, ep.state)
-                )
-            )
+            (lambda ep=ep, text=text, end=end: step_with(self.environment, text, ep.state, end))
             for ep, out in asking
+            for text, end in [self.turn_text(out)]
         ]
         for (ep, out), result in zip(asking, self.caller.run(calls), strict=True):
             if not result.ok:

@@ -216,3 +216,63 @@ def test_messages_need_the_chat_observation_format():
     with pytest.raises(TypeError, match="not a str or a list of messages"):
         as_step(Step(5, None, False))
     assert as_step(Step([{"role": "tool", "content": "5"}], None, False)).observation[0]["content"] == "5"
+
+
+def test_the_environment_is_told_how_each_turn_ended(chat_policy):
+    """`turn_end` reaches a `step` that takes it (EOS, a stop string kept in the text even when it is a
+    special token, or the length limit); a `step` without it is called as before."""
+    import numpy as np
+
+    from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
+    from rollout_workers.engine import GenerationOutput
+    from rollout_workers.environment import Environment, Step, TurnEnd, register_environment, step_with
+    from rollout_workers.worker import RolloutWorker
+
+    seen: list[TurnEnd] = []
+
+    @register_environment("test-turn-ends")
+    class Recording(Environment):
+        def reset(self, prompt, meta):
+            return {}
+
+        def step(self, model_turn, state, turn_end=None):
+            seen.append(turn_end)
+            return Step("five", 0.0, False)
+
+    class Plain(Environment):
+        def reset(self, prompt, meta):
+            return {}
+
+        def step(self, model_turn, state):
+            return Step(model_turn, 0.0, True)
+
+    end = TurnEnd("eos")
+    assert step_with(Plain(), "hi", {}, end).observation == "hi"
+    path, tok = chat_policy
+    env = EnvironmentConfig(
+        name="test-turn-ends",
+        max_turns=2,
+        max_total_tokens=200,
+        turn_max_new_tokens=3,
+        observation_format="chat",
+        stop_strings=["<|im_start|>"],  # a special token as a stop string
+    )
+    worker = RolloutWorker(path, RolloutConfig(environment=env))
+    runner = worker._episodes
+    eos, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    five = tok.convert_tokens_to_ids("five")
+    out = lambda ids, why: GenerationOutput(np.asarray(ids), np.zeros(len(ids), np.float32), why)  # noqa: E731
+    assert runner.turn_text(out([five, eos], "stop")) == ("five", TurnEnd("eos"))
+    assert runner.turn_text(out([five, start], "stop")) == (
+        "five<|im_start|>",
+        TurnEnd("stop", "<|im_start|>"),
+    )
+    assert runner.turn_text(out([five, five], "length")) == ("five five", TurnEnd("length"))
+    prompt = np.asarray(render(tok, [{"role": "user", "content": "what is two plus three"}]), dtype=np.int64)
+    samples = worker.generate([0], [prompt], seed=2, sampling=SamplingConfig(n=2, max_new_tokens=3))
+    # every turn was asked about (2 episodes x 2 turns), each told the end its last token shows
+    reason = {eos: "eos", start: "stop"}
+    expected = sorted(
+        reason.get(int(s.response_ids[t]), "length") for s in samples for t in s.episode.turn_ends
+    )
+    assert len(seen) == 4 and sorted(t.reason for t in seen) == expected

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from rollout_workers.config import EnvironmentConfig
-from rollout_workers.environment import Environment, Step, as_step, make_environment
+from rollout_workers.environment import Environment, Step, TurnEnd, as_step, make_environment, step_with
 
 # Calls a host runs at once (threads of a threaded actor): every episode of a turn asks at the same time.
 HOST_CONCURRENCY = 256
@@ -50,7 +50,7 @@ class EnvironmentHost:
             self.states[key] = state
         return key
 
-    def step(self, model_turn: str, key: EpisodeKey) -> Step:
+    def step(self, model_turn: str, key: EpisodeKey, turn_end: TurnEnd | None = None) -> Step:
         if key not in self.states:
             incarnation, number = key
             why = (
@@ -59,7 +59,7 @@ class EnvironmentHost:
                 else "the actor restarted since the episode began: its state is gone"
             )
             raise KeyError(f"episode {number} is not on this environment actor ({why})")
-        return as_step(self.env.step(model_turn, self.states[key]))
+        return as_step(step_with(self.env, model_turn, self.states[key], turn_end))
 
     def close(self, key: EpisodeKey) -> None:
         with self._lock:
@@ -94,9 +94,9 @@ class RemoteEnvironment(Environment):
                 continue  # restarting or gone: the next one
         return order[-1], self._get(order[-1], order[-1].reset.remote(prompt, meta))
 
-    def step(self, model_turn: str, state: tuple[Any, EpisodeKey]) -> Step:
+    def step(self, model_turn: str, state: tuple[Any, EpisodeKey], turn_end: TurnEnd | None = None) -> Step:
         host, key = state
-        return self._get(host, host.step.remote(model_turn, key))
+        return self._get(host, host.step.remote(model_turn, key, turn_end))
 
     def close(self, state: tuple[Any, EpisodeKey]) -> None:
         host, key = state
