@@ -276,3 +276,48 @@ def test_the_environment_is_told_how_each_turn_ended(chat_policy):
         reason.get(int(s.response_ids[t]), "length") for s in samples for t in s.episode.turn_ends
     )
     assert len(seen) == 4 and sorted(t.reason for t in seen) == expected
+
+
+def test_the_documented_chat_environment_runs_its_two_tools(tmp_path, chat_policy):
+    """docs/environments.md's chat-model environment, taken as a .py module: both tools, several calls
+    in one turn answered by one tool message each, bad calls counted, and episodes on a real worker."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
+    from rollout_workers.environment import as_step, make_environment
+    from rollout_workers.worker import RolloutWorker
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    module = tmp_path / "chat_envs.py"
+    module.write_text(page.split("```python\n# chat_envs.py\n", 1)[1].split("```", 1)[0])
+    env = make_environment("chat-math", str(module))
+    state = env.reset("what is 3 km in m plus 1", {"answer": 3001})
+    call = lambda name, **args: f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"  # noqa: E731
+    both = call("convert", value="3", unit="km", to="m") + " and " + call("calculator", expression="3000+1")
+    step = as_step(env.step(both, state))
+    assert step.observation == [{"role": "tool", "content": "3000"}, {"role": "tool", "content": "3001"}]
+    assert step.info == {"tool_calls": 2.0, "tool_errors": 0.0} and not step.done
+    bad = as_step(
+        env.step(call("convert", value="3", unit="km", to="h") + "<tool_call>{x</tool_call>", state)
+    )
+    assert bad.info == {"tool_calls": 2.0, "tool_errors": 2.0}
+    assert [m["content"] for m in bad.observation] == ["error: ToolError", "error: JSONDecodeError"]
+    assert as_step(env.step("so it is 3001", state)).reward == 1.0
+    path, tok = chat_policy
+    cfg = EnvironmentConfig(
+        name="chat-math",
+        module=str(module),
+        max_turns=2,
+        max_total_tokens=200,
+        turn_max_new_tokens=4,
+        observation_format="chat",
+    )
+    worker = RolloutWorker(path, RolloutConfig(environment=cfg))
+    prompt = np.asarray(render(tok, [{"role": "user", "content": "what is two plus three"}]), dtype=np.int64)
+    samples = worker.generate(
+        [0], [prompt], seed=1, sampling=SamplingConfig(n=2, max_new_tokens=4), metas=[{"answer": 5}]
+    )
+    assert len(samples) == 2 and all(s.episode.status in ("done", "max_turns") for s in samples)
