@@ -125,3 +125,19 @@ def test_bad_lora_fields_are_errors_naming_the_field(tiny_policy_dir):
     ):
         with pytest.raises(ValidationError, match=field):
             LearnerConfig(lora=bad)
+
+
+def test_cluster_export_merges_a_lora_checkpoints_adapters(tiny_policy_dir):
+    """`cluster.export` reads a LoRA run's checkpoint (adapters only, under the learner's names) and
+    writes the merged model; weights that do not fit are refused, naming them."""
+    from cluster.export import ExportError, policy_from_weights
+
+    model = _trained(tiny_policy_dir)
+    state = {n: p.detach().clone() for n, p in model.policy.named_parameters() if p.requires_grad}
+    exported = policy_from_weights(str(tiny_policy_dir), LORA, state).state_dict()
+    merged = merged_cpu_state_dict(model.policy, BIG, keep=True)
+    assert exported.keys() == merged.keys()
+    for name in merged:
+        assert torch.equal(exported[name], merged[name]), name
+    with pytest.raises(ExportError, match="only in the checkpoint"):
+        policy_from_weights(str(tiny_policy_dir), LoRAConfig(), state)  # the run's lora section is needed
