@@ -4,7 +4,8 @@ CHECKPOINT is a run's `checkpoints/step-N`, checked as a resume checks it (its C
 state checksum); the run's `config.yaml`, two folders up, names the base policy and the tokenizer.
 The weights are the checkpoint's fp32 master weights (`learner.consolidated_checkpoint.read_weights`)
 loaded into the base architecture as the learner loads it (dropout off, the fused tanh-GELU name:
-`learner.model`), so the folder computes what the learner computed. Every parameter must be
+`learner.model`), so the folder computes what the learner computed; a `learner.lora` run's checkpoint
+holds only adapters, merged here into the base policy's weights (`policy_from_weights`). Every parameter must be
 accounted for: a weight the model lacks, or a parameter the checkpoint lacks, is an error naming them.
 They are cast to `--dtype` and written with `save_pretrained` (safetensors, config, generation
 config); the tokenizer is saved beside them carrying the chat template the run rendered its prompts
@@ -38,35 +39,59 @@ def run_config(checkpoint: Path):
 
 
 def load_policy(cfg, checkpoint: Path):
-    """The base policy with the checkpoint's weights, float32."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """The base policy with the checkpoint's weights, float32 (a LoRA run's adapters merged in)."""
     from learner.consolidated_checkpoint import read_weights
-    from learner.model import zero_dropout
-    from learner.sequences import fused_gelu_kwargs
 
     try:
         state = read_weights(checkpoint / "learner", "policy.")
     except ValueError as err:
         raise ExportError(str(err)) from None
-    config = AutoConfig.from_pretrained(cfg.model.policy_path, local_files_only=True)
+    try:
+        return policy_from_weights(cfg.model.policy_path, cfg.learner.lora, state)
+    except ExportError as err:
+        raise ExportError(f"{checkpoint}: {err}") from None
+
+
+def policy_from_weights(policy_path: str, lora, state: dict):
+    """The policy at `policy_path` loaded as the learner loads it, its trained parameters (every one,
+    tied weights once) set from `state`. With `lora` of rank > 0 (`learner.lora`) the trained parameters
+    are the adapters: they are injected as the learner injects them, set from `state`, and merged
+    (W + B A alpha/r, learner.lora.merge_weight) into a plain model of the base architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from learner.lora import apply_lora, merged_cpu_state_dict
+    from learner.model import zero_dropout
+    from learner.sequences import fused_gelu_kwargs
+
+    config = AutoConfig.from_pretrained(policy_path, local_files_only=True)
     zero_dropout(config)
     config.update(fused_gelu_kwargs(config))
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model.policy_path, config=config, dtype=torch.float32, local_files_only=True
-    )
-    params = dict(model.named_parameters())  # tied weights appear once, as in the checkpoint
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(
+            policy_path, config=config, dtype=torch.float32, local_files_only=True
+        )
+
+    model = base()
+    if lora is not None and lora.rank > 0:
+        apply_lora(model, lora)
+    # tied weights appear once, as in the checkpoint; a LoRA model trains its adapters only
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     shaped = sorted(n for n in set(params) & set(state) if params[n].shape != state[n].shape)
     if missing or extra or shaped:
         raise ExportError(
-            f"{checkpoint}: its weights do not fit {cfg.model.policy_path}: only in the model {missing[:5]}, "
+            f"its weights do not fit {policy_path}: only in the model {missing[:5]}, "
             f"only in the checkpoint {extra[:5]}, different shapes {shaped[:5]}"
         )
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
+    if lora is not None and lora.rank > 0:
+        merged = merged_cpu_state_dict(model, 1 << 62, keep=True)
+        model = base()
+        model.load_state_dict(merged)
     return model.eval()
 
 
@@ -105,6 +130,7 @@ def export(
         "parameters": sum(p.numel() for p in model.parameters()),
         "chat_template": template,
         "value_head": value_head,
+        "lora_rank": cfg.learner.lora.rank,  # > 0: the adapters are merged into the exported weights
     }
     (out / "export.json").write_text(json.dumps(record, indent=1))
     return record

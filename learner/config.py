@@ -38,6 +38,50 @@ class KLConfig(_Strict):
         return self
 
 
+class LoRAConfig(_Strict):
+    rank: int = Field(
+        0,
+        ge=0,
+        description=(
+            "LoRA rank r (0 = off: full fine-tuning). With r > 0 the policy's base weights are frozen and "
+            "only the adapters (and modules_to_save, and the value head where a critic is used) train; "
+            "exports and final/ carry the merged weights W + B A alpha/r under the base model's names "
+            "(see docs/lora.md)."
+        ),
+    )
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha/rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input (PEFT lora_dropout); 0 keeps the policy deterministic.",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description=(
+            "Linear modules that get adapters: names matched as PEFT matches them (a module's full name or "
+            "its last components, e.g. ['q_proj', 'v_proj'] or ['c_attn']), or 'all-linear' (every linear "
+            "layer but the output layer). A name matching no linear module is a config error listing "
+            "the model's linear module names."
+        ),
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Modules trained in full beside the adapters (PEFT modules_to_save, e.g. ['wpe']); exported "
+            "under their base names. A module tied to another (tied embeddings) is refused."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name modules or use 'all-linear'")
+        return self
+
+
 class LearnerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel learner ranks (one torch.distributed world).")
     num_cpus_per_rank: float = Field(0.5, gt=0.0, description="Ray CPUs per learner rank.")
@@ -247,6 +291,9 @@ class LearnerConfig(_Strict):
         (0.5, 2.0), description="[lo, hi] kept range of the per-sequence geometric-mean ratio ('geo_mask')."
     )
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty in the reward.")
+    lora: LoRAConfig = Field(
+        default_factory=LoRAConfig, description="LoRA adapters on the policy (rank 0 = off)."
+    )
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models)."

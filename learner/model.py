@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from learner.config import LoRAConfig
+from learner.lora import apply_lora
 from learner.sequences import (
     PackedRows,
     fused_gelu_kwargs,
@@ -79,8 +81,10 @@ class PolicyWithValueHead(nn.Module):
         gradient_checkpointing: bool = False,
         seed: int = 0,
         attn_implementation: str | None = None,
+        lora: LoRAConfig | None = None,
     ) -> PolicyWithValueHead:
-        """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head."""
+        """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head;
+        with `lora` of rank > 0 the policy gets PEFT adapters and its own weights freeze (learner.lora)."""
         if dtype not in _DTYPES:
             raise ValueError(f"unknown learner dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -99,6 +103,8 @@ class PolicyWithValueHead(nn.Module):
                 policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if lora is not None and lora.rank > 0:
+            policy = apply_lora(policy, lora)
         model = cls(policy, value_head_std=value_head_std, seed=seed)
         model.train()  # from_pretrained leaves eval mode, in which HF skips gradient checkpointing
         saved_head = Path(path) / VALUE_HEAD_FILE

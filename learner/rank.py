@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from learner.deepspeed_setup import (
     resolve_backend,
 )
 from learner.gather import cpu_state_dict
+from learner.lora import adapter_state, has_lora, merged_cpu_state_dict, save_adapter
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import check_packing_exact, probe_sequences, right_padded
@@ -35,6 +37,7 @@ from learner.sequences import check_packing_exact, probe_sequences, right_padded
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _STATE_KEY = "_learner_rank"
+ADAPTER_DIR = "adapter"  # final/adapter/: a LoRA run's adapter in PEFT's format, beside the merged model
 
 
 class LearnerRank:
@@ -103,6 +106,7 @@ class LearnerRank:
             gradient_checkpointing=self.config.gradient_checkpointing,
             seed=self.seed,
             attn_implementation=self.config.attn_implementation,
+            lora=self.config.lora,
         )
         if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
             vocab = model.policy.config.get_text_config().vocab_size
@@ -158,7 +162,8 @@ class LearnerRank:
         the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
-        time: see learner.gather). Tied weights stay one shared tensor. Rank 0 also records what a
+        time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
+        (learner.lora.merged_cpu_state_dict): the bundle has the base model's names. Tied weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
         on the fixed probe and, when `describe` is given, the facts `describe(bundle)` returns (the
         cluster's: checksum and digest at the rollout dtype).
@@ -167,8 +172,8 @@ class LearnerRank:
         t0 = time.perf_counter()
         probe = self._probe_logprobs()
         t1 = time.perf_counter()
-        out = cpu_state_dict(
-            engine.module.policy.state_dict(keep_vars=True),
+        out = merged_cpu_state_dict(
+            engine.module.policy,
             self._bucket_bytes,
             keep=self.rank == 0,
             dtype=None if dtype is None else EXPORT_DTYPES[dtype],
@@ -250,15 +255,20 @@ class LearnerRank:
     def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
         """Rank 0 writes the HF policy, value head and tokenizer files (copied from `tokenizer_from`,
         default the policy's folder) to `path`; all ranks must call it (the full weights are gathered
-        bucket by bucket, as for `export_weights`)."""
+        bucket by bucket, as for `export_weights`). With `learner.lora` the policy is the merged model
+        and the adapter alone goes to `path/adapter/` in PEFT's format (learner.lora.save_adapter)."""
         engine = self._require_engine()
         keep = self.rank == 0
-        policy = cpu_state_dict(engine.module.policy.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        policy = merged_cpu_state_dict(engine.module.policy, self._bucket_bytes, keep)
         head = cpu_state_dict(engine.module.value_head.state_dict(keep_vars=True), self._bucket_bytes, keep)
+        lora = has_lora(engine.module.policy)
+        adapter = adapter_state(engine.module.policy, self._bucket_bytes, keep) if lora else None
         if keep:
             engine.module.save_pretrained(
                 path, tokenizer_from=tokenizer_from or self.model_path, policy_state=policy, head_state=head
             )
+            if lora:
+                save_adapter(Path(path) / ADAPTER_DIR, self.config.lora, adapter, self.model_path)
         if dist.is_initialized():
             dist.barrier()
 

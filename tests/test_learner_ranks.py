@@ -64,14 +64,16 @@ def _trajectories(n: int, seed: int) -> list[Trajectory]:
 
 
 @contextmanager
-def learner_group(ray, n: int, model_path, config: LearnerConfig, temperature: float = 0.8):
-    """n LearnerRank actors in one placement group, set up together; shut down and killed on exit."""
+def learner_group(
+    ray, n: int, model_path, config: LearnerConfig, temperature: float = 0.8, rank_cls: type = LearnerRank
+):
+    """n `rank_cls` (LearnerRank) actors in one placement group, set up together; shut down and killed on exit."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = placement_group([{"CPU": CPUS_PER_RANK}] * n, strategy="PACK")
     ray.get(pg.ready(), timeout=TIMEOUT_S)
-    cls = ray.remote(LearnerRank)
+    cls = ray.remote(rank_cls)
     ranks = [
         cls.options(
             num_cpus=CPUS_PER_RANK,

@@ -1,0 +1,134 @@
+"""LoRA end to end on real DeepSpeed ranks (Ray actors, gloo) and a real hf engine, in one run:
+
+2 ZeRO-3 ranks take a PPO step: the base weights stay bit-identical, only adapters (and the critic's
+value head) are in the checkpoint with Adam state; the merged export changes exactly the adapted
+weights; an hf engine loading it computes the learner's probe logprobs and the acknowledgement
+passes, while the base-only bundle (what a dropped adapter looks like) is refused. The checkpoint
+resumes on 1 ZeRO-2 rank to the same next step, and replays bit-exactly on the 2 ZeRO-3 ranks.
+`final/` is the merged HF model with the PEFT adapter in `final/adapter/`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from test_learner_ranks import _assert_same_weights, _call, _config, _train, _trajectories, learner_group
+from transformers import AutoModelForCausalLM
+
+from learner.config import LoRAConfig
+from learner.consolidated_checkpoint import INDEX
+from learner.gather import cpu_state_dict
+from learner.rank import LearnerRank
+
+pytestmark = pytest.mark.slow
+
+ADAPTED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class InspectedRank(LearnerRank):
+    """A LearnerRank that also reports its frozen policy weights (gathered) and its optimizer's size."""
+
+    def frozen_weights(self) -> dict[str, torch.Tensor] | None:
+        params = {n: p for n, p in self.engine.module.policy.named_parameters() if not p.requires_grad}
+        return cpu_state_dict(params, self._bucket_bytes, keep=self.rank == 0)
+
+    def optimizer_numel(self) -> int:
+        """Elements of this rank's fp32 partitions, the tensors Adam keeps state for."""
+        from learner.consolidated_checkpoint import _flat_partitions
+
+        return sum(t.numel() for t in _flat_partitions(self.engine))
+
+
+def _export(ray, ranks):
+    from cluster.weights.push import bundle_facts
+
+    bundles = _call(ray, ranks, "export_weights", *[(bundle_facts("float32"), "float32")] * len(ranks))
+    return bundles[0], ray.get(ranks[0].export_fingerprint.remote())
+
+
+def test_lora_ppo_step_engine_ack_checkpoint_and_final(ray_local, tiny_policy_dir, tmp_path):
+    from peft import PeftModel
+
+    from cluster.weights.push import WeightSyncError, expected_fingerprint, verify_ack
+    from rollout_workers.config import RolloutConfig
+    from rollout_workers.worker import RolloutWorker
+
+    ray = ray_local
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable on workers
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    z3 = _config(
+        zero_stage=3,
+        lora=lora,
+        deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+        export_bucket_mb=0.001,  # many buckets: adapters gathered with their base weights, bucket by bucket
+    )
+    z2 = _config(zero_stage=2, lora=lora)
+    batch1, batch2 = _trajectories(8, seed=7), _trajectories(6, seed=8)
+    shards1, shards2 = [batch1[:4], batch1[4:]], [batch2[:2], batch2[2:]]
+    base = AutoModelForCausalLM.from_pretrained(tiny_policy_dir, dtype=torch.float32).state_dict()
+    with (
+        learner_group(ray, 2, tiny_policy_dir, z3, rank_cls=InspectedRank) as two,
+        learner_group(ray, 1, tiny_policy_dir, z2, rank_cls=InspectedRank) as one,
+    ):
+        v0, _ = _export(ray, two)  # B starts at zero: the merged model is the base model
+        _assert_same_weights(v0, base, atol=0)
+        frozen = _call(ray, two, "frozen_weights")[0]
+        _train(ray, two, shards1)
+        _assert_same_weights(_call(ray, two, "frozen_weights")[0], frozen, atol=0)  # base bit-identical
+        v1, meta1 = _export(ray, two)
+        changed = sorted(k for k in v1 if not torch.equal(v1[k], v0[k]))
+        assert changed == sorted(k for k in base if k.endswith(ADAPTED))
+
+        # A real hf engine loads the merged bundle and computes the learner's (unmerged) probe logprobs;
+        # the base-only bundle (an adapter that never arrived) is refused by its digest.
+        worker = RolloutWorker(str(tiny_policy_dir), RolloutConfig(engine="hf"))
+        verify_ack("hf", worker.load_weights(v1, 1), 1, expected_fingerprint(meta1, 1, "float32"))
+        with pytest.raises(WeightSyncError, match="digest differs"):
+            verify_ack("hf", worker.load_weights(v0, 2), 2, expected_fingerprint(meta1, 2, "float32"))
+
+        # The checkpoint holds the adapters and the value head only, each with its Adam moments.
+        ckpt = tmp_path / "ckpt"
+        _call(ray, two, "save_checkpoint", *[(str(ckpt), {"data_position": 8})] * 2)
+        index = json.loads((ckpt / INDEX).read_text())
+        names = set(index["params"])
+        assert all(
+            ".lora_A.default." in n or ".lora_B.default." in n
+            for n in names - {"value_head.weight", "value_head.bias"}
+        )
+        assert "value_head.weight" in names and index["optimizer_keys"] == ["exp_avg", "exp_avg_sq"]
+        trainable = sum(torch.Size(e["shape"]).numel() for e in index["params"].values())
+        assert trainable < 0.2 * sum(t.numel() for t in base.values())
+        assert (
+            trainable <= sum(_call(ray, two, "optimizer_numel")) < trainable + 64
+        )  # Adam state: trainable only
+
+        # Resume on 1 ZeRO-2 rank: the same next step; and the 2 ZeRO-3 ranks replay it bit-exactly.
+        m2 = _train(ray, two, shards2)
+        w2, _ = _export(ray, two)
+        _call(ray, one, "load_checkpoint", (str(ckpt),))
+        m1 = _train(ray, one, [batch2])
+        _assert_same_weights(_export(ray, one)[0], w2)
+        assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], rel=1e-5, abs=1e-7)
+        _call(ray, two, "load_checkpoint", *[(str(ckpt),)] * 2)
+        replay = _train(ray, two, shards2)
+        assert {k: v for k, v in replay.items() if not k.startswith("time/")} == {
+            k: v for k, v in m2.items() if not k.startswith("time/")
+        }
+        _assert_same_weights(_export(ray, two)[0], w2, atol=0)
+
+        # final/: the merged model as a plain HF folder, the adapter in PEFT's format beside it.
+        final = tmp_path / "final"
+        _call(ray, two, "save_pretrained", *[(str(final),)] * 2)
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    _assert_same_weights(merged.state_dict(), w2, atol=0)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_policy_dir, dtype=torch.float32), str(final / "adapter")
+    ).eval()
+    ids = torch.tensor([[5, 9, 11, 7, 20, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
