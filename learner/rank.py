@@ -103,6 +103,7 @@ class LearnerRank:
             gradient_checkpointing=self.config.gradient_checkpointing,
             seed=self.seed,
             attn_implementation=self.config.attn_implementation,
+            logits_chunk_tokens=self.config.logits_chunk_tokens,
         )
         if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
             vocab = model.policy.config.get_text_config().vocab_size
