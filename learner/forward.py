@@ -61,15 +61,16 @@ class Scored(NamedTuple):
     logprobs: torch.Tensor  # float32 log-probabilities of the response tokens
     values: torch.Tensor  # float32 values
     entropy: torch.Tensor | None  # per-token entropy (with grad), only when asked for
-    anchor_source: torch.Tensor  # the logits ([B, R, V] padded, [K, V] packed), or the logprobs chunked
 
     @property
     def anchor(self) -> torch.Tensor:
-        """A sum through the lm_head and the whole trunk: backward(anchor * 0) reaches every policy
-        parameter (only zero-weight and poisoned micro-batches need it, so it is not computed on every
-        forward). The sum of the logits, or chunked (no logits kept) of the logprobs, whose backward
-        recomputes them chunk by chunk and gives every lm_head and trunk parameter a gradient too."""
-        return self.anchor_source.float().sum()
+        """Sum of the logprobs (and entropies, where computed): backward(anchor * 0) reaches every policy
+        parameter, since d logp / d z = onehot - softmax(z) is dense over the vocabulary (0 or NaN
+        everywhere: only zero-weight and poisoned micro-batches need it). It reads exactly the policy
+        outputs a real micro-batch's loss reads (a zero-weight forward asks for entropy as the real ones
+        do): ZeRO-3 fetches a module's parameters once per output its backward passes through, so ranks
+        whose backward passes through different outputs make different collectives and deadlock."""
+        return self.logprobs.sum() + (self.entropy.sum() if self.entropy is not None else 0.0)
 
 
 def forward_scores(
@@ -96,7 +97,7 @@ def forward_scores(
         )
         place = _as_is
     ent = place(s.entropy) if entropy else None
-    return Scored(place(s.logprobs), place(s.values.float()), ent, s.anchor_source)
+    return Scored(place(s.logprobs), place(s.values.float()), ent)
 
 
 def _as_is(x: torch.Tensor) -> torch.Tensor:

@@ -75,9 +75,6 @@ class TokenScores(NamedTuple):
     logprobs: torch.Tensor  # float32 log pi(target) at temperature T
     entropy: torch.Tensor | None  # float32, only when asked for
     values: torch.Tensor
-    anchor_source: (
-        torch.Tensor
-    )  # whose float sum reaches every policy parameter (logits, or logprobs chunked)
 
 
 class PolicyWithValueHead(nn.Module):
@@ -191,7 +188,7 @@ class PolicyWithValueHead(nn.Module):
         if targets is None:
             return logits, values
         ent = entropy_from_logits(logits) if entropy else None
-        return TokenScores(logprobs_from_logits(logits, targets), ent, values, logits)
+        return TokenScores(logprobs_from_logits(logits, targets), ent, values)
 
     def _chunked_scores(
         self, input_ids, attention_mask, prompt_lens, response_len, temperature, packed, targets, entropy
@@ -209,7 +206,7 @@ class PolicyWithValueHead(nn.Module):
         logprobs, ent = chunked_token_scores(
             hidden, head.weight, head.bias, targets, temperature, self.logits_chunk_tokens, entropy
         )
-        return TokenScores(logprobs, ent, values, logprobs)
+        return TokenScores(logprobs, ent, values)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The HF model's own parameter names (what a rollout worker's `load_state_dict` expects)."""

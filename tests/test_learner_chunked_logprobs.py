@@ -163,3 +163,40 @@ def test_config_field():
     assert LearnerConfig().logits_chunk_tokens == "auto"
     with pytest.raises(ValueError):
         LearnerConfig(logits_chunk_tokens=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family_name", ["gpt2", "llama"])
+def test_zero3_ranks_chunked_take_the_steps_of_one_rank_unchunked(ray_local, tmp_path, family_name):
+    """2 real ZeRO-3 ranks (gloo, every tensor sharded), chunks of 5 tokens, uneven shards (the short rank
+    runs zero-weight micro-batches through the anchor) vs 1 rank on the full logits path: the same
+    weights and metrics; a NaN score still skips the step on both ranks. GPT-2 ties the lm_head
+    to the input embeddings (one sharded parameter read by two modules); Llama does not."""
+    from test_learner_ranks import (
+        _assert_same_weights,
+        _assert_step_skipped,
+        _config,
+        _train,
+        _trajectories,
+        _weights,
+        learner_group,
+    )
+
+    ray = ray_local
+    path = build_causal_lm(tmp_path, family_name, seed=5)
+    z3 = _config(
+        zero_stage=3,
+        logits_chunk_tokens=5,
+        deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    )
+    batch = _trajectories(9, seed=3)
+    with (
+        learner_group(ray, 1, path, _config(logits_chunk_tokens=None)) as one,
+        learner_group(ray, 2, path, z3) as two,
+    ):
+        m1 = _train(ray, one, [batch])
+        m2 = _train(ray, two, [batch[:3], batch[3:]])
+        _assert_same_weights(_weights(ray, one), _weights(ray, two))
+        for key in ("params/grad_norm", "loss/policy", "loss/value", "loss/entropy", "objective/kl"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+        _assert_step_skipped(ray, two, [batch[:4], batch[4:]], z3)
