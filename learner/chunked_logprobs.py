@@ -16,7 +16,8 @@ Gradients (upstream g = dL/dlogp, e = dL/dH, per position):
     dL/dz = g (onehot - p) - e p (log p + H),
     dL/dh = (dL/dz / T) W,   dL/dW = sum_n (dL/dz_n / T)^T h_n,   dL/db = sum_n dL/dz_n / T.
 
-Forward keeps only `lse` and `H` per position; backward recomputes z chunk by chunk. Only valid where the
+Forward keeps only `lse` and `H` per position; backward recomputes z chunk by chunk, in place, so at most
+two `[chunk, V]` float32 tensors exist at a time. Only valid where the
 model's logits are exactly `lm_head(hidden)` (no softcap, no logit scale): `linear_logits_reason`
 says which architectures qualify. Imports nothing of the project.
 """
@@ -80,8 +81,10 @@ class _ChunkedTokenScores(torch.autograd.Function):
             lse_c = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk] = lse_c
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk].unsqueeze(-1)).squeeze(-1) - lse_c
-            if ent is not None:
-                ent[s : s + chunk] = lse_c - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if ent is not None:  # H = lse - sum p z, the dot product without a third [chunk, V] tensor
+                p = (z - lse_c.unsqueeze(-1)).exp_()
+                ent[s : s + chunk] = lse_c - (p.unsqueeze(-2) @ z.unsqueeze(-1)).reshape(-1)
+                del p
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -101,16 +104,18 @@ class _ChunkedTokenScores(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = _logits(h, weight, bias, t)
-            logp_all = z - lse[s : s + chunk].unsqueeze(-1)
-            p = logp_all.exp()
-            dz = p * -g_logp[s : s + chunk].unsqueeze(-1)
-            dz.scatter_add_(-1, targets[s : s + chunk].unsqueeze(-1), g_logp[s : s + chunk].unsqueeze(-1))
-            if ent is not None and g_ent is not None:
+            g = g_logp[s : s + chunk].unsqueeze(-1)
+            logp_all = _logits(h, weight, bias, t).sub_(lse[s : s + chunk].unsqueeze(-1))
+            dz = logp_all.exp()
+            if ent is not None and g_ent is not None:  # dz = -p (g + e (log p + H)), in place
                 e = g_ent[s : s + chunk].unsqueeze(-1)
-                dz -= e * p * (logp_all + ent[s : s + chunk].unsqueeze(-1))
-            del z, logp_all, p
-            dz = dz / t if t != 1.0 else dz
+                dz.mul_(logp_all.add_(ent[s : s + chunk].unsqueeze(-1)).mul_(e).add_(g)).neg_()
+            else:
+                dz.mul_(-g)
+            del logp_all
+            dz.scatter_add_(-1, targets[s : s + chunk].unsqueeze(-1), g.to(dz.dtype))
+            if t != 1.0:
+                dz.div_(t)
             if need_h:
                 grad_h[s : s + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:

@@ -2,7 +2,7 @@
 computation, and the learner's forward with and without `logits_chunk_tokens`.
 
 float64: equal to the unchunked reference within 1e-12 (values and gradients w.r.t. hidden states,
-lm_head weight and bias); float32 within 3e-5 of the largest entry (sums taken in another order)."""
+lm_head weight and bias); float32 within 1e-4 of the largest entry (sums taken in another order over logits spanning +-30)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _reference(hidden, weight, bias, targets, temperature):
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 3e-5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_scores_and_gradients_equal_the_full_computation(dtype, tol, bias, temperature):
