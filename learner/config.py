@@ -113,7 +113,7 @@ class LearnerConfig(_Strict):
             "and log-softmax recomputed in backward, so no [tokens, vocabulary] float32 logits, log-softmax or "
             "gradient exist whole (equal to the full path up to float rounding order). Only for models whose "
             "logits are exactly lm_head(hidden) (gpt2, llama, mistral, qwen2, qwen3 with no softcap or logit "
-            "scale); an int on any other model is an error. 'auto': 1024 where the model qualifies, else the "
+            "scale); an int on any other model is an error. 'auto': 512 where the model qualifies, else the "
             "model's own full logits path; null: always the full logits path."
         ),
     )

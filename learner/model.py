@@ -21,7 +21,7 @@ from learner.sequences import (
     response_logits,
 )
 
-DEFAULT_CHUNK_TOKENS = 1024  # what `logits_chunk_tokens: auto` chunks by where the architecture allows
+DEFAULT_CHUNK_TOKENS = 512  # what `logits_chunk_tokens: auto` chunks by where the architecture allows
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
