@@ -150,6 +150,17 @@ class LearnerConfig(_Strict):
             "an architecture whose packed logits differ from the padded ones is refused."
         ),
     )
+    logits_chunk_tokens: int | Literal["auto"] | None = Field(
+        "auto",
+        description=(
+            "Score response tokens from the final hidden states this many positions at a time, the lm_head "
+            "and log-softmax recomputed in backward, so no [tokens, vocabulary] float32 logits, log-softmax or "
+            "gradient exist whole (equal to the full path up to float rounding order). Only for models whose "
+            "logits are exactly lm_head(hidden) (gpt2, llama, mistral, qwen2, qwen3 with no softcap or logit "
+            "scale); an int on any other model is an error. 'auto': 512 where the model qualifies, else the "
+            "model's own full logits path; null: always the full logits path."
+        ),
+    )
     balance_ranks: Literal["count", "tokens"] = Field(
         "tokens",
         description=(
@@ -346,6 +357,13 @@ class LearnerConfig(_Strict):
         default_factory=dict,
         description="Deep-merged into the generated DeepSpeed config (e.g. offload, bucket sizes, stage3_param_persistence_threshold).",
     )
+
+    @field_validator("logits_chunk_tokens")
+    @classmethod
+    def _positive_chunk(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"logits_chunk_tokens must be >= 1, 'auto' or null (got {v})")
+        return v
 
     @field_validator("value_clip", "reward_norm", mode="before")
     @classmethod

@@ -11,7 +11,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.batch import Batch
 from learner.config import LearnerConfig
 from learner.micro_batches import plan_micro_batches
@@ -62,13 +61,16 @@ class Scored(NamedTuple):
     logprobs: torch.Tensor  # float32 log-probabilities of the response tokens
     values: torch.Tensor  # float32 values
     entropy: torch.Tensor | None  # per-token entropy (with grad), only when asked for
-    logits: torch.Tensor  # the forward's logits ([B, R, V] padded, [K, V] packed)
 
     @property
     def anchor(self) -> torch.Tensor:
-        """Sum of the logits: backward(anchor * 0) reaches every policy parameter (only zero-weight
-        and poisoned micro-batches need it, so it is not computed on every forward)."""
-        return self.logits.float().sum()
+        """Sum of the logprobs (and entropies, where computed): backward(anchor * 0) reaches every policy
+        parameter, since d logp / d z = onehot - softmax(z) is dense over the vocabulary (0 or NaN
+        everywhere: only zero-weight and poisoned micro-batches need it). It reads exactly the policy
+        outputs a real micro-batch's loss reads (a zero-weight forward asks for entropy as the real ones
+        do): ZeRO-3 fetches a module's parameters once per output its backward passes through, so ranks
+        whose backward passes through different outputs make different collectives and deadlock."""
+        return self.logprobs.sum() + (self.entropy.sum() if self.entropy is not None else 0.0)
 
 
 def forward_scores(
@@ -78,19 +80,24 @@ def forward_scores(
 
     With `extra=1` every output has R+1 positions: position `len_i` of row i then holds what the
     state after its last token gives (the value a truncated response bootstraps from). `packed`: one
-    padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions."""
+    padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions. The
+    model scores the tokens itself (`PolicyWithValueHead.forward` with `targets`: from full logits, or
+    chunked from the hidden states)."""
     R = b.mask.shape[1] + extra
     if packed:
         counts = b.response_lens + extra
         rows = pack_rows(b.input_ids.cpu(), b.attention_mask.cpu(), b.prompt_lens.cpu(), counts.cpu(), R)
         rows = rows.to(b.input_ids.device)
-        logits, values = model(None, None, None, R, temperature, packed=rows)
-        tokens, place = rows.targets, rows.unpack  # outputs back into the padded layout
+        s = model(None, None, None, R, temperature, packed=rows, targets=rows.targets, entropy=entropy)
+        place = rows.unpack  # outputs back into the padded layout
     else:
-        logits, values = model(b.input_ids, b.attention_mask, b.prompt_lens, R, temperature)
-        tokens, place = response_tokens(b.input_ids, b.prompt_lens, R), _as_is
-    ent = place(entropy_from_logits(logits)) if entropy else None
-    return Scored(place(logprobs_from_logits(logits, tokens)), place(values.float()), ent, logits)
+        tokens = response_tokens(b.input_ids, b.prompt_lens, R)
+        s = model(
+            b.input_ids, b.attention_mask, b.prompt_lens, R, temperature, targets=tokens, entropy=entropy
+        )
+        place = _as_is
+    ent = place(s.entropy) if entropy else None
+    return Scored(place(s.logprobs), place(s.values.float()), ent)
 
 
 def _as_is(x: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from learner.algorithms import entropy_from_logits, logprobs_from_logits
+from learner.chunked_logprobs import chunked_token_scores, linear_logits_reason
 from learner.config import LoRAConfig
 from learner.lora import apply_lora
 from learner.sequences import (
@@ -19,6 +22,8 @@ from learner.sequences import (
     packed_response_logits,
     response_logits,
 )
+
+DEFAULT_CHUNK_TOKENS = 512  # what `logits_chunk_tokens: auto` chunks by where the architecture allows
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,17 +54,51 @@ def zero_dropout(config) -> list[str]:
     return changed
 
 
+def resolve_chunk_tokens(config, chunk_tokens: int | str | None) -> int | None:
+    """The chunk size the learner scores tokens with for a model of `config`: `None` (full logits),
+    `auto` (DEFAULT_CHUNK_TOKENS where the logits are exactly lm_head(hidden), else None) or an int,
+    refused (ValueError) where they are not."""
+    if chunk_tokens is None:
+        return None
+    reason = linear_logits_reason(config)
+    if chunk_tokens == "auto":
+        return None if reason else DEFAULT_CHUNK_TOKENS
+    if reason:
+        raise ValueError(
+            f"learner.logits_chunk_tokens={chunk_tokens} needs logits that are exactly lm_head(hidden), but "
+            f"{reason}; set logits_chunk_tokens: auto or null (the model's own full logits path)"
+        )
+    return int(chunk_tokens)
+
+
+class TokenScores(NamedTuple):
+    """What `PolicyWithValueHead.forward(..., targets=...)` returns, in its `[B, R]` (or packed `[K]`) layout."""
+
+    logprobs: torch.Tensor  # float32 log pi(target) at temperature T
+    entropy: torch.Tensor | None  # float32, only when asked for
+    values: torch.Tensor
+
+
 class PolicyWithValueHead(nn.Module):
     """Policy logits and values from one forward of the HF model, projected only where response tokens are scored.
 
     For a row with prompt length p, position p-1+t scores response token t (see learner.sequences);
     the vocabulary projection runs on those R positions only where the model allows it, which keeps
-    the [B, R, V] logits small (`learner.sequences.response_logits`).
+    the [B, R, V] logits small (`learner.sequences.response_logits`). With `logits_chunk_tokens` (an int,
+    see `resolve_chunk_tokens`) a forward given `targets` never builds those logits: the token logprobs
+    come from the final hidden states a chunk at a time (`learner.chunked_logprobs`).
     """
 
-    def __init__(self, policy: PreTrainedModel, value_head_std: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        value_head_std: float = 0.0,
+        seed: int = 0,
+        logits_chunk_tokens: int | str | None = None,
+    ) -> None:
         super().__init__()
         self.policy = policy
+        self.logits_chunk_tokens = resolve_chunk_tokens(policy.config, logits_chunk_tokens)
         hidden = policy.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1, dtype=next(policy.parameters()).dtype)
         # A private generator: every rank must start from the same head whatever its own seed.
@@ -82,6 +121,7 @@ class PolicyWithValueHead(nn.Module):
         seed: int = 0,
         attn_implementation: str | None = None,
         lora: LoRAConfig | None = None,
+        logits_chunk_tokens: int | str | None = None,
     ) -> PolicyWithValueHead:
         """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head;
         with `lora` of rank > 0 the policy gets PEFT adapters and its own weights freeze (learner.lora)."""
@@ -105,7 +145,7 @@ class PolicyWithValueHead(nn.Module):
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if lora is not None and lora.rank > 0:
             policy = apply_lora(policy, lora)
-        model = cls(policy, value_head_std=value_head_std, seed=seed)
+        model = cls(policy, value_head_std=value_head_std, seed=seed, logits_chunk_tokens=logits_chunk_tokens)
         model.train()  # from_pretrained leaves eval mode, in which HF skips gradient checkpointing
         saved_head = Path(path) / VALUE_HEAD_FILE
         if saved_head.exists():
@@ -120,16 +160,26 @@ class PolicyWithValueHead(nn.Module):
         response_len: int,
         temperature: float = 1.0,
         packed: PackedRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        targets: torch.Tensor | None = None,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | TokenScores:
         """`(logits [B, R, V] / temperature, values [B, R])` at the positions scoring response tokens;
         with `packed` (one padding-free row, the other tensors unused) `(logits [K, V], values [K])` at
-        its `keep` positions.
+        its `keep` positions. Given the scored tokens `targets` (`[B, R]`, or `[K]` packed) it returns
+        their `TokenScores` instead (entropies with `entropy`), chunked where `logits_chunk_tokens` is set.
 
         One forward of the HF causal LM: its own output path makes the logits (whatever scaling or
         softcap the architecture applies), and its last hidden state (after the final norm, the
         lm_head's input) feeds the value head. `output_hidden_states=-1` asks only for that last one
         where transformers can select (5.23 does); older versions read it as True and return all layers.
+        Chunked, the trunk (`base_model`, whose output is that same last hidden state) runs alone and the
+        lm_head's weight is read inside this forward (ZeRO-3 gathers it as an external parameter of this
+        module for the forward and the backward).
         """
+        if targets is not None and self.logits_chunk_tokens is not None:
+            return self._chunked_scores(
+                input_ids, attention_mask, prompt_lens, response_len, temperature, packed, targets, entropy
+            )
         if packed is not None:
             logits, out = packed_response_logits(self.policy, packed, output_hidden_states=-1)
             hidden = out.hidden_states[-1][0, packed.keep]
@@ -140,7 +190,29 @@ class PolicyWithValueHead(nn.Module):
             hidden = gather_response(out.hidden_states[-1], prompt_lens, response_len)
         del out  # the other layers' hidden states, where returned
         values = self.value_head(hidden).squeeze(-1)
-        return logits / temperature, values
+        logits = logits / temperature
+        if targets is None:
+            return logits, values
+        ent = entropy_from_logits(logits) if entropy else None
+        return TokenScores(logprobs_from_logits(logits, targets), ent, values)
+
+    def _chunked_scores(
+        self, input_ids, attention_mask, prompt_lens, response_len, temperature, packed, targets, entropy
+    ) -> TokenScores:
+        trunk = self.policy.base_model
+        if packed is not None:
+            out = trunk(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            hidden = out.last_hidden_state[0, packed.keep]
+        else:
+            out = trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            hidden = gather_response(out.last_hidden_state, prompt_lens, response_len)
+        del out
+        values = self.value_head(hidden).squeeze(-1)
+        head = self.policy.get_output_embeddings()
+        logprobs, ent = chunked_token_scores(
+            hidden, head.weight, head.bias, targets, temperature, self.logits_chunk_tokens, entropy
+        )
+        return TokenScores(logprobs, ent, values)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The HF model's own parameter names (what a rollout worker's `load_state_dict` expects)."""

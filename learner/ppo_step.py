@@ -155,7 +155,8 @@ def ppo_update(
                     poisoned = True
                     scale = float("nan")
                 else:
-                    scored = forward_scores(engine, zero_w, temperature, 0, config.pack_sequences)
+                    entropy = config.entropy_coef > 0  # the outputs a real micro-batch's loss reads
+                    scored = forward_scores(engine, zero_w, temperature, 0, config.pack_sequences, entropy)
                     scale = 0.0
                 # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
                 # through the same modules as a real micro-batch: the (frozen) value head only with a

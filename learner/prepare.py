@@ -51,7 +51,7 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
-            lp, v, _, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
+            lp, v, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
             r = mb.mask.shape[1]
             old_lp[micro[i], :r] = lp[:, :r].cpu()
             if critic:

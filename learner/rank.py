@@ -107,6 +107,7 @@ class LearnerRank:
             seed=self.seed,
             attn_implementation=self.config.attn_implementation,
             lora=self.config.lora,
+            logits_chunk_tokens=self.config.logits_chunk_tokens,
         )
         if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
             vocab = model.policy.config.get_text_config().vocab_size

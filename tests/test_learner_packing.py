@@ -214,7 +214,7 @@ def test_entropy_in_chunks_matches_whole_and_its_gradient():
 
 def test_entropy_is_not_computed_when_its_coefficient_is_zero(tmp_path, monkeypatch):
     """With entropy_coef 0 no [B, R, V] entropy is built: the metric is the sampled tokens' -log pi."""
-    import learner.forward as forward
+    import learner.model as model_module
 
     def refuse(*_a, **_k):
         raise AssertionError("entropy_from_logits called with entropy_coef=0")
@@ -226,7 +226,7 @@ def test_entropy_is_not_computed_when_its_coefficient_is_zero(tmp_path, monkeypa
     config = LearnerConfig(ppo_epochs=1, entropy_coef=0.0)
     batch = pack_trajectories(trajs, pad_id=0)
     prepare(tap, batch, config, 0.1, 0.7, 0, tap.device)
-    monkeypatch.setattr(forward, "entropy_from_logits", refuse)
+    monkeypatch.setattr(model_module, "entropy_from_logits", refuse)
     ppo_update(tap, batch, config, 0.7, 0, tap.device, torch.Generator().manual_seed(3))
     assert len(tap.grads) == 1
 

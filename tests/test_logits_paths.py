@@ -52,7 +52,7 @@ def _learner(model, responses):
     ]
     b = pack_trajectories(trajs, pad_id=0)
     with torch.no_grad():
-        lp, values, _, _ = forward_scores(model, b, TEMPERATURE)
+        lp, values, _ = forward_scores(model, b, TEMPERATURE)
     return [lp[i, : len(r)].numpy() for i, r in enumerate(responses)], values
 
 
@@ -78,11 +78,18 @@ def test_learner_reference_and_generator_logprobs_agree(family_dir):
     ref = reference.logprobs(PROMPTS, responses)
     model = PolicyWithValueHead.from_pretrained(path, value_head_std=0.5, seed=1).eval()
     learner, values = _learner(model, responses)
+    # chunked from the hidden states where the model qualifies (`auto`), its own logits elsewhere
+    chunked = PolicyWithValueHead.from_pretrained(
+        path, value_head_std=0.5, seed=1, logits_chunk_tokens="auto"
+    )
+    assert (chunked.eval().logits_chunk_tokens is None) == (family in SCALED)
+    learner_auto, _ = _learner(chunked, responses)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     max_hand_gap = 0.0
     for i, (p, r) in enumerate(zip(PROMPTS, responses, strict=True)):
         own, hand, hidden = _unpadded(hf, p, r)
         np.testing.assert_allclose(learner[i], own, atol=TOL, rtol=0)
+        np.testing.assert_allclose(learner_auto[i], own, atol=TOL, rtol=0)
         np.testing.assert_allclose(ref[i], own, atol=TOL, rtol=0)
         np.testing.assert_allclose(behaviour[i], own, atol=TOL, rtol=0)
         # The value head reads the final-norm output (the lm_head's input) at the same positions.
