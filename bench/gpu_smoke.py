@@ -216,6 +216,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         pack_sequences=True,
         max_tokens_per_micro_batch=args.micro_tokens,
         attn_implementation=attn,
+        logits_chunk_tokens=None if args.logits_chunk == "none" else args.logits_chunk,
         torch_threads=args.threads,
         dist_timeout_s=600,
     )
@@ -249,6 +250,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
     row.facts = {
         "attention": attn,
         "zero_stage": args.zero_stage,
+        "logits_chunk": args.logits_chunk,
         "setup_s": round(setup_s, 1),
         "tokens_per_step": tokens,
         "step_s": [round(t, 2) for t in times],
@@ -368,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3 if gpu else 1)
     p.add_argument("--zero-stage", type=int, choices=(2, 3), default=2)
     p.add_argument("--micro-tokens", type=int, default=16384 if gpu else 512)
+    p.add_argument(
+        "--logits-chunk",
+        default="auto",
+        type=lambda v: v if v in ("auto", "none") else int(v),
+        help="learner.logits_chunk_tokens: auto (default), none (full logits) or a number of positions",
+    )
     p.add_argument("--engine-dtype", default="bfloat16" if gpu else "float32")
     p.add_argument("--learner-dtype", default="bfloat16" if gpu else "float32")
     p.add_argument("--threads", type=int, default=8 if gpu else 1)

@@ -39,25 +39,19 @@ def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
 
 
 def test_gpu_smoke_says_why_sections_are_skipped_without_deepspeed(tmp_path):
-    """Without DeepSpeed the learner and weights sections say 'skipped' and why; the rest still run."""
-    blocker = tmp_path / "block"
-    blocker.mkdir()
-    (blocker / "deepspeed.py").write_text("raise ImportError('deepspeed blocked for this test')\n")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": str(blocker),
-    }
+    """Without DeepSpeed (not importable, as on a lent GPU image before `gpu_smoke.sh` installs it) the
+    learner and weights sections say 'skipped' and why; the rest still run."""
+    script = ROOT / "bench" / "gpu_smoke.py"
+    absent = (
+        "import runpy, sys; sys.modules['deepspeed'] = None; "  # find_spec None, import fails
+        f"sys.argv = [{str(script)!r}, '--out', {str(tmp_path)!r}]; runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", absent], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["section"]: r for r in json.loads((tmp_path / "gpu_smoke.json").read_text())["rows"]}
-    assert rows["learner"]["status"] == "skipped" and "deepspeed blocked" in rows["learner"]["note"]
+    assert rows["learner"]["status"] == "skipped" and "deepspeed does not import" in rows["learner"]["note"]
     assert rows["weights"]["status"] == "skipped"
     assert rows["generate"]["status"] == rows["sleep/wake"]["status"] == "ok"
