@@ -58,15 +58,12 @@ def policy_from_weights(policy_path: str, lora, state: dict):
     are the adapters: they are injected as the learner injects them, set from `state`, and merged
     (W + B A alpha/r, learner.lora.merge_weight) into a plain model of the base architecture."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from learner.lora import apply_lora, merged_cpu_state_dict
-    from learner.model import zero_dropout
-    from learner.sequences import fused_gelu_kwargs
+    from learner.model import learner_config
 
-    config = AutoConfig.from_pretrained(policy_path, local_files_only=True)
-    zero_dropout(config)
-    config.update(fused_gelu_kwargs(config))
+    config = learner_config(policy_path)
 
     def base():
         return AutoModelForCausalLM.from_pretrained(

@@ -79,6 +79,19 @@ class TokenScores(NamedTuple):
     values: torch.Tensor
 
 
+def learner_config(path: str | Path):
+    """The HF config of the policy at `path` as the learner trains it: dropout off (also in a composite
+    model's text config) and the fused tanh-GELU name (`fused_gelu_kwargs`, as the other roles load it).
+    `cluster.export` loads checkpoints through it, so an exported model computes what the learner did."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    zero_dropout(config)
+    text_cfg = config.get_text_config()
+    if text_cfg is not config:
+        zero_dropout(text_cfg)
+    config.update(fused_gelu_kwargs(config))
+    return config
+
+
 class PolicyWithValueHead(nn.Module):
     """Policy logits and values from one forward of the HF model, projected only where response tokens are scored.
 
@@ -127,12 +140,7 @@ class PolicyWithValueHead(nn.Module):
         with `lora` of rank > 0 the policy gets PEFT adapters and its own weights freeze (learner.lora)."""
         if dtype not in _DTYPES:
             raise ValueError(f"unknown learner dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        zero_dropout(config)
-        text_cfg = config.get_text_config()
-        if text_cfg is not config:
-            zero_dropout(text_cfg)
-        config.update(fused_gelu_kwargs(config))  # the fused tanh-GELU kernel, as the other roles load it
+        config = learner_config(path)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         policy = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra

@@ -134,10 +134,8 @@ def save_tokenizer(cfg: DataSection, tokenizer_path: str, out: str | Path) -> st
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if cfg.chat_template in ("auto", "none"):
-        source = "the tokenizer's own"
-    else:
-        tokenizer.chat_template = Path(cfg.chat_template).expanduser().read_text(encoding="utf-8")
-        source = str(cfg.chat_template)
+    source = cfg.chat_template_file or "the tokenizer's own"
+    if cfg.chat_template_file:
+        tokenizer.chat_template = Path(cfg.chat_template_file).expanduser().read_text(encoding="utf-8")
     tokenizer.save_pretrained(out)
     return source

@@ -369,10 +369,7 @@ class Trainer:
             [r.save_pretrained.remote(str(final_dir), self.cfg.tokenizer_path) for r in self.roles.ranks],
             timeout=self.cfg.timeouts.train_s,
         )
-        if self.cfg.data.chat_template not in (
-            "auto",
-            "none",
-        ):  # the Jinja file the prompts were rendered with
+        if self.cfg.data.chat_template_file:  # the Jinja file the prompts were rendered with
             save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
         self.workers_to_current()
         after = self.evaluator.report("after")

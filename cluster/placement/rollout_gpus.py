@@ -51,8 +51,8 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
     if env.observation_format == "chat" and env.chat_template is None:
         # observations are rendered with the prompts' template and kwargs (data.chat_template / _kwargs)
         update: dict = {"chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
-        if cfg.data.chat_template not in ("auto", "none"):
-            update["chat_template"] = Path(cfg.data.chat_template).read_text(encoding="utf-8")
+        if cfg.data.chat_template_file:
+            update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
         env = env.model_copy(update=update)
         r = r.model_copy(update={"environment": env})
     if r.engine != "vllm" or r.vllm.max_model_len is not None:
