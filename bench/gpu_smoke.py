@@ -17,7 +17,8 @@ weights, built on the spot):
 4. learner: one DeepSpeed ZeRO rank (`learner.rank.LearnerRank`, bf16, NCCL on a GPU) trains
    `--steps` PPO steps on those samples (the float32 teacher as the reference), packed into
    padding-free rows through SDPA (and flash-attention's varlen kernel when `flash_attn` imports);
-   tokens/s, peak GPU memory and the first step's importance ratio;
+   tokens/s, peak GPU memory and the first step's importance ratio; with `--lora-rank R` it trains
+   LoRA adapters (`learner.lora`, alpha 2R, all-linear) and exports the merged weights;
 5. weights: the learner's export (bf16) is loaded into the engine, whose digest must equal the
    bundle's, and the engine's probe logprobs are compared with the learner's.
 
@@ -198,7 +199,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
     except Exception as err:  # noqa: BLE001 - any import failure means the section cannot run
         row.status, row.note = "skipped", f"deepspeed does not import: {err}"
         return
-    from learner.config import LearnerConfig
+    from learner.config import LearnerConfig, LoRAConfig
     from learner.deepspeed_setup import free_port
     from learner.rank import LearnerRank
     from learner.trajectory import Trajectory
@@ -219,6 +220,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         logits_chunk_tokens=None if args.logits_chunk == "none" else args.logits_chunk,
         torch_threads=args.threads,
         dist_timeout_s=600,
+        lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank or 16.0),
     )
     rng = np.random.default_rng(1)
     trajectories = [
@@ -247,9 +249,14 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         first = first or metrics
     steady = times[1:] or times
     row.seconds = sum(times)
+    module = s.learner.engine.module
     row.facts = {
         "attention": attn,
         "zero_stage": args.zero_stage,
+        "lora_rank": args.lora_rank,
+        "trainable_params": sum(
+            getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad
+        ),
         "logits_chunk": args.logits_chunk,
         "setup_s": round(setup_s, 1),
         "tokens_per_step": tokens,
@@ -375,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         type=lambda v: v if v in ("auto", "none") else int(v),
         help="learner.logits_chunk_tokens: auto (default), none (full logits) or a number of positions",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="learner.lora.rank (alpha 2 x rank, all-linear): the learner trains adapters, exports merged",
     )
     p.add_argument("--engine-dtype", default="bfloat16" if gpu else "float32")
     p.add_argument("--learner-dtype", default="bfloat16" if gpu else "float32")
