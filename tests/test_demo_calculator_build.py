@@ -332,7 +332,14 @@ def test_a_quick_build_writes_loadable_disjoint_prompt_files(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_build_lands_in_its_band(tmp_path):
-    a = ensure_assets(tmp_path / "calculator_tiny", seed=0, quiet=True)
+    """The default build (`python -m demos.calculator`) is published only inside its band. The folder
+    comes from tests/build_cache.py's store when the build's sources and libraries are unchanged."""
+    from build_cache import cached_build
+
+    folder = cached_build("demos.calculator", tmp_path / "calculator_tiny", "--seed", "0", "--quiet")
+    built = (folder / "manifest.json").stat().st_mtime_ns
+    a = ensure_assets(folder, seed=0, quiet=True)
+    assert (a.root / "manifest.json").stat().st_mtime_ns == built  # the CLI's defaults are the function's
     m = read_manifest(a.root)
     assert m["band_checked"] and m["band"] == BAND.describe()
     assert BAND.misses(m["metrics"]) == []
