@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
@@ -38,6 +41,7 @@ def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
     assert rows["learner"]["facts"]["tokens_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_smoke_says_why_sections_are_skipped_without_deepspeed(tmp_path):
     """Without DeepSpeed (not importable, as on a lent GPU image before `gpu_smoke.sh` installs it) the
     learner and weights sections say 'skipped' and why; the rest still run."""

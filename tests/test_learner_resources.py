@@ -36,6 +36,7 @@ def test_good_learner_resources_are_accepted():
     assert LearnerConfig(zero_stage=3, offload_params=True, offload_optimizer=True).offload_params
 
 
+@pytest.mark.slow
 def test_offload_maps_to_deepspeed_config_and_cpu_adam():
     base = ds_config(LearnerConfig())["zero_optimization"]
     assert "offload_optimizer" not in base and "offload_param" not in base

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tiny_models import build_tokenizer
 
 from reward_service.config import ReferenceConfig, RewardConfig
@@ -12,6 +13,7 @@ from reward_service.scorer import RewardScorer, ScoreBatch
 TIMEOUT_S = 120
 
 
+@pytest.mark.slow
 def test_reference_and_scorer_as_ray_actors(ray_local, tiny_policy_dir, tiny_reward_dir):
     ray = ray_local
     tok = build_tokenizer()

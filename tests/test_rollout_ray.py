@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -13,6 +14,7 @@ from rollout_workers.worker import RolloutWorker
 TIMEOUT_S = 120
 
 
+@pytest.mark.slow
 def test_rollout_worker_as_ray_actor(ray_local, tiny_policy_dir, tmp_path):
     from tiny_models import build_policy
 
