@@ -86,7 +86,11 @@ def test_cli_trains_and_saves_a_loadable_policy(ray_local, demo_assets, tmp_path
             str(CONFIG),
             "--run-dir",
             str(run_dir),
-            *sum((["--set", s] for s in demo_overrides(demo_assets, 2)), []),
+            # the demo's own placement (configs/sentiment_tiny.yaml), as `make train` runs it
+            *sum(
+                (["--set", s] for s in demo_overrides(demo_assets, 2, **{"cluster.placement": "colocated"})),
+                [],
+            ),
         ]
     )
     assert rc == 0

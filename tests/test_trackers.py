@@ -258,6 +258,7 @@ def test_a_run_and_its_resume_put_the_same_step_metrics_in_all_four(
             "rollout.chunk_size": 2,
             "rollout.sampling.max_new_tokens": 4,
             "learner.micro_batch_size": 2,
+            "cluster.placement": "colocated",  # the demo's own placement: one process for every role
         }
         return sum((["--set", s] for s in demo_overrides(tiny, steps, **extra)), [])
 
