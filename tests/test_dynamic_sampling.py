@@ -296,7 +296,9 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
     from cluster.pipeline.checkpoint import latest_checkpoint
     from cluster.pipeline.trainer import Trainer
 
-    cfg, flat = _dyn_cfg(demo_assets, tmp_path, 4, 24, **{"checkpoint.every_steps": 2})
+    # the demo's colocated placement: the rounds, filter and resume are the sync pipeline's, not the placement's
+    extra = {"checkpoint.every_steps": 2, "cluster.placement": "colocated"}
+    cfg, flat = _dyn_cfg(demo_assets, tmp_path, 4, 24, **extra)
     batches, rows = [], []
 
     def run(trainer, steps):

@@ -40,7 +40,8 @@ def env_cfg(assets, folder, steps, n_prompts=32, **extra):
 
 
 def test_sync_trains_on_episodes_and_drops_failed_ones(ray_local, demo_assets, tmp_path):
-    cfg = env_cfg(demo_assets, tmp_path, 3, **{"rollout.environment.kwargs": "{fail_every: 4}"})
+    extra = {"rollout.environment.kwargs": "{fail_every: 4}", "cluster.placement": "colocated"}
+    cfg = env_cfg(demo_assets, tmp_path, 3, **extra)
     trainer = make_trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
