@@ -220,7 +220,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         logits_chunk_tokens=None if args.logits_chunk == "none" else args.logits_chunk,
         torch_threads=args.threads,
         dist_timeout_s=600,
-        lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank or 16.0),
+        lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else LoRAConfig(),
     )
     rng = np.random.default_rng(1)
     trajectories = [

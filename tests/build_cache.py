@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -64,15 +65,23 @@ def cache_root() -> Path | None:
 
 
 def environment() -> dict[str, str]:
-    """The libraries and CPU kernels a build's numbers depend on (asked of a fresh interpreter)."""
-    probe = (
-        "import json, platform, numpy, tokenizers, torch, transformers; print(json.dumps({"
-        "'python': platform.python_version(), 'torch': torch.__version__, "
-        "'transformers': transformers.__version__, 'tokenizers': tokenizers.__version__, "
-        "'numpy': numpy.__version__, 'cpu': torch.backends.cpu.get_cpu_capability()}))"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """The libraries and CPU kernels a build's numbers depend on (this interpreter's: the build runs
+    with the same `sys.executable`)."""
+    import platform
+
+    import numpy
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "numpy": numpy.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def _sha(path: Path) -> str | None:
@@ -85,26 +94,53 @@ def _matches(inputs: dict, env: dict) -> bool:
     )
 
 
-def _build(module: str, out: Path, args: tuple[str, ...], record: Path) -> None:
+def _build(module: str, out: Path, args: tuple[str, ...]) -> dict[str, str | None]:
+    """Runs the CLI (which publishes `out` whole); returns the project sources it imported, hashed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-c", _RECORDING_RUNNER, str(REPO), str(record), module, "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
-            f"\n{proc.stderr[-3000:]}"
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "sources.json"
+        cmd = [
+            sys.executable,
+            "-c",
+            _RECORDING_RUNNER,
+            str(REPO),
+            str(record),
+            module,
+            "--out",
+            str(out),
+            *args,
+        ]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"{module} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}"
+                f"\n{proc.stderr[-3000:]}"
+            )
+        return {rel: _sha(REPO / rel) for rel in json.loads(record.read_text())}
+
+
+def _publish_copy(src: Path, out: Path) -> None:
+    """`src` copied to `out` whole: a sibling folder renamed into place. If another process published
+    `out` meanwhile (e.g. `make train` building the same assets), its folder is kept."""
+    tmp = out.with_name(f".{out.name}.from-cache-{uuid.uuid4().hex}")
+    shutil.copytree(src, tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.is_dir():
+            raise
 
 
 def cached_build(module: str, out: Path, *args: str) -> Path:
-    """`python -m MODULE --out OUT ARGS`, or a stored folder of the same build copied to `out`
-    (which must not exist yet). Returns `out`."""
+    """`python -m MODULE --out OUT ARGS`, or a stored folder of the same build published at `out`.
+    Returns `out`."""
     from filelock import FileLock
 
     out = Path(out)
     root = cache_root()
     if root is None:
-        _build(module, out, args, out.parent / f".{out.name}.sources.json")
+        _build(module, out, args)
         return out
     slot = root / module / hashlib.sha256(json.dumps(args).encode()).hexdigest()[:16]
     slot.mkdir(parents=True, exist_ok=True)
@@ -113,12 +149,9 @@ def cached_build(module: str, out: Path, *args: str) -> Path:
         entries = sorted((p for p in slot.iterdir() if (p / "inputs.json").is_file()), key=os.path.getmtime)
         for entry in reversed(entries):
             if _matches(json.loads((entry / "inputs.json").read_text()), env):
-                shutil.copytree(entry / "build", out)
+                _publish_copy(entry / "build", out)
                 return out
-        record = slot / f".record-{uuid.uuid4().hex}.json"
-        _build(module, out, args, record)
-        sources = {rel: _sha(REPO / rel) for rel in json.loads(record.read_text())}
-        record.unlink()
+        sources = _build(module, out, args)
         tmp = slot / f".new-{uuid.uuid4().hex}"
         shutil.copytree(out, tmp / "build")
         inputs = {"module": module, "args": list(args), "environment": env, "sources": sources}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -66,12 +65,7 @@ def demo_assets():
 
     root = Path(__file__).resolve().parent.parent / "assets" / "sentiment_tiny"
     if not root.exists():
-        tmp = root.with_name(f".{root.name}.cached-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        cached_build("demos.sentiment", tmp, "--quiet")
-        with contextlib.suppress(OSError):  # another process (`make train`) published one meanwhile
-            os.rename(tmp, root)
-        shutil.rmtree(tmp, ignore_errors=True)
+        cached_build("demos.sentiment", root, "--quiet")
     return ensure_assets(root, quiet=True)  # up to date: checks the build's settings, builds nothing
 
 

@@ -56,10 +56,9 @@ def sync_rows(ray_local, demo_assets, tmp_path_factory):
 def test_async_with_zero_staleness_reproduces_sync(ray_local, demo_assets, tmp_path, sync_rows, weight_sync):
     """Also the collective path in async mode: each step's weights broadcast between chunks must be
     exactly what the object-store path of the sync pipeline loads (the same metrics follow)."""
-    sync = sync_rows
     extra = {"pipeline.mode": "async", "pipeline.max_staleness": 0, "rollout.weight_sync": weight_sync}
     streamed = _run(cfg_for(demo_assets, 3, **extra), tmp_path / "async", 3)
-    for want, got in zip(sync, streamed, strict=True):
+    for want, got in zip(sync_rows, streamed, strict=True):
         assert got["staleness/max"] == 0.0
         for key in COMPARED:
             # Same prompts, chunks, seeds, weights and trajectory order: equal up to float noise.
