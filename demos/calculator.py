@@ -1,32 +1,32 @@
-"""Offline assets of the "tiny model learns to use a calculator" demo: a multi-turn tool-use task with a
-verifiable (rule) reward.
+"""Offline assets of the "tiny chat model learns to use a calculator" demo: a multi-turn tool-use task
+on the chat path (ChatML role tokens, Hermes-style JSON tool calls, tool messages), with the
+environment's verifiable reward.
 
 The task is two-digit multiplication, "37*48=" -> "1776", which a ~1M-parameter model cannot do in its
-head. It can call a calculator instead, over several turns (demos/calculator_corpus.py has the task):
+head. It can call a calculator instead, over several turns (demos/calculator_corpus.py has the task and
+an episode as the chat template renders it):
 
-    prompt          37*48=
-    policy turn 1   <calc>37*48</calc>          (generation stops at the </calc> token)
-    environment     <result>1776</result>       (what `calc` returns for the expression written)
-    policy turn 2   1776<eos>
+    user            37*48=
+    assistant       <tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>
+    tool            1776
+    assistant       1776
 
-A turn ending in a well-formed call gets the observation and the policy goes on (at most MAX_TURNS
-turns); any other turn ends the episode and answers: right when it holds no call and its last integer
-is the product (as `rollout_workers.tools.ToolEnvironment` scores a final turn; unlike it, a malformed
-call here ends the episode, where the run's environment answers "<result></result>" and the policy
-goes on: at most the malformed-call rate, a few percent, of episodes differ). A character
-tokenizer (digits, + - * =, the four tags as one ordinary token each, and <pad>/<bos>/<eos>) and a
-0.8M-parameter GPT-2 are built from a seed. The policy is pretrained on transcripts that use the tool
-right only `tool_frac` of the time, badly (mostly a call never closed; a wrong operand; a result copied
-wrong) `bad_frac` of the time, and otherwise answer directly, mostly wrong (a near miss). It so knows
-how to use the tool but seldom does: RL with the rule reward has to teach it to.
+The prompts are parquet files of chat messages (`messages`, plus the `answer` column the environment
+checks), rendered by the tokenizer's chat template; the policy was pretrained on conversations
+rendered by the same template. A word-level tokenizer (the ChatML specials, role names, the tool-call
+tags and JSON pieces as single tokens, one token per digit) and a 0.8M-parameter GPT-2 are built from a
+seed. The policy is pretrained on conversations that use the tool right only `tool_frac` of the time,
+badly (mostly a call never closed; a wrong operand; a result copied wrong) `bad_frac` of the time, and
+otherwise answer directly, mostly wrong (a near miss). It so knows how to use the tool but seldom does:
+RL with the environment's reward has to teach it to.
 
 The 8,100 problems (a, b in 10..99) are split once, by the seed: the held-out problems
-(`eval_prompts.jsonl`) are never in the corpus nor in the RL prompts (`prompts.jsonl`), and N_VAL
+(`eval_prompts.parquet`) are never in the corpus nor in the RL prompts (`prompts.parquet`), and N_VAL
 selection problems are in neither the corpus nor the files. AdamW under transformers' warm-up + cosine
-schedule; the weights kept are those with the lowest LM loss on selection transcripts among checkpoints
-of the run's second half. The result is checked against `BAND` by running episodes on the held-out
-problems here, with the calculator in the loop (`run_episodes`); a build that misses it raises
-BuildQualityError and publishes nothing.
+schedule; the weights kept are those with the lowest LM loss on selection conversations among
+checkpoints of the run's second half. The result is checked against `BAND` by playing episodes on the
+held-out problems here with the run's own `tools` environment and observation renderer in the loop
+(`run_episodes`); a build that misses it raises BuildQualityError and publishes nothing.
 
     python -m demos.calculator --out assets/calculator_tiny [--seed 0] [--force] [--no-band]
 """
@@ -44,16 +44,15 @@ from demos import BuildQualityError
 from demos.calculator_corpus import (
     BAD_KINDS,
     BAD_TOOL_FRAC,
-    CALL_CLOSE_ID,
     DIRECT_CORRECT_FRAC,
     MAX_TURNS,
     N_POSITIONS,
     N_VAL,
     SHORT_PRODUCT_FRAC,
-    TAGS,
+    TOOL_CALL_ID,
     TOOL_FRAC,
     TurnSampler,
-    char_tokenizer,
+    chat_tokenizer,
     corpus,
     encode,
     episode_metrics,
@@ -62,11 +61,11 @@ from demos.calculator_corpus import (
     split_problems,
 )
 from demos.common import (
-    BOS_ID,
     EOS_ID,
     PAD_ID,
     Laps,
     Log,
+    RuleDemoPaths,
     ensure_built,
     gpt2_config,
     logger,
@@ -75,13 +74,20 @@ from demos.common import (
     pretrain_selected,
     quiet_deterministic_torch,
     report_build,
-    set_generation_ids,
     warmup_cosine,
-    write_jsonl,
 )
-from demos.common import RuleDemoPaths as AssetPaths  # the folder layout every rule demo has
 
-FORMAT_VERSION = 1
+
+@dataclass(frozen=True)
+class AssetPaths(RuleDemoPaths):
+    """The rule demos' folder layout, with the prompts as parquet files of chat messages."""
+
+    @classmethod
+    def under(cls, root: Path) -> AssetPaths:
+        return cls(root, root / "policy", root / "prompts.parquet", root / "eval_prompts.parquet")
+
+
+FORMAT_VERSION = 2  # 2: the chat path (ChatML, Hermes tool calls, parquet prompts)
 BUILD_THREADS = 1  # the model is small: one thread is as fast, and steadier on a busy machine
 LM_STEPS = 1200
 LM_BATCH = 64
@@ -90,9 +96,10 @@ LM_WARMUP_FRAC = 0.05
 LM_MIN_LR_RATE = 0.05
 LM_SELECT_EVERY = 100
 N_SELECT_EXAMPLES = 1024  # selection transcripts (of the corpus's mix) over the selection problems
-TURN_MAX_TOKENS = 12
+TURN_MAX_TOKENS = 20  # a call is 14 tokens with its <|im_end|>, an answer at most 5
 EVAL_SAMPLES = 8  # sampled episodes per held-out problem
-STOP_IDS = (EOS_ID, CALL_CLOSE_ID)  # a policy turn ends at either
+SHORT_ROW = 24  # pretraining rows up to this many tokens (direct answers) are padded apart from the rest
+STOP_IDS = (EOS_ID,)  # a policy turn ends at <|im_end|>
 
 
 def ensure_assets(
@@ -147,11 +154,11 @@ def _build(
     lap = Laps(log)
     held_out, rl, pre_only = split_problems(seed)
     val, pre_train = pre_only[:N_VAL], pre_only[N_VAL:]  # selection problems: in no corpus example
-    write_jsonl(paths.prompts, [problem(a, b) for a, b in rl])
-    write_jsonl(paths.eval_prompts, [problem(a, b) for a, b in held_out])
+    write_parquet(paths.prompts, [problem(a, b) for a, b in rl])
+    write_parquet(paths.eval_prompts, [problem(a, b) for a, b in held_out])
     examples = corpus(str(seed), rl + pre_train, LM_BATCH * lm_steps, tool_frac, bad_frac)
     select_examples = corpus(f"select-{seed}", val, N_SELECT_EXAMPLES, tool_frac, bad_frac)
-    tokenizer = char_tokenizer()
+    tokenizer = chat_tokenizer()
     ids, env = encode(tokenizer, [t for _, t in examples])
     sel_ids, sel_env = encode(tokenizer, [t for _, t in select_examples])
     lap("corpus_tokenizer")
@@ -160,7 +167,9 @@ def _build(
     lm = GPT2LMHeadModel(
         gpt2_config(len(tokenizer), n_layer=4, n_embd=128, n_head=4, n_positions=N_POSITIONS)
     )
-    set_generation_ids(lm)
+    lm.config.bos_token_id = None  # no BOS: the chat template opens every message
+    gen = lm.generation_config
+    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_ID, None, EOS_ID
     sizes = {
         "problems_held_out": len(held_out),
         "problems_rl": len(rl),
@@ -171,10 +180,7 @@ def _build(
     log(f"calculator policy: {sizes['policy_params']:,} parameters, {lm_steps} steps, sizes {sizes}")
 
     def lm_loss(rows: list[int], seqs: list[list[int]] = ids, masks: list[list[int]] = env) -> Any:
-        input_ids, mask = pad([seqs[i] for i in rows])
-        by_env, _ = pad([masks[i] for i in rows])
-        labels = input_ids.masked_fill((mask == 0) | (by_env == 1), -100)
-        return lm(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        return grouped_lm_loss(lm, [seqs[i] for i in rows], [masks[i] for i in rows])
 
     def selection_loss() -> float:
         with torch.no_grad():
@@ -198,8 +204,8 @@ def _build(
     lap("save")
     return {
         "build_threads": BUILD_THREADS,
-        "special_token_ids": {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID},
-        "tool_token_ids": dict(zip(TAGS, tokenizer.convert_tokens_to_ids(TAGS), strict=True)),
+        "special_token_ids": {"pad": PAD_ID, "eos": EOS_ID},
+        "tool_call_token_id": TOOL_CALL_ID,
         "episode": {
             "max_turns": MAX_TURNS,
             "turn_max_tokens": TURN_MAX_TOKENS,
@@ -217,6 +223,26 @@ def _build(
         "selection": {"step": curve["selected_step"], "loss_by_step": curve["loss_by_step"]},
         "timings_s": lap.timings,
     }
+
+
+def grouped_lm_loss(lm: Any, seqs: list[list[int]], env: list[list[int]]) -> Any:
+    """The mean next-token loss over the trained tokens of `seqs` (not padding, not the environment's:
+    `env` 1). Direct answers (19 tokens) and conversations with a call (up to 46) run as separate padded
+    groups, each weighted by its token count: the loss of one padded batch at ~40% less compute."""
+    total, count = 0.0, 0
+    for group in (
+        [i for i, s in enumerate(seqs) if len(s) <= SHORT_ROW],
+        [i for i, s in enumerate(seqs) if len(s) > SHORT_ROW],
+    ):
+        if not group:
+            continue
+        input_ids, mask = pad([seqs[i] for i in group])
+        by_env, _ = pad([env[i] for i in group])
+        labels = input_ids.masked_fill((mask == 0) | (by_env == 1), -100)
+        n = int((labels[:, 1:] != -100).sum())  # the tokens the shifted loss averages over
+        total = total + n * lm(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        count += n
+    return total / count
 
 
 def pretrain(
@@ -279,6 +305,13 @@ def hf_turns(lm: Any, greedy: bool, max_new_tokens: int = TURN_MAX_TOKENS) -> Tu
         return out
 
     return sample
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 # --- the band ---

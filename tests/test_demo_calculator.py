@@ -1,12 +1,13 @@
 """The calculator demo through the real pipeline: a few PPO steps on multi-turn tool-using episodes with
-the shipped config (colocated, the built-in `tools` environment, the environment's reward), held-out
+the shipped config (chat prompts from parquet rendered by the policy's ChatML template, Hermes tool
+calls, tool messages rendered by the same template, colocated, the environment's reward), held-out
 evaluation on problems the run never trains on, and the transcripts printed before and after."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from demos.calculator import AssetPaths, ensure_assets
@@ -64,15 +65,20 @@ def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_pa
         assert 1.0 <= r["env/turns"] <= 3.0 and "env/tool_calls_rate" in r
         assert r["env/status/done"] + r["env/status/max_turns"] + r["env/status/max_tokens"] == 32
     assert "eval/env/turns" in rows[0] and 0.0 <= rows[0]["eval/accuracy"] <= 1.0
-    train = {json.loads(x)["prompt"] for x in calculator_assets.prompts.read_text().splitlines()}
+    train = {r["messages"][0]["content"] for r in pq.read_table(calculator_assets.prompts).to_pylist()}
     tok = trainer.tokenizer
     for s in samples:  # held-out episodes: transcripts whose observations are the calculator's answers
-        assert tok.decode(s.prompt_ids, skip_special_tokens=True) not in train
+        prompt = tok.decode(s.prompt_ids)
+        assert prompt.startswith("<|im_start|>user\n") and prompt.endswith(
+            "<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert prompt.split("\n")[1].removesuffix("<|im_end|>") not in train
         text = tok.decode(s.response_ids, skip_special_tokens=True)
         mask = s.episode.loss_mask
-        observed = tok.decode(s.response_ids[mask == 0], skip_special_tokens=True)
-        assert observed.count("<result>") == s.episode.turns - 1  # one observation after each tool call
-        assert text.count("<calc>") >= s.episode.turns - 1
+        observed = tok.decode(s.response_ids[mask == 0])
+        # one tool message after each tool call, rendered by the template and never trained on
+        assert observed.count("<|im_start|>tool\n") == s.episode.turns - 1
+        assert text.count("<tool_call>") >= s.episode.turns - 1
     out = capsys.readouterr().out
     assert "held-out prompts before training" in out and "held-out prompts after training" in out
     assert any(line.startswith("held-out (16 prompts): reward_mean") for line in summary.lines())

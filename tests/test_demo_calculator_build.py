@@ -1,11 +1,11 @@
-"""The calculator demo's offline build: its tokenizer (tool tags as single ordinary tokens), problem split
-and corpus mix, the calculator's safe evaluator, the episode loop the build evaluates with, its band,
-and a real build from one seed (slow)."""
+"""The calculator demo's offline build on the chat path: its tokenizer and ChatML template, the
+conversations it pretrains on (the same ids an RL episode builds), its problem split and corpus mix, the
+episode loop the build evaluates with (the run's own tools environment and observation renderer), its
+band, and a real build from one seed (slow)."""
 
 from __future__ import annotations
 
-import json
-import re
+import random
 
 import pytest
 
@@ -23,61 +23,101 @@ from demos.calculator import (
 from demos.calculator_corpus import (
     BAD_KINDS,
     BAD_TOOL_FRAC,
-    CALL_CLOSE_ID,
-    CALL_OPEN_ID,
+    CHAT_TEMPLATE,
     DIRECT_CORRECT_FRAC,
     KINDS,
     N_EVAL,
     N_POSITIONS,
     N_RL,
     N_VAL,
-    RESULT_CLOSE_ID,
-    RESULT_OPEN_ID,
     SHORT_PRODUCT_FRAC,
+    TOOL_CALL_ID,
     TOOL_FRAC,
-    Episode,
-    calc,
-    char_tokenizer,
+    chat_tokenizer,
+    conversation,
     corpus,
     encode,
     episode_metrics,
     near_miss,
-    observation,
+    problem,
+    prompt_ids,
     run_episodes,
     split_problems,
+    tool_call,
 )
-from demos.common import BOS_ID, EOS_ID, PAD_ID, read_manifest
-
-TRANSCRIPT = re.compile(
-    r"(\d+)\*(\d+)=(?:<calc>([^<]*)(</calc><result>(-?\d+)</result>)?)?(\d*)"
-)  # prompt, call expression, closed call + result, answer
+from demos.common import EOS_ID, PAD_ID, read_manifest
+from rollout_workers.tools import parse_hermes_call
 
 
-def test_tool_tags_are_single_ordinary_tokens():
-    tok = char_tokenizer()
-    call = tok.encode("<calc>37*48</calc>", add_special_tokens=False)
-    assert len(call) == 7 and (call[0], call[-1]) == (CALL_OPEN_ID, CALL_CLOSE_ID)
-    assert tok.convert_ids_to_tokens(call) == ["<calc>", "3", "7", "*", "4", "8", "</calc>"]
-    result = tok.encode("<result>1776</result>", add_special_tokens=False)
-    assert result[0] == RESULT_OPEN_ID and result[-1] == RESULT_CLOSE_ID and BOS_ID not in result
-    assert tok.decode(call) == "<calc>37*48</calc>"
-    assert (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2) and len(tok) == 21
-    assert set(tok.all_special_ids) == {PAD_ID, BOS_ID, EOS_ID}  # the tags are not special
-    text = "37*48=<calc>37*48</calc><result>1776</result>1776"
-    ids = tok(text).input_ids
-    assert ids[0] == BOS_ID and len(ids) == 1 + 6 + 7 + 6 + 4
-    assert tok.decode([*ids, EOS_ID, PAD_ID], skip_special_tokens=True) == text  # tags kept, specials dropped
-    assert len(encode(tok, [text])[0][0]) <= N_POSITIONS
+def test_role_markers_are_special_and_tool_call_pieces_ordinary_tokens():
+    tok = chat_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (PAD_ID, EOS_ID, None)
+    assert tok.convert_ids_to_tokens([PAD_ID, 1, EOS_ID]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert set(tok.all_special_ids) == {0, 1, 2}  # the tool-call tags stay in a decoded turn
+    call = tok.encode(tool_call("37*48"), add_special_tokens=False)
+    assert call[0] == TOOL_CALL_ID and len(call) == 13
+    assert tok.convert_ids_to_tokens(call)[6:11] == ["3", "7", "*", "4", "8"]  # one token per digit
+    text = tok.decode([*call, EOS_ID, PAD_ID], skip_special_tokens=True)
+    assert text == tool_call("37*48") and parse_hermes_call(text, ["calculator"]).argument == "37*48"
+    assert tok.encode("37*48=") == tok.encode("37*48=", add_special_tokens=False)  # no BOS anywhere
 
 
-def test_encode_appends_eos_and_marks_the_observation_as_the_environments():
-    tok = char_tokenizer()
-    (ids,), (env,) = encode(tok, ["12*10=<calc>12*10</calc><result>120</result>120"])
-    assert ids[-1] == EOS_ID
-    marked = [t for t, m in zip(ids, env, strict=True) if m]
-    assert tok.decode(marked) == "<result>120</result>"
-    (_,), (env,) = encode(tok, ["12*10=119"])
-    assert not any(env)
+def test_the_template_renders_tool_calls_as_the_policy_writes_them():
+    """A structured assistant tool call (OpenAI-style, as a user's data would hold it) renders to exactly
+    the text the demo's policy writes, so conversations from either source tokenize alike."""
+    tok = chat_tokenizer()
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "37*48"}}}
+    structured = [
+        {"role": "user", "content": "37*48="},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "1776"},
+    ]
+    as_text = [structured[0], {"role": "assistant", "content": tool_call("37*48")}, structured[2]]
+    rendered = tok.apply_chat_template(structured, tokenize=False, add_generation_prompt=True)
+    assert rendered == tok.apply_chat_template(as_text, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        "<|im_start|>user\n37*48=<|im_end|>\n<|im_start|>assistant\n" + tool_call("37*48") + "<|im_end|>\n"
+        "<|im_start|>tool\n1776<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.chat_template == CHAT_TEMPLATE
+
+
+def test_encode_builds_the_templates_ids_and_marks_the_tool_messages():
+    """Every kind of conversation: the ids built turn by turn (prompt, turns, observations rendered by
+    the run's renderer) equal the template's render of the whole conversation up to its last
+    <|im_end|>, and exactly the observation spans are the environment's."""
+    tok = chat_tokenizer()
+    rng = random.Random(0)
+    for kind in KINDS:
+        messages = conversation(rng, 37, 48, kind)
+        (ids,), (env,) = encode(tok, [messages])
+        full = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert ids == full[: len(ids)] and full[len(ids) :] == tok.encode("\n"), kind
+        assert ids[-1] == EOS_ID and len(ids) <= N_POSITIONS
+        marked = tok.decode([t for t, m in zip(ids, env, strict=True) if m])
+        tools = [m["content"] for m in messages if m["role"] == "tool"]
+        assert marked == "".join(f"\n<|im_start|>tool\n{v}<|im_end|>\n<|im_start|>assistant\n" for v in tools)
+        assert ids[: len(prompt_ids(tok, "37*48="))] == prompt_ids(tok, "37*48=") and not any(env[:15])
+
+
+def test_the_grouped_loss_is_the_loss_of_one_padded_batch():
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from demos.calculator import grouped_lm_loss
+    from demos.common import gpt2_config, pad
+
+    tok = chat_tokenizer()
+    ids, env = encode(tok, [m for _, m in corpus("t", split_problems(0)[1], 48)])
+    assert {len(s) <= 24 for s in ids} == {True, False}  # both groups present
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(gpt2_config(len(tok), n_layer=2, n_embd=32, n_head=2, n_positions=N_POSITIONS))
+    x, mask = pad(ids)
+    by_env, _ = pad(env)
+    one_batch = lm(
+        input_ids=x, attention_mask=mask, labels=x.masked_fill((mask == 0) | (by_env == 1), -100)
+    ).loss
+    assert grouped_lm_loss(lm, ids, env).item() == pytest.approx(one_batch.item(), rel=1e-5)
 
 
 def test_split_is_a_seeded_partition_of_all_problems():
@@ -89,153 +129,112 @@ def test_split_is_a_seeded_partition_of_all_problems():
     assert split_problems(0) == (held_out, rl, pre_only) and split_problems(1)[0] != held_out
 
 
-def test_corpus_mix_and_every_transcript_is_consistent_with_the_calculator():
+def test_corpus_mix_and_every_conversation_is_consistent_with_the_calculator():
     held_out, rl, pre_only = split_problems(0)
     n = 20_000
     examples = corpus("0", rl + pre_only[N_VAL:], n)
     assert corpus("0", rl + pre_only[N_VAL:], 50) == examples[:50] and corpus("1", rl, 50) != examples[:50]
     counts = dict.fromkeys(KINDS, 0)
-    direct_right = 0
-    for kind, text in examples:
+    direct_right = short = 0
+    for kind, messages in examples:
         counts[kind] += 1
-        m = TRANSCRIPT.fullmatch(text)
-        assert m, text
-        a, b, expr, closed, result, answer = m.groups()
-        a, b = int(a), int(b)
+        a, b = (int(x) for x in messages[0]["content"][:-1].split("*"))
         assert (a, b) not in set(held_out) | set(pre_only[:N_VAL])  # neither held-out nor selection
+        short += a * b < 1000
+        turns = [m["content"] for m in messages[1:]]
+        roles = [m["role"] for m in messages]
         if kind == "direct":
-            assert expr is None and answer
-            direct_right += int(answer) == a * b
+            assert roles == ["user", "assistant"]
+            direct_right += int(turns[0]) == a * b
         elif kind == "no_close":
-            assert expr == f"{a}*{b}" and closed is None and not answer
+            assert roles == ["user", "assistant"] and "</tool_call>" not in turns[0]
+            assert parse_hermes_call(turns[0], ["calculator"]).well_formed is False
         else:
-            assert int(result) == calc(expr)  # a closed call is always answered by the calculator
-            assert (expr == f"{a}*{b}") == (kind != "wrong_operand")
-            assert (answer == result) == (kind != "copy_error")
+            assert roles == ["user", "assistant", "tool", "assistant"]
+            call = parse_hermes_call(turns[0], ["calculator"])
+            x, y = (int(v) for v in call.argument.split("*"))
+            assert int(turns[1]) == x * y  # a well-formed call is always answered by the calculator
+            assert (call.argument == f"{a}*{b}") == (kind != "wrong_operand")
+            assert (turns[2] == turns[1]) == (kind != "copy_error")
     share = {k: v / n for k, v in counts.items()}  # binomial sd <= 0.0035
     assert share["tool"] == pytest.approx(TOOL_FRAC, abs=0.015)
     for kind, s in BAD_KINDS.items():
         assert share[kind] == pytest.approx(BAD_TOOL_FRAC * s, abs=0.006)
     assert share["direct"] == pytest.approx(1 - TOOL_FRAC - BAD_TOOL_FRAC, abs=0.015)
     assert direct_right / counts["direct"] == pytest.approx(DIRECT_CORRECT_FRAC, abs=0.02)
-    short = sum(int(a) * int(b) < 1000 for _, t in examples for a, b in [t.split("=")[0].split("*")]) / n
-    assert short == pytest.approx(SHORT_PRODUCT_FRAC, abs=0.015)
+    assert short / n == pytest.approx(SHORT_PRODUCT_FRAC, abs=0.015)
 
 
 def test_near_miss_is_never_the_value():
-    import random
-
     rng = random.Random(0)
     for value in [0, 1, 9, 100, 1776, 9801]:
         misses = {near_miss(rng, value) for _ in range(200)}
         assert value not in misses and min(misses) >= 0
 
 
-@pytest.mark.parametrize(
-    "expr,value", [("37*48", 1776), ("7", 7), ("1+2*3-4", 3), ("3-48", -45), ("2*3*4+1", 25), ("007", 7)]
-)
-def test_calc_evaluates_integers_with_plus_minus_times(expr, value):
-    assert calc(expr) == value
-
-
-@pytest.mark.parametrize(
-    "expr",
-    [
-        "",
-        "-3",
-        "1+",
-        "2**3",
-        "(1+2)",
-        "6/3",
-        "1 + 2",
-        "1.5*2",
-        "__import__('os')",
-        "٣*2",  # ASCII digits only
-        "1" * 40,  # too long
-    ],
-)
-def test_calc_refuses_anything_else(expr):
-    with pytest.raises(ValueError, match="not a calculator expression"):
-        calc(expr)
-
-
-def test_observation_only_for_a_turn_ending_in_a_well_formed_call():
-    assert observation("<calc>37*48</calc>") == "<result>1776</result>"
-    assert observation("12<calc>3-5</calc>") == "<result>-2</result>"
-    for turn in ["1776", "<calc>37*48", "37*48</calc>", "<calc>37/48</calc>", "<calc></calc>", ""]:
-        assert observation(turn) is None, turn
-
-
-def test_calls_and_answers_read_as_the_rollout_tool_environment_reads_them():
-    """The build's loop stands in for `rollout_workers.tools.ToolEnvironment` (the RL run's): the same
-    observation for a well-formed call, the same verdict on a final turn."""
-    from rollout_workers.tools import ToolEnvironment
-
-    env = ToolEnvironment()
-    state = env.reset("37*48=", {"answer": "1776"})
-    for turn in ["<calc>37*48</calc>", "<calc>3-48</calc>", "<calc>12*3*4+1</calc>", "9<calc>99*99</calc>"]:
-        assert env.step(turn, state).observation == observation(turn)
-    for turn in ["1776", "=1776", "1+1776", "1775", "17761", "", "-1776", "1776</calc>", "1776<calc>1"]:
-        step = env.step(turn, state)
-        assert (step.reward == 1.0) == Episode((37, 48), [], [turn]).correct, turn
-
-
 def _stub_sampler(tok, script):
-    """A hand-made policy: each stream's next turn is looked up by its prompt and turn number."""
+    """A hand-made policy: each stream's next turn is looked up by its problem and turn number (turns
+    so far = the assistant headers in the stream, less one)."""
 
     def sample(streams):
         out = []
         for s in streams:
-            text = tok.decode(s, skip_special_tokens=True)
-            prompt = text.split("=")[0] + "="
-            turn = script[prompt][text.count("<result>")]  # an episode goes on only after an observation
-            out.append(
-                tok.encode(turn, add_special_tokens=False) + ([] if turn.endswith("</calc>") else [EOS_ID])
-            )
+            text = tok.decode(s)
+            question = text.split("user\n")[1].split("<|im_end|>")[0]
+            turn, cut = script[question][text.count("<|im_start|>assistant") - 1]
+            out.append(tok.encode(turn, add_special_tokens=False) + ([] if cut else [EOS_ID]))
         return out
 
     return sample
 
 
-def test_run_episodes_puts_the_calculator_in_the_loop():
-    tok = char_tokenizer()
+def test_run_episodes_puts_the_runs_environment_in_the_loop():
+    tok = chat_tokenizer()
+    call = tool_call
     script = {
-        "37*48=": ["<calc>37*48</calc>", "1776"],  # the tool used right
-        "12*10=": ["120"],  # a right direct answer
-        "17*10=": ["=-12+170"],  # its last integer answers, as the environment reads it
-        "11*11=": ["122"],  # a wrong one
-        "13*13=": ["<calc>13*13"],  # a call never closed: the turn ends at <eos>
-        "14*14=": ["<calc>14*14</calc>", "<calc>196</calc>", "<calc>196</calc>"],  # calls until cut off
-        "15*15=": ["<calc>15*16</calc>", "240"],  # the wrong operand, faithfully copied
-        "16*16=": ["<calc>16**16</calc>"],  # malformed: no observation, the episode ends
+        "37*48=": [(call("37*48"), False), ("1776", False)],  # the tool used right
+        "12*10=": [("120", False)],  # a right direct answer
+        "17*10=": [("12 170", False)],  # its last integer answers, as the environment reads it
+        "11*11=": [("122", False)],  # a wrong one
+        "13*13=": [(call("13*13")[:-15], False), ("169", False)],  # never closed: "error", then an answer
+        "14*14=": [(call("14*14"), False)] * 3,  # calls until cut off by max_turns: unscored
+        "15*15=": [(call("15*16"), False), ("240", False)],  # the wrong operand, faithfully copied
+        "16*16=": [
+            ('<tool_call>{"name": "calculator', True),
+            ("256", False),
+        ],  # cut by its length: <|im_end|> added
     }
     pairs = [tuple(int(x) for x in p[:-1].split("*")) for p in script]
     eps = run_episodes(_stub_sampler(tok, script), tok, pairs, max_turns=3)
     by = {e.pair: e for e in eps}
     tool = by[(37, 48)]
-    assert tok.decode(tool.ids) == "<bos>37*48=<calc>37*48</calc><result>1776</result>1776<eos>"
-    assert (tool.turns, tool.calls, tool.answer, tool.correct) == (
-        ["<calc>37*48</calc>", "1776"],
-        1,
-        "1776",
-        True,
-    )
+    assert tok.decode(tool.ids) == tok.apply_chat_template(
+        [
+            *problem(37, 48)["messages"],
+            {"role": "assistant", "content": call("37*48")},
+            {"role": "tool", "content": "1776"},
+            {"role": "assistant", "content": "1776"},
+        ],
+        tokenize=False,
+    ).removesuffix("\n")
+    assert (tool.turns, tool.calls, tool.malformed, tool.correct) == ([call("37*48"), "1776"], 1, 0, True)
     assert by[(12, 10)].correct and by[(12, 10)].calls == 0 and not by[(11, 11)].correct
-    assert by[(17, 10)].correct and by[(17, 10)].answer == "=-12+170"
-    assert (by[(13, 13)].calls, by[(13, 13)].malformed, by[(13, 13)].correct) == (0, 1, False)
+    assert by[(17, 10)].correct
+    never_closed = by[(13, 13)]
+    assert (never_closed.calls, never_closed.malformed, never_closed.correct) == (0, 1, True)
+    assert "<|im_start|>tool\nerror<|im_end|>" in tok.decode(never_closed.ids)
     loop = by[(14, 14)]
-    assert (len(loop.turns), loop.calls, loop.correct) == (3, 3, False)
-    assert tok.decode(loop.ids).count("<result>") == 2  # no observation after the last turn
+    assert (len(loop.turns), loop.calls, loop.reward) == (3, 3, 0.0)
+    assert tok.decode(loop.ids).count("<|im_start|>tool") == 2  # no observation after the last turn
     assert (
-        by[(15, 15)].calls == 1
-        and not by[(15, 15)].correct
-        and "<result>240</result>" in tok.decode(by[(15, 15)].ids)
+        by[(15, 15)].calls == 1 and not by[(15, 15)].correct and "tool\n240<" in tok.decode(by[(15, 15)].ids)
     )
-    assert (by[(16, 16)].calls, by[(16, 16)].malformed, len(by[(16, 16)].turns)) == (0, 1, 1)
+    cut = by[(16, 16)]
+    assert tok.decode(cut.ids).count("<|im_end|>") == 4 and cut.malformed == 1  # user, cut turn, tool, answer
     m = episode_metrics(eps)
     assert m == pytest.approx(
         {
-            "accuracy": 3 / 8,
+            "accuracy": 5 / 8,
             "tool_call_rate": 3 / 8,
             "accuracy_given_call": 1 / 3,
             "malformed_call_rate": 2 / 8,
@@ -249,21 +248,24 @@ def test_hf_turns_end_at_a_stop_token_or_the_turn_limit():
 
     from demos.common import gpt2_config
 
-    tok = char_tokenizer()
+    tok = chat_tokenizer()
     torch.manual_seed(0)
     lm = GPT2LMHeadModel(
         gpt2_config(len(tok), n_layer=1, n_embd=16, n_head=2, n_positions=N_POSITIONS)
     ).eval()
-    with torch.no_grad():  # make </calc> likely, so that turns of both kinds come out
-        lm.lm_head.weight[CALL_CLOSE_ID] += 0.3
-    streams = [tok("37*48=").input_ids, tok("37*48=<calc>37*48</calc><result>1776</result>").input_ids] * 20
+    with torch.no_grad():  # make <|im_end|> likely, so that turns of both kinds come out
+        lm.lm_head.weight[EOS_ID] += 0.3
+    streams = [
+        prompt_ids(tok, "37*48="),
+        encode(tok, [conversation(random.Random(0), 37, 48, "tool")])[0][0],
+    ] * 20
     for greedy in (False, True):
         turns = hf_turns(lm, greedy=greedy, max_new_tokens=5)(streams)
         assert len(turns) == len(streams)
         for t in turns:
             assert 1 <= len(t) <= 5 and not set(t[:-1]) & set(STOP_IDS)
             assert t[-1] in STOP_IDS or len(t) == 5
-    assert any(t[-1] == CALL_CLOSE_ID for t in hf_turns(lm, greedy=False, max_new_tokens=5)(streams))
+    assert any(t[-1] == EOS_ID for t in hf_turns(lm, greedy=False, max_new_tokens=5)(streams))
 
 
 def test_band_names_itself_and_what_missed():
@@ -302,26 +304,32 @@ def test_a_build_that_misses_the_band_fails_and_publishes_nothing(tmp_path):
 
 def test_a_quick_build_writes_loadable_disjoint_prompt_files(tmp_path):
     """Few pretraining steps: the mechanics, not the quality, are under test."""
+    import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     a = ensure_assets(tmp_path / "calculator_tiny", lm_steps=5, check_band=False, quiet=True)
-    assert isinstance(a, AssetPaths)
-    train = [json.loads(x) for x in a.prompts.read_text().splitlines()]
-    held = [json.loads(x) for x in a.eval_prompts.read_text().splitlines()]
+    assert isinstance(a, AssetPaths) and a.prompts.suffix == ".parquet"
+    train, held = pq.read_table(a.prompts).to_pylist(), pq.read_table(a.eval_prompts).to_pylist()
     assert (len(train), len(held)) == (N_RL, N_EVAL)
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    assert held[0].keys() == {"prompt", "answer"} and re.fullmatch(r"\d\d\*\d\d=", held[0]["prompt"])
-    assert all(int(r["answer"]) == calc(r["prompt"][:-1]) for r in held)
+    question = lambda r: r["messages"][0]["content"]  # noqa: E731
+    assert not {question(r) for r in train} & {question(r) for r in held}
+    assert held[0].keys() == {"messages", "answer"} and held[0]["messages"][0]["role"] == "user"
+    for r in held:
+        x, y = question(r)[:-1].split("*")
+        assert int(r["answer"]) == int(x) * int(y)
     lm = AutoModelForCausalLM.from_pretrained(a.policy, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(a.policy, local_files_only=True)
-    assert lm.config.vocab_size == len(tok) == 21 and lm.config.n_positions == N_POSITIONS
-    assert tok.encode("<calc>37*48</calc>", add_special_tokens=False) == [17, 6, 10, 15, 7, 11, 18]
-    assert lm.generation_config.eos_token_id == EOS_ID
+    assert lm.config.vocab_size == len(tok) == 32 and lm.config.n_positions == N_POSITIONS
+    assert tok.chat_template == CHAT_TEMPLATE and tok.eos_token_id == EOS_ID and tok.bos_token_id is None
+    assert tok.encode(tool_call("37*48"), add_special_tokens=False) == chat_tokenizer().encode(
+        tool_call("37*48")
+    )
+    assert lm.generation_config.eos_token_id == EOS_ID and lm.generation_config.bos_token_id is None
     m = read_manifest(a.root)
     assert m["lm_steps"] == 5 and (m["band_checked"], m["band"], m["selection"]["step"]) == (False, None, 5)
-    assert m["tool_token_ids"] == {"<calc>": 17, "</calc>": 18, "<result>": 19, "</result>": 20}
+    assert m["tool_call_token_id"] == TOOL_CALL_ID
     assert 0.0 <= m["metrics"]["held_out_sampled_accuracy"] <= 1.0
-    assert m["episode"]["eval_samples"] == EVAL_SAMPLES and m["episode"]["stop_token_ids"] == [EOS_ID, 18]
+    assert m["episode"]["eval_samples"] == EVAL_SAMPLES and m["episode"]["stop_token_ids"] == [EOS_ID]
     assert m["corpus_mix"]["bad_kinds"] == BAD_KINDS and (m["tool_frac"], m["bad_frac"]) == (
         TOOL_FRAC,
         BAD_TOOL_FRAC,
