@@ -4,7 +4,8 @@ Six panels against the step: training reward with the held-out reward, KL to the
 accuracy with pass@k for every k the run evaluated (or P(positive) for classifier rewards), response
 length (training and held-out), dynamic sampling (groups filtered, and left short, per step; for runs
 with multi-turn episodes: turns per episode and the rate of tool calls and other environment counters),
-and throughput (samples per second). A panel whose metrics the run did not record says so.
+and throughput (samples per second). A panel whose metrics the run did not record says so. The held-out
+curves run from the evaluation before training (step 0) to the one after it (the last step's second row).
 Needs matplotlib (`pip install -e '.[plot]'`).
 """
 

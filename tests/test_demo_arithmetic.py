@@ -184,7 +184,8 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
 def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmetic_assets, tmp_path, capsys):
     from cluster.config.schema import load_config
     from cluster.pipeline.async_trainer import make_trainer
-    from cluster.run.metrics import read_metrics
+    from cluster.pipeline.evaluation import headline
+    from cluster.run.metrics import held_out_only, read_metrics
 
     cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
     trainer = make_trainer(cfg, tmp_path / "run")
@@ -201,18 +202,26 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
     assert seen == set(held) and not seen & train
     assert all(c.ref_logprobs_ref is None for c in batch.chunks)  # never trainable: no reference pass
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "rollout/reward_mean" not in rows[0]  # the 'before' row holds the held-out numbers only
-    assert "eval/accuracy" in rows[1] and "eval/accuracy" not in rows[2]  # the last one is the 'after'
-    for m in (rows[0], rows[1], metrics):
+    # the 'before' row, steps 1 and 2, then the 'after' row: a second row of the last step
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]
+    assert [held_out_only(r) for r in rows] == [True, False, False, True]  # held-out numbers only
+    assert "rollout/reward_mean" not in rows[0] and "rollout/reward_mean" not in rows[3]
+    assert "eval/accuracy" in rows[1] and "eval/accuracy" not in rows[2]  # step 2's evaluation is the 'after'
+    after = json.loads((tmp_path / "run" / "summary.json").read_text())["eval_after"]
+    exactly = {"rel": 0, "abs": 0, "nan_ok": True}  # the curves' last point is the summary's, the evaluator's
+    assert rows[3] == pytest.approx({"step": 2, **after}, **exactly)
+    assert rows[3] == pytest.approx({"step": 2, **trainer.evaluator.after}, **exactly)
+    for m in (rows[0], rows[1], rows[3], metrics):
         assert m["eval/samples"] + m["eval/reward_failures"] == 48
         assert 0.0 <= m["eval/accuracy"] <= 1.0 and 1.0 <= m["eval/response_length"] <= 4.0
-    assert rows[0]["eval/policy_version"] == 0 and rows[1]["eval/policy_version"] == 1
+    assert [rows[i]["eval/policy_version"] for i in (0, 1, 3)] == [0, 1, 2]
     assert metrics["eval/policy_version"] == 2 and metrics == pytest.approx(
         {**trainer.evaluator.after, "time/eval": metrics["time/eval"]}
     )  # the same seeds and weights give the same answers
     out = capsys.readouterr().out
     assert "held-out prompts before training" in out and "held-out prompts after training" in out
+    assert out.count("held-out prompts after training") == 1  # one 'after' evaluation
+    assert headline(rows[3]) in out.split("held-out prompts after training")[1]  # the printed numbers
     assert any(line.startswith("held-out (24 prompts): reward_mean") for line in summary.lines())
 
 

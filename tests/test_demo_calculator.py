@@ -59,8 +59,9 @@ def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_pa
     finally:
         trainer.close()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for r in rows[1:]:
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]  # held-out before, steps 1-2, held-out after
+    assert "eval/env/turns" in rows[3] and "env/episodes" not in rows[3]
+    for r in rows[1:3]:
         assert r["env/episodes"] == 32 and r["env/failures"] == 0
         assert 1.0 <= r["env/turns"] <= 3.0 and "env/tool_calls_rate" in r
         assert r["env/status/done"] + r["env/status/max_turns"] + r["env/status/max_tokens"] == 32

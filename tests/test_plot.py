@@ -25,6 +25,7 @@ def _rows() -> list[dict]:
         )
     rows[3]["eval/accuracy"] = 0.6
     rows[6]["objective/kl"] = float("nan")  # non-finite points are left out, not plotted as gaps
+    rows.append({"step": 6, "eval/reward_mean": 0.9, "eval/accuracy": 0.8})  # the final held-out row
     return rows
 
 
@@ -48,7 +49,7 @@ def test_the_held_out_panel_gains_every_pass_at_k_the_run_evaluated():
 
 
 def test_series_keeps_the_finite_points_of_a_key():
-    assert series(_rows(), "eval/accuracy") == ([0, 3], [0.3, 0.6])
+    assert series(_rows(), "eval/accuracy") == ([0, 3, 6], [0.3, 0.6, 0.8])  # before, step 3, after
     assert series(_rows(), "objective/kl") == ([1, 2, 3, 4, 5], [0.01, 0.02, 0.03, 0.04, 0.05])
 
 

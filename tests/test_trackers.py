@@ -16,6 +16,7 @@ from cluster.run.trackers.base import EVAL_AFTER, RUN, RunInfo, StepRow, flatten
 from cluster.run.trackers.run_logger import RunLogger
 
 CONFIG = {"run": {"name": "t", "steps": 4}, "learner": {"lr": 1e-5, "kl": {"coef": 0.05}}}
+AFTER = {"eval/accuracy": 0.9}  # the held-out evaluation of the final weights
 
 
 def rows(steps: range, offset: float = 0.0) -> list[StepRow]:
@@ -61,7 +62,8 @@ def log_run(run: RunInfo, names: list[str], steps: range, offset: float = 0.0) -
     (run.run_dir / "curves.png").write_bytes(_png())
     for row in rows(steps, offset):
         log.step(row)
-    log.summary(EVAL_AFTER, {"eval/accuracy": 0.9})
+    log.step(StepRow(steps[-1], AFTER, held_out_only=True))  # as the trainer ends: a row, then the summary
+    log.summary(EVAL_AFTER, AFTER)
     log.summary(RUN, {"steps": float(steps[-1])})
     log.artifact(run.run_dir / "curves.png")
     log.close()
@@ -79,8 +81,11 @@ def _png() -> bytes:
 
 
 def jsonl_steps(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r.pop("step"): r for r in map(json.loads, lines)}
+    """metrics.jsonl by step, a step's rows merged (the last step's: its training row and the final evaluation)."""
+    out: dict[int, dict] = {}
+    for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        out.setdefault(r.pop("step"), {}).update(r)
+    return out
 
 
 def tensorboard_steps(run_dir: Path) -> dict[int, dict]:
@@ -106,7 +111,7 @@ def mlflow_steps(client, run_id: str, keys: list[str]) -> dict[int, dict]:
 def step_keys(table: dict[int, dict]) -> dict[int, dict]:
     """The step rows' own keys (TensorBoard also holds the summaries, as `<part>/<key>` at the last step)."""
     return {
-        s: {k: v for k, v in r.items() if k in ("rollout/reward_mean", "objective/kl", "loss/value")}
+        s: {k: v for k, v in r.items() if k in ("rollout/reward_mean", "objective/kl", "loss/value", *AFTER)}
         for s, r in table.items()
     }
 
@@ -134,6 +139,7 @@ def test_wandb_offline_and_tensorboard_get_every_record(tmp_path, wandb_offline)
     assert not log.dropped
     want = finite(jsonl_steps(run_dir))
     assert set(want) == {1, 2, 3} and want[2]["rollout/reward_mean"] == pytest.approx(0.2)
+    assert want[3] == pytest.approx({"rollout/reward_mean": 0.3, "objective/kl": 0.03, **AFTER})  # 2 rows
     tb = tensorboard_steps(run_dir)
     assert_same(step_keys(tb), want)  # finite values only: loss/value is NaN
     assert tb[3]["eval_after/eval/accuracy"] == pytest.approx(0.9) and tb[3]["run/steps"] == 3
@@ -185,8 +191,9 @@ def test_all_four_sinks_hold_the_same_step_metrics_and_mlflow_resumes(tmp_path, 
     artifact = Path(client.download_artifacts(run_id, "curves.png", str(tmp_path)))
     assert artifact.read_bytes() == (run_dir / "curves.png").read_bytes()
 
-    keys = ["rollout/reward_mean", "objective/kl"]
+    keys = ["rollout/reward_mean", "objective/kl", *AFTER]
     want = finite(jsonl_steps(run_dir))
+    assert want[4]["eval/accuracy"] == 0.9  # the final evaluation: a point of the last step
     (folder,) = (run_dir / "wandb").glob("offline-run-*")
     for got in (
         step_keys(tensorboard_steps(run_dir)),
@@ -227,6 +234,24 @@ def test_a_failing_tracker_is_reported_once_and_dropped(tmp_path, monkeypatch, c
     warnings = [r for r in caplog.records if "'mlflow' dropped" in r.getMessage()]
     assert len(warnings) == 1
     assert sorted(jsonl_steps(run_dir)) == [1, 2, 3] and sorted(tensorboard_steps(run_dir)) == [1, 2, 3]
+
+
+def test_a_resume_cuts_later_rows_and_a_finished_runs_final_evaluation(tmp_path):
+    """A finished 2-step run's metrics.jsonl: the held-out rows before and after training are told from
+    training rows. Resumed from its step-2 checkpoint (to end again, or to go on), the final evaluation's
+    row goes (the resumed run's end writes its own); from step 1, step 2's rows go too."""
+    from cluster.run.metrics import held_out_only, read_metrics, truncate_metrics
+
+    before = {"step": 0, "eval/accuracy": 0.1, "eval/pass@4": 0.2, "time/eval": 1.0}
+    step1 = {"step": 1, "rollout/reward_mean": 0.2, "eval/accuracy": 0.3, "time/eval": 1.0}
+    step2 = {"step": 2, "rollout/reward_mean": 0.4, "objective/kl": 0.01}
+    after = {"step": 2, "eval/accuracy": 0.5, "eval/pass@4": 0.7, "time/eval": 1.0}
+    rows = [before, step1, step2, after]
+    assert [held_out_only(r) for r in rows] == [True, False, False, True]
+    path = tmp_path / "metrics.jsonl"
+    for last_step, kept in ((3, rows), (2, rows[:3]), (1, rows[:2])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert truncate_metrics(path, last_step) == kept == read_metrics(path), last_step
 
 
 @pytest.mark.slow  # a real run on the tests' tiny models (Ray, one DeepSpeed rank), then its resume

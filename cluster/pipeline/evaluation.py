@@ -232,7 +232,8 @@ class Evaluator:
         self.after: dict[str, float] | None = None
 
     def due(self, step: int) -> bool:
-        """Evaluate on the held-out prompts after this step? (The last step's is the 'after' evaluation.)"""
+        """Evaluate on the held-out prompts after this step? Never after the last: the run's 'after'
+        evaluation is that step's (`Trainer.train`: summary.json's eval_after and a held-out-only row)."""
         every = self.cfg.eval.every_steps
         return bool(self.prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 

@@ -37,7 +37,7 @@ from cluster.pipeline.stopping import StopRequest
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
 from cluster.run.folder import check_ranks_see_run_folder
-from cluster.run.metrics import SyncStepTimes, sync_step_metrics, truncate_metrics
+from cluster.run.metrics import SyncStepTimes, held_out_only, sync_step_metrics, truncate_metrics
 from cluster.run.startup import StartupClock
 from cluster.run.summary import RunSummary
 from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
@@ -202,7 +202,9 @@ class Trainer:
         self.sync_weights(int(state["version"]))
         # drop rows written after the checkpoint by the interrupted run
         rows = truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.progress.history = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] >= 1]
+        self.progress.history = [
+            {k: v for k, v in r.items() if k != "step"} for r in rows if not held_out_only(r)
+        ]
         self.evaluator.before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
 
     # ------------------------------------------------------------------ one iteration
@@ -373,7 +375,8 @@ class Trainer:
             save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
         self.workers_to_current()
         after = self.evaluator.report("after")
-        if after is not None:
+        if after is not None:  # the curves' last point (a row after the last step's) and the summary's
+            self.log.step(StepRow(self.step, after, held_out_only=True))
             self.log.summary(EVAL_AFTER, after)
         return self.summary(final_dir=final_dir)
 

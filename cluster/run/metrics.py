@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,25 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def held_out_only(row: Mapping[str, Any]) -> bool:
+    """Is this metrics.jsonl row a held-out evaluation alone, no training step (`StepRow.held_out_only`)?
+    Two are: step 0's, of the initial weights, and the final weights' at the last step, written after
+    that step's training row. Such a row holds eval/* metrics and time/eval only; a training row always
+    holds its samples' rollout/* metrics."""
+    return all(k == "step" or k == "time/eval" or k.startswith("eval/") for k in row)
+
+
 def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]:
-    """Keep only rows up to `last_step` (a resumed run rewrites what came after its checkpoint)."""
+    """Keep only rows up to `last_step` (a resumed run rewrites what came after its checkpoint). The
+    final held-out evaluation at `last_step` goes too: a finished run resumed writes its own at its end."""
     path = Path(path)
     if not path.is_file():
         return []
-    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
+    rows = [
+        r
+        for r in read_metrics(path)
+        if r["step"] <= last_step and not (r["step"] == last_step > 0 and held_out_only(r))
+    ]
     path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     return rows
 

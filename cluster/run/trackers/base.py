@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 # The parts of a run's summary (`Sink.log_summary`).
 STARTUP = "startup"  # seconds of each start-up phase, to the end of step 1 (startup.json)
-EVAL_AFTER = "eval_after"  # the held-out evaluation of the final weights
+EVAL_AFTER = "eval_after"  # the held-out evaluation of the final weights (also the last step's last row)
 RUN = "run"  # the run's summary: steps, samples, wall seconds, final reward and KL
 
 
@@ -37,8 +37,10 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One row of the run's record: step `step`'s metrics. `held_out_only`: the held-out evaluation of the
-    initial weights (step 0), no training step. `worker_lags` (async): versions each rollout worker trails."""
+    """One row of the run's record: step `step`'s metrics. `held_out_only`: a held-out evaluation, no training
+    step: of the initial weights (step 0), or of the final weights (the last step, after that step's training
+    row; the same numbers as the `EVAL_AFTER` summary). `worker_lags` (async): versions each rollout worker
+    trails."""
 
     step: int
     metrics: Mapping[str, float | None]

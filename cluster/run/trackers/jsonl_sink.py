@@ -1,4 +1,6 @@
-"""The run's own record in its folder: `metrics.jsonl` (one row per step) and `summary.json`.
+"""The run's own record in its folder: `metrics.jsonl` (one row per step, and the held-out evaluations
+before and after training: step 0's row and a second row of the last step, told apart by
+`cluster.run.metrics.held_out_only`) and `summary.json`.
 
 It never stops: its failure is the run's. Rows after a resumed checkpoint were already cut by the
 trainer's restore (`cluster.run.metrics.truncate_metrics`), so the resumed run appends its own.

@@ -1,8 +1,8 @@
 """Ray metrics for Prometheus and the Ray dashboard: the live gauges of `cluster.run.telemetry.Telemetry`.
 
-A training step's row updates the gauges and totals; the held-out evaluations (before training: the
-step-0 row, after it: the `EVAL_AFTER` summary) update the eval gauges only. Live values hold no history,
-so there is nothing to resume: the resumed driver's series carry the same `run` tag.
+A training step's row updates the gauges and totals; a held-out-only row (the evaluation before
+training, at step 0, and after it, at the last step) updates the eval gauges only. Live values hold no
+history, so there is nothing to resume: the resumed driver's series carry the same `run` tag.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cluster.run.telemetry import Telemetry
-from cluster.run.trackers.base import EVAL_AFTER, RunInfo, Sink, StepRow
+from cluster.run.trackers.base import RunInfo, Sink, StepRow
 
 
 class PrometheusSink(Sink):
@@ -28,8 +28,7 @@ class PrometheusSink(Sink):
             self.telemetry.record_step(dict(row.metrics), worker_lags=dict(row.worker_lags))
 
     def log_summary(self, part: str, values: Mapping[str, float]) -> None:
-        if part == EVAL_AFTER:
-            self.telemetry.record_eval(dict(values))
+        """Gauges follow the rows only: the `EVAL_AFTER` summary came as the last (held-out-only) row."""
 
     def log_artifact(self, path: Path) -> None:
         """Gauges hold numbers only."""
