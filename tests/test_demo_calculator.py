@@ -82,4 +82,5 @@ def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_pa
         assert text.count("<tool_call>") >= s.episode.turns - 1
     out = capsys.readouterr().out
     assert "held-out prompts before training" in out and "held-out prompts after training" in out
+    assert "] <|im_start|>user\\n" in out  # samples printed with their role markers, one line each
     assert any(line.startswith("held-out (16 prompts): reward_mean") for line in summary.lines())

@@ -351,3 +351,14 @@ def test_a_full_build_lands_in_its_band(tmp_path):
     m = read_manifest(a.root)
     assert m["band_checked"] and m["band"] == BAND.describe()
     assert BAND.misses(m["metrics"]) == []
+
+
+def test_the_runs_logs_show_a_conversation_on_one_line_with_its_role_markers():
+    from cluster.pipeline.evaluation import shown
+
+    tok = chat_tokenizer()
+    (ids,), _ = encode(tok, [conversation(random.Random(0), 37, 48, "tool")])
+    line = shown(tok, [*ids, PAD_ID, PAD_ID])
+    assert "\n" not in line and "<|endoftext|>" not in line
+    assert line.startswith("<|im_start|>user\\n37*48=<|im_end|>\\n<|im_start|>assistant\\n<tool_call>")
+    assert line.endswith("<|im_start|>tool\\n1776<|im_end|>\\n<|im_start|>assistant\\n1776<|im_end|>")

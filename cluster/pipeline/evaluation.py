@@ -177,10 +177,19 @@ def print_eval(title: str, metrics: dict | None, batch: RolloutBatch, tokenizer,
     for i in firsts:
         chunk, j = scored[i]
         s = samples[id(chunk)][j]
-        prompt = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
-        response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        prompt, response = shown(tokenizer, s.prompt_ids), shown(tokenizer, s.response_ids)
         extra = f", P(pos) {probs[i]:.3f}" if probs is not None else ""
         print(f"[reward {scores[i]:+.2f}{extra}] {prompt} || {response}", flush=True)
+
+
+def shown(tokenizer, ids) -> str:
+    """A sample's ids as the logs print them: plain text without special tokens, or for a tokenizer with a
+    chat template the role markers kept (all special tokens but padding) and newlines written as \\n, so
+    that a conversation stays on one line and its turns can be told apart."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    kept = [int(t) for t in ids if int(t) != tokenizer.pad_token_id]
+    return tokenizer.decode(kept).replace("\n", "\\n")
 
 
 def headline(m: dict) -> str:
