@@ -90,6 +90,7 @@ def trl_args(cfg: Any, steps: int) -> list[str]:
                 "clip_eps_high/dual_clip/off_policy",
             ),
             (lc.entropy_coef or lc.warmup_steps, "entropy_coef/warmup_steps (TRL has neither)"),
+            (lc.lr_schedule != "constant", "learner.lr_schedule (the TRL runner's is constant)"),
             (not lc.whiten_advantages or lc.loss_agg != "token-mean", "whitening off or loss_agg"),
             (batch % lc.num_minibatches, "rollout batch not a multiple of learner.num_minibatches"),
             (lc.micro_batch_size < batch // lc.num_minibatches, "micro_batch_size below the minibatch"),

@@ -119,7 +119,44 @@ class LearnerConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
     adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
-    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up in optimizer steps.")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Linear LR warm-up in optimizer steps: step k < warmup_steps trains at lr x (k + 1) / warmup_steps "
+            "(every lr_schedule). With 'linear' or 'cosine' it must be less than lr_schedule_steps."
+        ),
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description=(
+            "LR after the warm-up, over the run's optimizer steps: 'constant' lr; 'linear' / 'cosine' decay "
+            "from lr at the end of the warm-up to min_lr_ratio x lr at lr_schedule_steps (transformers' "
+            "warmup-stable-decay lambdas, no stable phase), then stay there. Scales value_lr by the same "
+            "factor; a resumed run goes on from its checkpoint's step. Logged as train/lr (docs/algorithms.md)."
+        ),
+    )
+    min_lr_ratio: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Floor of the 'linear' / 'cosine' decay as a fraction of lr (unused with 'constant'). Default 0.1, "
+            "OpenRLHF's cosine_with_min_lr floor: the late updates, when most samples are right and the "
+            "advantages mostly noise, are 10x smaller, yet the end of the run still learns (0 spends the last "
+            "steps at a rate near zero)."
+        ),
+    )
+    lr_schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Length of the LR schedule in optimizer steps (warm-up included). None: run.steps x ppo_epochs x "
+            "num_minibatches, filled in by the cluster (every PPO step counts ppo_epochs x num_minibatches "
+            "steps, taken, skipped or empty alike); set it to decay over a longer or shorter span. A learner "
+            "used alone needs it with 'linear' or 'cosine'."
+        ),
+    )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     num_minibatches: int = Field(
@@ -407,6 +444,13 @@ class LearnerConfig(_Strict):
             raise ValueError(
                 f"learner.overlong_buffer={self.overlong_buffer} must be <= learner.overlong_max_tokens="
                 f"{self.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
+            )
+        steps = self.lr_schedule_steps
+        if self.lr_schedule != "constant" and steps is not None and self.warmup_steps >= steps:
+            raise ValueError(
+                f"learner.warmup_steps={self.warmup_steps} must be less than learner.lr_schedule_steps={steps}: "
+                f"learner.lr_schedule={self.lr_schedule!r} decays after the warm-up (a shorter warm-up, or "
+                "lr_schedule: constant)"
             )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(

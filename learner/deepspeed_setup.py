@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from learner.config import LearnerConfig
+from learner.lr_schedule import build_scheduler
 
 SHM_OP_NAME = "deepspeed_shm_comm"
 SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
@@ -71,18 +72,6 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
     return deep_merge(cfg, config.deepspeed_overrides)
 
 
-class LinearWarmup:
-    """LR factor rising linearly over `warmup_steps` optimizer steps, then 1 (a picklable callable)."""
-
-    def __init__(self, warmup_steps: int) -> None:
-        self.warmup_steps = int(warmup_steps)
-
-    def __call__(self, step: int) -> float:
-        if self.warmup_steps <= 0:
-            return 1.0
-        return min(1.0, (step + 1) / self.warmup_steps)
-
-
 def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
     """AdamW over every trainable parameter: torch's (no JIT-built op needed), or DeepSpeed's
     DeepSpeedCPUAdam (the same decoupled-weight-decay update, in C++ on CPU) when the optimizer is
@@ -117,12 +106,6 @@ def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.opti
     return torch.optim.AdamW(
         params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
     )
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, config: LearnerConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(config.warmup_steps))
 
 
 def disable_shm_allreduce() -> None:
@@ -217,7 +200,8 @@ def check_world(rank: int, world_size: int) -> None:
 
 
 def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
-    """`deepspeed.initialize` with AdamW (`build_optimizer`) and the warm-up schedule; returns the engine.
+    """`deepspeed.initialize` with AdamW (`build_optimizer`) and the LR schedule (`learner.lr_schedule`);
+    returns the engine.
 
     Its checkpoint engine is swapped for a weights-only one (see learner.safe_checkpoint).
     """

@@ -11,7 +11,8 @@ with `scale_wrt_gas=False`), so each loss is multiplied by the world size before
 
 Skipping a bad step: a rank whose micro-batch loss is not finite back-propagates NaN instead. The
 ZeRO optimizer computes one global gradient norm over all ranks, finds it invalid, and skips the
-step on every rank (no weight, optimizer-state or LR-schedule change) - DeepSpeed's own overflow path.
+step on every rank (no weight or optimizer-state change) - DeepSpeed's own overflow path. The LR
+schedule's clock still moves on by that slot (learner.lr_schedule), as for a minibatch with no token.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from learner.config import LearnerConfig
 from learner.critic import RunningMoments
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, world_size
 from learner.losses import aggregate_loss, policy_loss, value_loss
+from learner.lr_schedule import advance_unapplied
 from learner.prepare import prepare
 
 
@@ -115,9 +117,12 @@ def micro_batch_loss(
 def ppo_update(
     engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device, generator
 ):
-    """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks."""
+    """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks.
+
+    Each minibatch is one slot of the LR schedule's clock, stepped or not (learner.lr_schedule)."""
     world = world_size()
     n_local = len(batch)
+    lr = float(engine.get_lr()[0])  # the policy's rate at this step's first optimizer step
     sums = UpdateSums()  # of the applied steps
     applied, skipped, empty, grad_norm = 0, 0, 0, 0.0
     zero_w = dummy_batch(pad_id).to(device)
@@ -133,11 +138,13 @@ def ppo_update(
         counts = all_reduce(local_counts, "sum", device).tolist()  # k token counts, then k sequence counts
         for j in range(k):
             if n_micro[j] == 0:  # no rank has data for this minibatch (fewer sequences than minibatches)
+                advance_unapplied(engine)
                 continue
             if counts[j] == 0:
                 # no token left in the loss on any rank (every sample overlong-filtered): the loss is 0 and
                 # a step on zero gradients would still move the weights (Adam's moments, weight decay)
                 empty += 1
+                advance_unapplied(engine)
                 continue
             step_sums = UpdateSums()
             poisoned = False
@@ -174,10 +181,13 @@ def ppo_update(
                 grad_norm += float(engine.get_global_grad_norm() or 0.0)
             else:
                 skipped += 1
+                advance_unapplied(engine)  # DeepSpeed steps the schedule on applied steps only
     # no step taken: NaN, unless only because no minibatch had a token to train (a loss of 0, not a failure)
     no_step = 0.0 if empty and not skipped else float("nan")
     metrics = sums.all_reduced(device).metrics(applied, grad_norm, no_step)
-    metrics.update({"train/skipped_steps": float(skipped), "train/optimizer_steps": float(applied)})
+    metrics.update(
+        {"train/skipped_steps": float(skipped), "train/optimizer_steps": float(applied), "train/lr": lr}
+    )
     return metrics
 
 

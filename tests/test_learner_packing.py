@@ -142,11 +142,13 @@ def test_an_architecture_that_cannot_pack_is_refused(tmp_path):
 class GradientTap:
     """Enough of a DeepSpeed engine for `prepare`/`ppo_update` in one process, to read gradients: at
     each optimizer step it keeps the accumulated gradient and clears it instead of stepping. It reports
-    the step as applied or not (`step_applied`: what `ppo_update` counts)."""
+    the step as applied or not (`step_applied`: what `ppo_update` counts) and, as DeepSpeed does, steps
+    its `lr_scheduler` (if any, over an optimizer of its own) after an applied step only."""
 
-    def __init__(self, model: torch.nn.Module, step_applied: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, step_applied: bool = False, lr_scheduler=None) -> None:
         self.model, self.device, self.grads = model, torch.device("cpu"), []
         self.step_applied = step_applied
+        self.lr_scheduler = lr_scheduler
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -163,6 +165,12 @@ class GradientTap:
     def step(self) -> None:
         self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None})
         self.model.zero_grad()
+        if self.step_applied and self.lr_scheduler is not None:
+            self.lr_scheduler.optimizer.step()
+            self.lr_scheduler.step()
+
+    def get_lr(self) -> list[float]:
+        return self.lr_scheduler.get_last_lr() if self.lr_scheduler is not None else [float("nan")]
 
     def was_step_applied(self) -> bool:
         return self.step_applied

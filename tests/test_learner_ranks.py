@@ -169,19 +169,21 @@ def test_zero2_one_rank_and_two_ranks_take_the_same_steps(ray_local, tiny_policy
 
 def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, tiny_policy_dir, tmp_path):
     ray = ray_local
+    # 2 optimizer-step slots per PPO step (ppo_epochs=2); warm-up slots 0-1, cosine to 0.1 lr at slot 8
+    schedule = dict(lr_schedule="cosine", warmup_steps=2, lr_schedule_steps=8, min_lr_ratio=0.1)
     # Persistence threshold 0: even these tiny tensors are really sharded across the two ranks.
     z3 = _config(
         zero_stage=3,
-        warmup_steps=10,
         deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+        **schedule,
     )
     batch1, batch2 = _trajectories(9, seed=3), _trajectories(6, seed=4)
     with (
-        learner_group(ray, 1, tiny_policy_dir, _config(warmup_steps=10)) as ref,
+        learner_group(ray, 1, tiny_policy_dir, _config(**schedule)) as ref,
         learner_group(ray, 2, tiny_policy_dir, z3) as two,
     ):
         _train(ray, ref, [batch1])
-        _train(ray, two, [batch1[:4], batch1[4:]])
+        assert _train(ray, two, [batch1[:4], batch1[4:]])["train/lr"] == pytest.approx(1e-3 * 0.5)  # slot 0
         exported = _weights(ray, two)
         _assert_same_weights(exported, _weights(ray, ref))
 
@@ -207,8 +209,11 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
         m_again = _train(ray, two, [batch2[:2], batch2[2:]])
         _assert_same_weights(_weights(ray, two), w_first, atol=1e-7)
         assert m_again["params/grad_norm"] == pytest.approx(m_first["params/grad_norm"], rel=1e-6)
+        assert m_again["train/lr"] == m_first["train/lr"] == pytest.approx(1e-3)  # slot 2: the peak
 
-        _assert_step_skipped(ray, two, [batch2[:2], batch2[2:]], z3)
+        _assert_step_skipped(ray, two, [batch2[:2], batch2[2:]], z3)  # slots 4-5 skipped, 6-7 taken
+        # The skipped slots moved the clock too: slot 8, the floor (slot 6 had 0.1 + 0.9 (1 + cos(2 pi/3)) / 2).
+        assert _train(ray, two, [batch2[:2], batch2[2:]])["train/lr"] == pytest.approx(1e-3 * 0.1)
 
 
 def test_reward_moments_are_global_and_come_back_from_a_checkpoint(ray_local, tiny_policy_dir, tmp_path):

@@ -42,7 +42,8 @@ def test_planted_pickle_is_refused_and_real_checkpoints_round_trip(
 ):
     ray = ray_local
     marker = tmp_path / "payload_ran"
-    config = _config(zero_stage=stage, warmup_steps=10, checkpoint_format="deepspeed")
+    schedule = dict(lr_schedule="cosine", warmup_steps=2, lr_schedule_steps=8)  # 2 slots per PPO step
+    config = _config(zero_stage=stage, checkpoint_format="deepspeed", **schedule)
     batch1, batch2 = _trajectories(6, seed=5), _trajectories(5, seed=6)
     with learner_group(ray, 1, tiny_policy_dir, config) as ranks:
         _train(ray, ranks, [batch1])
@@ -51,7 +52,7 @@ def test_planted_pickle_is_refused_and_real_checkpoints_round_trip(
             _call(ray, ranks, "save_checkpoint", (str(ckpt), {"bad": np.zeros(2)}))
         _call(ray, ranks, "save_checkpoint", (str(ckpt), {"data_position": 6}))
         saved, coef_saved = _weights(ray, ranks), _call(ray, ranks, "kl_coef")
-        _train(ray, ranks, [batch2])
+        lr_first = _train(ray, ranks, [batch2])["train/lr"]
         w_first = _weights(ray, ranks)
 
         live = tmp_path / "live"
@@ -74,7 +75,7 @@ def test_planted_pickle_is_refused_and_real_checkpoints_round_trip(
         assert w_loaded.keys() == saved.keys()
         assert all(torch.equal(w_loaded[k], saved[k]) for k in saved)
         # Replaying the step lands on the same weights only if Adam moments, schedule and RNG came back.
-        _train(ray, ranks, [batch2])
+        assert _train(ray, ranks, [batch2])["train/lr"] == lr_first == pytest.approx(1e-3)  # slot 2
         w_again = _weights(ray, ranks)
         for k in w_first:
             torch.testing.assert_close(w_again[k], w_first[k], atol=1e-7, rtol=0)

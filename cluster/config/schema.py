@@ -90,6 +90,7 @@ class RunConfig(_Strict):
             )
         self._environment()
         self._overlong()
+        self._lr_schedule()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
             self.learner.off_policy = "none"  # vtrace's truncated importance weights are the correction
@@ -164,6 +165,21 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"learner.overlong_buffer={le.overlong_buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
             )
+
+    def _lr_schedule(self) -> None:
+        """The LR schedule spans the run: run.steps x ppo_epochs x num_minibatches optimizer steps, the
+        slots its clock counts (learner.lr_schedule), unless learner.lr_schedule_steps is set."""
+        le = self.learner
+        if le.lr_schedule_steps is not None:
+            return
+        total = self.run.steps * le.ppo_epochs * le.num_minibatches
+        if le.lr_schedule != "constant" and le.warmup_steps >= total:
+            raise ValueError(
+                f"learner.warmup_steps={le.warmup_steps} must be less than the run's {total} optimizer steps "
+                f"(run.steps x learner.ppo_epochs x learner.num_minibatches = {self.run.steps} x {le.ppo_epochs} "
+                f"x {le.num_minibatches}): learner.lr_schedule={le.lr_schedule!r} decays after the warm-up"
+            )
+        le.lr_schedule_steps = total
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:
