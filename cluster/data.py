@@ -4,8 +4,9 @@ Reads and renders the config's prompts exactly as a run does (`cluster.pipeline.
 `cluster.train`'s preflight calls too) and prints, for the training prompts and the held-out ones: the
 first N prompts decoded from their ids with the special tokens visible, the length distribution in
 tokens (min / median / p99 / max), the rows dropped and why, and the columns each prompt hands to the
-reward as meta. Any problem (a missing file or column, a wrong type, a bad message, a template that
-cannot render) exits with code 2 and the message, which names the file, the row and the field.
+reward as meta, and the names of the tools handed to the template (`data.tools`). Any problem (a
+missing file or column, a wrong type, a bad message, a template that cannot render, a bad `data.tools`
+entry) exits with code 2 and the message, which names the file, the row and the field.
 """
 
 from __future__ import annotations
@@ -74,14 +75,22 @@ def prompt_lines(prompts: list[Prompt], tokenizer, n: int) -> list[str]:
     return lines
 
 
+def tool_name(schema) -> str:
+    function = schema.get("function", schema) if isinstance(schema, dict) else None
+    return str(function.get("name", "?")) if isinstance(function, dict) else "?"
+
+
 def report(
     title: str, prompts: list[Prompt], stats: DataStats, cfg: DataSection, tokenizer, n: int
 ) -> list[str]:
     chat = sum(p.messages is not None for p in prompts)
+    template = chat_template(cfg, tokenizer)
+    tools = [tool_name(t) for t in template.kwargs.get("tools") or []]
     return [
         f"=== {title} ===",
         *dropped_lines(stats, len(prompts), cfg),
-        f"chat prompts: {chat} of {len(prompts)} (rendered with {chat_template(cfg, tokenizer).source}); plain text: {len(prompts) - chat}",
+        f"chat prompts: {chat} of {len(prompts)} (rendered with {template.source}); plain text: {len(prompts) - chat}",
+        *([f"tools the template is given: {', '.join(tools)}"] if chat and tools else []),
         length_line(prompts, cfg),
         *meta_lines(prompts),
         *prompt_lines(prompts, tokenizer, n),

@@ -128,7 +128,7 @@ class EnvironmentConfig(_Strict):
     chat_template_kwargs: dict = Field(
         default_factory=dict,
         description="observation_format='chat': the template's extra variables, filled in by the cluster from "
-        "data.chat_template_kwargs; leave unset.",
+        "data.chat_template_kwargs and data.tools (as their JSON schemas, tools=); leave unset.",
     )
     timeout_s: float = Field(
         30.0, gt=0, description="Deadline of each environment call (reset or step), from the call's start."

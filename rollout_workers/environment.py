@@ -93,14 +93,13 @@ _REGISTRY: dict[str, Callable[..., Environment]] = {}
 
 def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
     """Decorator registering an environment class (or factory) under `name`; built with the config's
-    `rollout.environment.kwargs`."""
+    `rollout.environment.kwargs`. The same definition registered again (its module run a second time,
+    also under another module name: a .py file that is both the environment module and, imported by
+    the cluster, the file of `data.tools`) replaces the first; another one under `name` is an error."""
 
     def wrap(factory: Callable[..., Environment]) -> Callable[..., Environment]:
         old = _REGISTRY.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (
-            factory.__module__,
-            factory.__qualname__,
-        ):
+        if old is not None and _origin(old) != _origin(factory):
             raise ValueError(
                 f"environment {name!r} is already registered by {old.__module__}.{old.__qualname__}"
             )
@@ -108,6 +107,12 @@ def register_environment(name: str) -> Callable[[Callable[..., Environment]], Ca
         return factory
 
     return wrap
+
+
+def _origin(factory: Callable[..., Environment]) -> tuple[str, str]:
+    """(where it is defined: its module's file, else the module's name; its qualified name)."""
+    file = getattr(sys.modules.get(factory.__module__), "__file__", None)
+    return (str(Path(file).resolve()) if file else factory.__module__, factory.__qualname__)
 
 
 def list_environments() -> list[str]:

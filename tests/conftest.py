@@ -99,6 +99,7 @@ AREAS: dict[str, tuple[str, ...]] = {
     "reward": ("test_reward_*", "test_pass_at_k*"),
     "data": (
         "test_chat_data*",
+        "test_chat_tools*",
         "test_data_preview*",
         "test_gsm8k_example*",
         "test_config*",

@@ -203,6 +203,14 @@ class DataSection(_Strict):
         description="Extra variables for the chat template (apply_chat_template's keyword arguments), e.g. "
         "{enable_thinking: false}.",
     )
+    tools: list[str | dict[str, Any]] = Field(
+        default_factory=list,
+        description="Tools the chat template writes into the prompt (apply_chat_template's tools=), each "
+        "'file.py:function' (a path from the current directory) or 'dotted.module:function' naming a typed "
+        "Python function with a Google-style docstring (transformers' get_json_schema writes its JSON "
+        "schema), or a schema given as is ({type: function, function: {name, description, parameters}}). "
+        "Prompts and chat observations get the same schemas. See docs/data.md.",
+    )
     wrap_string_prompts: bool = Field(
         False,
         description="A string prompt becomes one user message rendered with the chat template (instead of "
@@ -236,12 +244,42 @@ class DataSection(_Strict):
             )
         return kwargs
 
+    @field_validator("tools")
+    @classmethod
+    def _tool_entries(cls, entries: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+        for i, entry in enumerate(entries):
+            if isinstance(entry, str):
+                source, _, name = entry.rpartition(":")
+                if not source.strip() or not name.strip():
+                    raise ValueError(
+                        f"[{i}] {entry!r}: give 'path/to/file.py:function' or 'dotted.module:function'"
+                    )
+            else:
+                function = entry.get("function")
+                if entry.get("type") != "function" or not (
+                    isinstance(function, dict) and isinstance(function.get("name"), str)
+                ):
+                    raise ValueError(
+                        f"[{i}]: a schema is {{type: function, function: {{name, description, parameters}}}}, "
+                        f"got keys {sorted(entry)}"
+                    )
+        return entries
+
     @field_validator("chat_template")
     @classmethod
     def _template_named(cls, value: str) -> str:
         if not value.strip():
             raise ValueError(f"give one of {', '.join(CHAT_TEMPLATE_KEYWORDS)} or a path to a Jinja file")
         return value
+
+    @model_validator(mode="after")
+    def _tools_given_once(self) -> DataSection:
+        if self.tools and "tools" in self.chat_template_kwargs:
+            raise ValueError(
+                "data.tools and data.chat_template_kwargs.tools both give the template's tools: keep one "
+                "(data.tools takes functions and schemas)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _chat_fields_need_a_template(self) -> DataSection:
@@ -252,6 +290,7 @@ class DataSection(_Strict):
             for name, on in (
                 ("data.system_prompt", self.system_prompt is not None),
                 ("data.chat_template_kwargs", bool(self.chat_template_kwargs)),
+                ("data.tools", bool(self.tools)),
                 ("data.wrap_string_prompts", self.wrap_string_prompts),
             )
             if on

@@ -8,8 +8,10 @@ Rendering is transformers' `apply_chat_template(messages, add_generation_prompt=
 text is its `tokenize=False` output and its ids its `tokenize=True` output, exactly as given; nothing is
 added to them (no BOS: a template that wants one writes `{{ bos_token }}`; one that writes two is an
 error). The template is the tokenizer's own (`data.chat_template: auto`) or a Jinja file's;
-`data.system_prompt` goes first when the messages hold no system message; `data.chat_template_kwargs`
-are the template's extra variables.
+`data.system_prompt` goes first when the messages hold no system message; the template's extra
+variables (`template_kwargs`) are `data.chat_template_kwargs` and, with `data.tools`, `tools=` the
+tools' JSON schemas (cluster/pipeline/chat_tools.py). The rollout workers render chat observations
+with the same variables.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config.schema import ConfigError, DataSection
+from cluster.pipeline.chat_tools import tool_schemas
 
 ROLES = ("system", "user", "assistant", "tool")
 OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
@@ -101,10 +104,18 @@ class ChatTemplate:
         return text, ids
 
 
+def template_kwargs(cfg: DataSection) -> dict[str, Any]:
+    """The template's keyword arguments for every rendering with the prompts' template (prompts and
+    chat observations): `data.chat_template_kwargs`, plus `tools` (the schemas of `data.tools`)."""
+    kwargs = dict(cfg.chat_template_kwargs)
+    if cfg.tools:
+        kwargs["tools"] = tool_schemas(cfg.tools)
+    return kwargs
+
+
 def chat_template(cfg: DataSection, tokenizer: Any) -> ChatTemplate:
     """The template of `data.chat_template`: the tokenizer's ('auto'), a Jinja file's, or a refusal
     ('none', or 'auto' with a tokenizer that has no template), which only a chat prompt meets."""
-    extra = {"system_prompt": cfg.system_prompt, "kwargs": dict(cfg.chat_template_kwargs)}
     if cfg.chat_template == "none":
         return ChatTemplate(
             None,
@@ -112,6 +123,7 @@ def chat_template(cfg: DataSection, tokenizer: Any) -> ChatTemplate:
             refusal="a list of chat messages, but data.chat_template='none' takes plain-text prompts only: "
             "set data.chat_template to 'auto' (the tokenizer's template) or a Jinja file",
         )
+    extra = {"system_prompt": cfg.system_prompt, "kwargs": template_kwargs(cfg)}
     if cfg.chat_template == "auto":
         if not getattr(tokenizer, "chat_template", None):
             return ChatTemplate(

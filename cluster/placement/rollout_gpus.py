@@ -27,6 +27,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config.schema import RunConfig
+from cluster.pipeline.chat import template_kwargs
 from rollout_workers.config import RolloutConfig
 
 
@@ -34,7 +35,8 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
     """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, an
     unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for the
     learner step: vLLM sleep mode), `interruptible` from pipeline.partial_rollout, the text of an
-    environment module given as a .py file, and for chat observations the prompts' template and kwargs."""
+    environment module given as a .py file, and for chat observations the prompts' template and kwargs
+    (`data.tools` as schemas)."""
     r = cfg.rollout
     if cfg.pipeline.partial_rollout:
         r = r.model_copy(update={"interruptible": True})
@@ -49,8 +51,9 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
             raise ValueError(f"rollout.environment.module: file {env.module!r} does not exist")
         r = r.model_copy(update={"environment": env.model_copy(update={"module_source": source.read_text()})})
     if env.observation_format == "chat" and env.chat_template is None:
-        # observations are rendered with the prompts' template and kwargs (data.chat_template / _kwargs)
-        update: dict = {"chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
+        # observations are rendered with the prompts' template and kwargs (data.chat_template / _kwargs,
+        # data.tools as their JSON schemas: the workers never import the tools' functions)
+        update: dict = {"chat_template_kwargs": template_kwargs(cfg.data)}
         if cfg.data.chat_template_file:
             update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
         env = env.model_copy(update=update)
