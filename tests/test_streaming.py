@@ -186,20 +186,54 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
     assert len(trained_before) == 6 * 8 and len(outstanding) <= 8
 
 
+# The checked step's generate deadline, in mean chunk times measured on this machine by the step before
+# it. Its 64 chunks then queue for about 64 / 16 = 4 deadlines while a chunk takes 1/16 of one. Seen on
+# 2 cores beside two trainings: a step's slowest chunk at up to 7x the previous step's mean, a step's
+# mean at half the previous one's (and at 20x an idle machine's under more load: hence no fixed value).
+DEADLINE_IN_CHUNKS = 16
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_path, mode):
-    """64 prompts in chunks of 2 on one worker, timeouts.generate_s=2: the whole queue takes longer
-    than 2 s, each chunk far less. A deadline counted from submission replaced healthy workers."""
+    """64 prompts in chunks of 1 on one worker, with a deadline far longer than a chunk and far shorter
+    than the whole queue: a deadline counted from submission replaced healthy workers. Both lengths come
+    from this machine, loaded or not, by the run's own metrics: step 1 runs with the default deadline
+    (600 s) and gives the mean chunk time; step 2 runs with DEADLINE_IN_CHUNKS times that, and its
+    time/generate shows that its queue outlasted the deadline."""
+    chunks = 64
     extra = {
         "pipeline.mode": mode,
-        "data.prompts_per_step": 64,
-        "rollout.chunk_size": 2,
-        "timeouts.generate_s": 2.0,
+        "data.prompts_per_step": chunks,
+        "rollout.chunk_size": 1,
         "learner.micro_batch_size": 32,
-        "pipeline.max_inflight_per_worker": 32,
+        "pipeline.max_inflight_per_worker": chunks,  # async: a step's chunks are all handed out at once
         "pipeline.max_staleness": 0,
     }
-    rows = _run(cfg_for(demo_assets, 2, **extra), tmp_path / mode, 2)
+    trainer = make_trainer(cfg_for(demo_assets, 2, **extra), tmp_path / mode)
+    try:
+        trainer.setup()
+        first = trainer.iteration()
+        # One worker runs a step's chunks one after another, all handed out at the step's start: the
+        # mean chunk time is the wall time of that queue over the chunks. Measured by clocks the
+        # deadlines do not use: sync's time/generate (from the submission to the last chunk's end),
+        # async's time/wait_data (the learner's wait for the batch: the queue and the last scoring).
+        # (Async's time/generate sums each chunk's time from its start: the clock under test.)
+        chunk_s = first["time/generate" if mode == "sync" else "time/wait_data"] / chunks
+        deadline = DEADLINE_IN_CHUNKS * chunk_s
+        if mode == "async":  # eta = 0: no chunk of step 2 was handed out under step 1's deadline
+            assert not trainer.collector.tracker.calls("generate")
+        # (timeouts.generate_s is read once, at set-up): every generate call handed out from now on
+        trainer.collector.timeouts["generate"] = deadline
+        second = trainer.iteration()
+    finally:
+        trainer.close()
+    queue_s = second["time/generate"]
+    print(f"{mode}: chunk {chunk_s:.3f} s, deadline {deadline:.2f} s, step 2's queue {queue_s:.2f} s")
+    # The premise, from the product's numbers: step 2's chunks, all handed out at its start, were not
+    # all generated until after the deadline, so one counted from submission would have expired (sync:
+    # the queue's wall time; async: the sum of the chunks' times, each from its start).
+    assert queue_s > deadline
+    rows = [first, second]
     assert [m["faults/actor_replacements"] for m in rows] == [0.0, 0.0]
     assert [m["faults/redispatched_chunks"] for m in rows] == [0.0, 0.0]
 
