@@ -74,7 +74,9 @@ from demos.common import (
     pretrain_selected,
     quiet_deterministic_torch,
     report_build,
+    set_generation_ids,
     warmup_cosine,
+    write_parquet,
 )
 
 
@@ -167,9 +169,7 @@ def _build(
     lm = GPT2LMHeadModel(
         gpt2_config(len(tokenizer), n_layer=4, n_embd=128, n_head=4, n_positions=N_POSITIONS)
     )
-    lm.config.bos_token_id = None  # no BOS: the chat template opens every message
-    gen = lm.generation_config
-    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_ID, None, EOS_ID
+    set_generation_ids(lm, bos_id=None)  # no BOS: the chat template opens every message
     sizes = {
         "problems_held_out": len(held_out),
         "problems_rl": len(rl),
@@ -305,13 +305,6 @@ def hf_turns(lm: Any, greedy: bool, max_new_tokens: int = TURN_MAX_TOKENS) -> Tu
         return out
 
     return sample
-
-
-def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 # --- the band ---

@@ -166,7 +166,7 @@ def conversation(rng: random.Random, a: int, b: int, kind: str) -> list[dict[str
     if kind == "no_close":
         return [
             *messages,
-            {"role": "assistant", "content": tool_call(f"{a}*{b}")[: -len(HERMES_TAGS[1]) - 3]},
+            {"role": "assistant", "content": tool_call(f"{a}*{b}").removesuffix('"}}' + HERMES_TAGS[1])},
         ]
     x, y = wrong_operands(rng, a, b) if kind == "wrong_operand" else (a, b)
     v = int(calculator(f"{x}*{y}"))

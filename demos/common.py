@@ -184,6 +184,14 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Write rows as a parquet file (columns from the rows' keys; lists of dicts become list<struct>)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
 def load_prompts(path: str | Path) -> list[str]:
     """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
     from cluster.config.schema import DataSection
@@ -238,9 +246,12 @@ def gpt2_config(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_posit
     return GPT2Config(**size, **no_dropout, **ids)
 
 
-def set_generation_ids(lm: Any) -> None:
+def set_generation_ids(lm: Any, bos_id: int | None = BOS_ID) -> None:
+    """The demos' pad / BOS / EOS ids in the model's generation config (and its BOS in the model config);
+    `bos_id` None for a tokenizer without BOS (a chat template that opens every message itself)."""
+    lm.config.bos_token_id = bos_id
     gen = lm.generation_config
-    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_ID, BOS_ID, EOS_ID
+    gen.pad_token_id, gen.bos_token_id, gen.eos_token_id = PAD_ID, bos_id, EOS_ID
 
 
 def n_params(model: Any) -> int:
