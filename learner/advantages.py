@@ -7,20 +7,16 @@ tensors are `[B]`. `groups[i]` is an integer id: rows with equal ids are samples
 (a group); the caller guarantees a group is never split between learner ranks, so every group
 statistic here is local.
 
-Estimators (`ESTIMATORS`):
-  gae           GAE(gamma, lambda) with a learned critic (Schulman et al. 2015).
-  grpo          group-relative outcome advantage: (s_i - mean_g) [/ std_g] on every token (Shao et al. 2024).
-  rloo          leave-one-out baseline: s_i - mean of the other samples of the group (Ahmadian et al. 2024).
-  reinforce_pp  REINFORCE++: return-to-go of the shaped reward (score + per-token KL penalty), whitened
-                over the global batch (Hu 2025).
-  vtrace        V-trace targets for samples from a behaviour policy mu != pi (Espeholt et al. 2018).
-For grpo and rloo a per-token KL penalty in the reward (kl.mode='reward') adds its discounted
-return-to-go to the broadcast outcome advantage. Imports only the pure `learner.algorithms`, so any
-role may use it.
+The estimators are registered in `learner.registry.ADVANTAGES` (gae, grpo, rloo, reinforce_pp,
+vtrace: each with its paper and needs); each is a function `Estimate` of one `AdvantageInputs` and one
+`AdvantageParams`, called through `estimate`. For the outcome estimators (grpo, rloo) a per-token KL
+penalty in the reward (kl.mode='reward') adds its discounted return-to-go to the broadcast outcome
+advantage. Imports only the pure `learner.algorithms` and `learner.registry`, so any role may use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -34,23 +30,60 @@ from learner.algorithms import (
     last_valid_index,
     masked_whiten,
 )
-
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "vtrace")
-# Estimators that learn a value function (a value-head forward, value loss and value optimizer state).
-CRITIC_ESTIMATORS = frozenset({"gae", "vtrace"})
-# Estimators whose baseline is a statistic over the samples of one prompt.
-GROUP_ESTIMATORS = frozenset({"grpo", "rloo"})
+from learner.registry import ADVANTAGES
 
 
 def needs_critic(estimator: str) -> bool:
     """Whether `estimator` uses a learned value function."""
-    _check(estimator)
-    return estimator in CRITIC_ESTIMATORS
+    return ADVANTAGES[estimator].critic
 
 
-def _check(estimator: str) -> None:
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: {', '.join(ESTIMATORS)}")
+@dataclasses.dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads: `[B, T]` over response tokens, `[B]` per sequence.
+
+    `rewards` are the shaped per-token rewards (KL penalty on every token, `scores` added on the last);
+    `values` the critic's V(x_t) (read by the critic estimators only); `groups` the prompt id of each
+    sample (group estimators); `log_rho` = log pi - log mu (vtrace); `bootstrap` the value after each
+    row's last token (None or 0 = terminal).
+    """
+
+    scores: torch.Tensor
+    rewards: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    groups: torch.Tensor | None = None
+    log_rho: torch.Tensor | None = None
+    bootstrap: torch.Tensor | None = None
+
+    def gathered(self, index: torch.Tensor) -> AdvantageInputs:
+        """The per-token tensors gathered along T by `index` `[B, T]`; per-sequence ones unchanged."""
+        take = lambda x: None if x is None else x.gather(1, index)  # noqa: E731
+        return dataclasses.replace(
+            self,
+            rewards=take(self.rewards),
+            values=take(self.values),
+            mask=take(self.mask),
+            log_rho=take(self.log_rho),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageParams:
+    """An estimator's settings. `whiten(x, mask)` normalises over the global batch (reinforce_pp),
+    across ranks in the learner."""
+
+    gamma: float
+    lam: float
+    group_std: bool = True
+    rho_clip: float = 1.0
+    c_clip: float = 1.0
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten
+
+
+# An estimator: `(advantages, returns)` `[B, T]`, 0 on invalid tokens; `returns` are the critic's
+# targets (0 for estimators without a critic).
+Estimate = Callable[[AdvantageInputs, AdvantageParams], tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,37 +163,37 @@ def _dense(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(uniq.numel())
 
 
-def group_advantages(
-    scores: torch.Tensor,
-    groups: torch.Tensor,
-    estimator: str,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Per-sequence outcome advantage `[B]` against a baseline from the sample's own group.
-
-    grpo: a_i = s_i - mean_g, divided by (std_g + eps) when `std_normalize` (std with Bessel's
-          correction; a group of one has std 0 and advantage 0).
-    rloo: a_i = s_i - (sum_g - s_i) / (n_g - 1) = n_g / (n_g - 1) * (s_i - mean_g); 0 for a group of one
-          (no other sample to form a baseline).
-    """
-    if estimator not in GROUP_ESTIMATORS:
-        raise ValueError(f"group_advantages: {estimator!r} is not one of {sorted(GROUP_ESTIMATORS)}")
+def _group_sums(scores: torch.Tensor, groups: torch.Tensor):
+    """float64 scores, dense group index, and each sample's group size and group mean."""
     s = scores.double()
     idx, G = _dense(groups)
     n = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, torch.ones_like(s))
     total = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, s)
-    mean = total / n
+    return s, idx, n, total / n
+
+
+def grpo_advantages(
+    scores: torch.Tensor, groups: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO's outcome advantage `[B]`: a_i = s_i - mean_g, divided by (std_g + eps) when `std_normalize`
+    (std with Bessel's correction; a group of one has std 0 and advantage 0). Without the std it is
+    Dr. GRPO's advantage (Liu et al. 2025)."""
+    s, idx, n, mean = _group_sums(scores, groups)
     centered = s - mean[idx]
-    if estimator == "rloo":
-        n_i = n[idx]
-        adv = torch.where(n_i > 1, centered * n_i / (n_i - 1).clamp(min=1.0), torch.zeros_like(s))
-        return adv.to(scores.dtype)
     if std_normalize:
-        sq = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, centered**2)
+        sq = torch.zeros_like(n).index_add_(0, idx, centered**2)
         std = torch.sqrt(sq / (n - 1).clamp(min=1.0))
         centered = centered / (std[idx] + eps)
     return centered.to(scores.dtype)
+
+
+def rloo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """RLOO's outcome advantage `[B]`: a_i = s_i - (sum_g - s_i) / (n_g - 1) = n_g / (n_g - 1) * (s_i - mean_g);
+    0 for a group of one (no other sample to form a baseline)."""
+    s, idx, n, mean = _group_sums(scores, groups)
+    n_i = n[idx]
+    adv = torch.where(n_i > 1, (s - mean[idx]) * n_i / (n_i - 1).clamp(min=1.0), torch.zeros_like(s))
+    return adv.to(scores.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,86 +296,79 @@ def place_token_rewards(
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rewards, scores)` with the per-token rewards of multi-turn episodes (each earlier turn's reward
-    on its last token) added: on their tokens for token-level estimators; for the group estimators
-    (grpo, rloo), whose advantage is the episode's outcome, into the score, which becomes the episode's
+    on its last token) added: on their tokens for token-level estimators; for the outcome estimators
+    (`Estimator.outcome`: grpo, rloo), whose advantage is the episode's outcome, into the score, which becomes the episode's
     return (`algorithms.episode_return`) and also stands on the last token of `rewards` so the KL part they
     take from it stays the same."""
     extra = _zero_invalid(token_rewards.to(rewards.dtype), mask)
-    if estimator not in GROUP_ESTIMATORS:
+    if not ADVANTAGES[estimator].outcome:
         return rewards + extra, scores
     on_last = _next(torch.zeros_like(rewards), mask, extra.sum(-1))
     return rewards + on_last, episode_return(scores, extra.to(scores.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
-# The registry
+# The estimators (registered in learner.registry.ADVANTAGES)
 # ---------------------------------------------------------------------------------------------
 
 
-def estimate(
-    estimator: str,
-    *,
-    scores: torch.Tensor,
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam: float,
-    groups: torch.Tensor | None = None,
-    log_rho: torch.Tensor | None = None,
-    bootstrap: torch.Tensor | None = None,
-    group_std: bool = True,
-    rho_clip: float = 1.0,
-    c_clip: float = 1.0,
-    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(advantages, returns)` `[B, T]` of one estimator, before any optional whitening by the caller.
+def estimate(estimator: str, x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(advantages, returns)` `[B, T]` of a registered estimator, before any optional whitening by the caller.
 
-    `rewards` are the shaped per-token rewards (KL penalty on every token, `scores` added on the last);
-    `values` the critic's V(x_t) (ignored by grpo/rloo/reinforce_pp, whose `returns` are 0);
-    `log_rho` = log pi - log mu (vtrace); `bootstrap` the value after each row's last token (0 = terminal).
-    `whiten(x, mask)` normalises over the global batch (reinforce_pp), across ranks in the learner.
-
-    A mask with gaps (the observation tokens of multi-turn episodes) is handled by skipping them: the
-    valid tokens of each row are moved together in order, estimated as one prefix, and put back. So the
-    step after an action is the next action (V of the next model token, r of the next model token),
-    and observation tokens are no time step: no advantage, no value target, no discounting.
+    A mask with gaps (the observation tokens of multi-turn episodes) is handled here, once for every
+    estimator, by skipping them: the valid tokens of each row are moved together in order, estimated as
+    one prefix, and put back. So the step after an action is the next action (V of the next model
+    token, r of the next model token), and observation tokens are no time step: no advantage, no value
+    target, no discounting.
     """
-    _check(estimator)
-    if has_gaps(mask):
-        index = compaction(mask)
-        take = lambda x: None if x is None else x.gather(1, index)  # noqa: E731
-        adv, ret = estimate(
-            estimator,
-            scores=scores,
-            rewards=take(rewards),
-            values=take(values),
-            mask=take(mask),
-            gamma=gamma,
-            lam=lam,
-            groups=groups,
-            log_rho=take(log_rho),
-            bootstrap=bootstrap,
-            group_std=group_std,
-            rho_clip=rho_clip,
-            c_clip=c_clip,
-            whiten=whiten,
-        )
-        return uncompact(adv, index), uncompact(ret, index)
-    if estimator == "gae":
-        return compute_gae(rewards, values, mask, gamma, lam, bootstrap=bootstrap)
-    if estimator == "vtrace":
-        if log_rho is None:
-            raise ValueError("vtrace needs log_rho = log pi - log mu")
-        return vtrace(rewards, values, log_rho, mask, gamma, lam, rho_clip, c_clip, bootstrap)
-    zeros = torch.zeros_like(rewards)
-    if estimator == "reinforce_pp":
-        return whiten(returns_to_go(rewards, mask, gamma), mask), zeros
-    if groups is None:
+    fn: Estimate = ADVANTAGES.function(estimator)
+    if not has_gaps(x.mask):
+        return fn(x, p)
+    index = compaction(x.mask)
+    adv, ret = fn(x.gathered(index), p)
+    return uncompact(adv, index), uncompact(ret, index)
+
+
+def gae_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) advantages and lambda-returns (Schulman et al. 2015), bootstrapped where given."""
+    return compute_gae(x.rewards, x.values, x.mask, p.gamma, p.lam, bootstrap=x.bootstrap)
+
+
+def vtrace_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace advantages and targets (`vtrace`) from log_rho = log pi - log mu."""
+    if x.log_rho is None:
+        raise ValueError("vtrace needs log_rho = log pi - log mu")
+    return vtrace(x.rewards, x.values, x.log_rho, x.mask, p.gamma, p.lam, p.rho_clip, p.c_clip, x.bootstrap)
+
+
+def reinforce_pp_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): the return-to-go of the shaped reward, whitened over the global batch."""
+    return p.whiten(returns_to_go(x.rewards, x.mask, p.gamma), x.mask), torch.zeros_like(x.rewards)
+
+
+def grpo_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's group advantage (`grpo_advantages`) on every token, plus the KL part's return-to-go."""
+    return _outcome_estimate(x, p, grpo_advantages(x.scores, _groups(x, "grpo"), std_normalize=p.group_std))
+
+
+def rloo_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO's leave-one-out advantage (`rloo_advantages`) on every token, plus the KL part's return-to-go."""
+    return _outcome_estimate(x, p, rloo_advantages(x.scores, _groups(x, "rloo")))
+
+
+def _groups(x: AdvantageInputs, estimator: str) -> torch.Tensor:
+    if x.groups is None:
         raise ValueError(f"{estimator} needs the group id of every sample")
-    seq = group_advantages(scores, groups, estimator, std_normalize=group_std)
-    # The KL part of the shaped reward: each row's score taken off its last valid token.
-    on_last = _next(torch.zeros_like(rewards), mask, scores.to(rewards.dtype))  # score on the last token
+    return x.groups
+
+
+def _outcome_estimate(
+    x: AdvantageInputs, p: AdvantageParams, seq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-sequence outcome advantage `seq` `[B]` broadcast to every valid token, plus the discounted
+    return-to-go of the KL part of the shaped reward (each row's score taken off its last valid token)."""
+    rewards, mask = x.rewards, x.mask
+    on_last = _next(torch.zeros_like(rewards), mask, x.scores.to(rewards.dtype))  # score on the last token
     kl_part = _zero_invalid(rewards, mask) - on_last
-    adv = seq.to(rewards.dtype).unsqueeze(-1) + returns_to_go(kl_part, mask, gamma)
-    return _zero_invalid(adv, mask), zeros
+    adv = seq.to(rewards.dtype).unsqueeze(-1) + returns_to_go(kl_part, mask, p.gamma)
+    return _zero_invalid(adv, mask), torch.zeros_like(rewards)

@@ -7,7 +7,7 @@ tokens (a row's valid tokens are a prefix, padding follows). Every function read
 entries, so whatever sits in padded positions (even NaN) changes no output, and writes 0 there.
 
 References: Schulman et al. 2015 (GAE), Ziegler et al. 2019 (KL control). This module imports
-nothing of the project.
+nothing of the project but the registry of names (`learner.registry`, itself import-free).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from learner.registry import KL_ESTIMATORS
+
 # Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so one extreme token cannot make a loss
 # (and with it the whole minibatch on every rank) infinite. exp(20) ~ 5e8 is far outside any clip.
 LOG_RATIO_CLAMP = 20.0
@@ -87,18 +88,26 @@ def whiten_with(
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3)."""
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d**2
-    if estimator == "k3":
-        # r = pi_ref / pi = exp(-d);  k3 = (r - 1) - log r  >= 0, unbiased. d is clamped to
-        # +-LOG_RATIO_CLAMP first: exp(-d) overflows float32 for d below about -88.
-        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.expm1(-d) + d
-    raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {', '.join(KL_ESTIMATORS)}")
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi by a registered estimator
+    (`learner.registry.KL_ESTIMATORS`: Schulman's k1/k2/k3), each a function of d = log pi - log pi_ref."""
+    return KL_ESTIMATORS.function(estimator)(logprobs - ref_logprobs)
+
+
+def kl_k1(d: torch.Tensor) -> torch.Tensor:
+    """k1 = d: unbiased, negative on some tokens."""
+    return d
+
+
+def kl_k2(d: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2: biased, low variance, >= 0."""
+    return 0.5 * d**2
+
+
+def kl_k3(d: torch.Tensor) -> torch.Tensor:
+    """k3 = (r - 1) - log r with r = pi_ref / pi = exp(-d): unbiased and >= 0. d is clamped to
+    +-LOG_RATIO_CLAMP first: exp(-d) overflows float32 for d below about -88."""
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.expm1(-d) + d
 
 
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:

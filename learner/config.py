@@ -6,14 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from learner.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+
+# The allowed values of the registered algorithm parts (learner.registry): the one list of each.
+AdvantageName = Literal[ADVANTAGES.names()]
+PolicyLossName = Literal[POLICY_LOSSES.names()]
+LossAggName = Literal[LOSS_AGGS.names()]
+KLName = Literal[KL_ESTIMATORS.names()]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class KLConfig(_Strict):
-    estimator: Literal["k1", "k2", "k3"] = Field(
-        "k1", description="Per-token KL estimator in the shaped reward."
+    estimator: KLName = Field(
+        "k1", description=f"Per-token KL estimator in the shaped reward: {KL_ESTIMATORS.describe()}."
     )
     coef: float = Field(0.05, ge=0.0, description="Initial (or fixed) KL coefficient beta.")
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
@@ -27,8 +35,9 @@ class KLConfig(_Strict):
         ),
     )
     loss_coef: float = Field(0.001, ge=0.0, description="KL loss coefficient (mode='loss').")
-    loss_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token KL estimator of the loss term (mode='loss')."
+    loss_estimator: KLName = Field(
+        "k3",
+        description="Per-token KL estimator of the loss term (mode='loss'); the values as for `estimator`.",
     )
 
     @model_validator(mode="after")
@@ -253,16 +262,29 @@ class LearnerConfig(_Strict):
             "rloo keep their group baseline, reinforce_pp always whitens its returns."
         ),
     )
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "vtrace"] = Field(
+    advantage: AdvantageName = Field(
         "gae",
         description=(
-            "Advantage estimator: 'gae' (critic), 'grpo' (group mean/std of n samples per prompt), 'rloo' "
-            "(leave-one-out group baseline), 'reinforce_pp' (globally whitened returns), 'vtrace' (critic, "
-            "importance-weighted targets for stale samples). grpo/rloo/reinforce_pp train no critic."
+            f"Advantage estimator: {ADVANTAGES.describe()}. Only "
+            f"{' and '.join(e.name for e in ADVANTAGES if e.critic)} train a critic; "
+            f"{' and '.join(e.name for e in ADVANTAGES if e.groups)} need rollout.sampling.n >= 2."
+        ),
+    )
+    policy_loss: PolicyLossName = Field(
+        "ppo",
+        description=(
+            f"Policy loss: {POLICY_LOSSES.describe()}. A loss defined with one aggregation "
+            "("
+            + ", ".join(f"{p.name}: {p.loss_agg}" for p in POLICY_LOSSES if p.loss_agg)
+            + ") needs that loss_agg."
         ),
     )
     group_std_normalize: bool = Field(
-        True, description="grpo: divide the group-centred score by the group's standard deviation."
+        True,
+        description=(
+            "grpo: divide the group-centred score by the group's standard deviation (false, with loss_agg "
+            "'seq-mean-token-sum-norm', is Dr. GRPO)."
+        ),
     )
     vtrace_rho_clip: float = Field(
         1.0, gt=0.0, description="vtrace: rho-bar, truncation of the importance weight in the TD error."
@@ -321,8 +343,17 @@ class LearnerConfig(_Strict):
             "the run config refuses it)."
         ),
     )
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="Loss aggregation."
+    loss_agg: LossAggName = Field(
+        "token-mean", description=f"How every per-token loss term becomes a scalar: {LOSS_AGGS.describe()}."
+    )
+    loss_norm_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "The constant L of loss_agg 'seq-mean-token-sum-norm' (Dr. GRPO's generation budget); None: "
+            "rollout.sampling.max_new_tokens, or rollout.environment.max_total_tokens with an environment "
+            "(a learner used alone needs it set). Unused by the other aggregations."
+        ),
     )
     off_policy: Literal["auto", "none", "tis", "mask", "geo_mask"] = Field(
         "auto",
@@ -417,14 +448,22 @@ class LearnerConfig(_Strict):
             raise ValueError(
                 f"vtrace_c_clip={self.vtrace_c_clip} must be <= vtrace_rho_clip={self.vtrace_rho_clip}"
             )
-        if self.truncation == "bootstrap" and self.advantage not in ("gae", "vtrace"):
+        estimator = ADVANTAGES[self.advantage]
+        if self.truncation == "bootstrap" and not estimator.critic:
+            critics = " or ".join(repr(e.name) for e in ADVANTAGES if e.critic)
             raise ValueError(
-                f"truncation='bootstrap' needs a critic: advantage must be 'gae' or 'vtrace' (got {self.advantage!r})"
+                f"truncation='bootstrap' needs a critic: advantage must be {critics} (got {self.advantage!r})"
             )
-        if self.advantage == "vtrace" and self.off_policy not in ("auto", "none"):
+        if estimator.corrects_off_policy and self.off_policy not in ("auto", "none"):
             raise ValueError(
-                f"advantage='vtrace' corrects for the behaviour policy inside its targets; off_policy="
+                f"advantage={self.advantage!r} corrects for the behaviour policy inside its targets; off_policy="
                 f"{self.off_policy!r} would correct twice: use 'auto' or 'none'"
+            )
+        wanted = POLICY_LOSSES[self.policy_loss].loss_agg
+        if wanted is not None and self.loss_agg != wanted:
+            raise ValueError(
+                f"learner.policy_loss={self.policy_loss!r} is defined with learner.loss_agg={wanted!r} (one term "
+                f"per sequence); got loss_agg={self.loss_agg!r}: set learner.loss_agg: {wanted}"
             )
         if self.num_gpus_per_rank not in (0.0, 1.0):
             raise ValueError(

@@ -18,6 +18,7 @@ schedule's clock still moves on by that slot (learner.lr_schedule), as for a min
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -73,7 +74,10 @@ def micro_batch_loss(
     with_entropy = config.entropy_coef > 0  # else the sampled tokens' -log pi estimates it, for free
     scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, entropy=with_entropy)
     logprobs, values = scored.logprobs, scored.values
-    t, agg = mb.tokens, config.loss_agg
+    t, agg, horizon = mb.tokens, config.loss_agg, config.loss_norm_tokens
+    reduce = functools.partial(
+        aggregate_loss, agg=agg, global_tokens=g_tokens, global_seqs=g_seqs, horizon=horizon
+    )
     pg, pg_m = policy_loss(
         logprobs,
         t["old_logprobs"],
@@ -86,20 +90,21 @@ def micro_batch_loss(
         agg=agg,
         global_tokens=g_tokens,
         global_seqs=g_seqs,
+        loss=config.policy_loss,
+        horizon=horizon,
     )
     if needs_critic(config.advantage):
         vclip = None if config.value_clip == "off" else t.get("value_clip", config.value_clip_eps)
-        vf, vf_m = value_loss(values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs)
+        vf, vf_m = value_loss(
+            values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs, horizon
+        )
     else:  # no critic: no value loss (the value head is frozen, see LearnerRank.setup)
         vf, vf_m = torch.zeros((), device=logprobs.device), {"clip_frac": 0.0}
-    if with_entropy:
-        ent = aggregate_loss(scored.entropy, mb.mask, agg, g_tokens, g_seqs)
-    else:
-        ent = aggregate_loss(-logprobs.detach(), mb.mask, agg, g_tokens, g_seqs)
+    ent = reduce(scored.entropy if with_entropy else -logprobs.detach(), mb.mask)
     loss = pg + config.vf_coef * vf - config.entropy_coef * ent
     if config.kl.mode == "loss":
         kl_term = kl_loss(logprobs, t["ref_logprobs"], config.kl.loss_estimator)
-        loss = loss + config.kl.loss_coef * aggregate_loss(kl_term, mb.mask, agg, g_tokens, g_seqs)
+        loss = loss + config.kl.loss_coef * reduce(kl_term, mb.mask)
     n = float(mb.mask.sum())
     local = UpdateSums(
         policy_loss=float(pg.detach()),

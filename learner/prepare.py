@@ -14,6 +14,8 @@ import functools
 import torch
 
 from learner.advantages import (
+    AdvantageInputs,
+    AdvantageParams,
     estimate,
     length_shaped_scores,
     needs_critic,
@@ -73,6 +75,18 @@ def distributed_whiten(
     return whiten_with(x.double(), mask, mean, var, shift_mean).to(x.dtype)
 
 
+def advantage_params(config: LearnerConfig, device) -> AdvantageParams:
+    """The estimator's settings from the config; reinforce_pp whitens over every rank's tokens."""
+    return AdvantageParams(
+        gamma=config.gamma,
+        lam=config.lam,
+        group_std=config.group_std_normalize,
+        rho_clip=config.vtrace_rho_clip,
+        c_clip=config.vtrace_c_clip,
+        whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
+    )
+
+
 @dataclasses.dataclass
 class BatchSums(RankSums):
     """The prepared batch's statistics as sums over this rank's rows (then over the ranks)."""
@@ -126,22 +140,16 @@ def prepare(
     rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
     if turns is not None:
         rewards, scores = place_token_rewards(config.advantage, rewards, scores, turns, mask)
-    adv, returns = estimate(
-        config.advantage,
+    inputs = AdvantageInputs(
         scores=scores,
         rewards=rewards,
         values=values,
         mask=mask,
-        gamma=config.gamma,
-        lam=config.lam,
         groups=batch.groups,
         log_rho=old_lp - batch.tokens["behaviour_logprobs"],
         bootstrap=None if boot is None else torch.where(truncated, boot, torch.zeros_like(boot)),
-        group_std=config.group_std_normalize,
-        rho_clip=config.vtrace_rho_clip,
-        c_clip=config.vtrace_c_clip,
-        whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
     )
+    adv, returns = estimate(config.advantage, inputs, advantage_params(config, device))
     raw_returns = batch.scores if raw_turns is None else episode_return(batch.scores, raw_turns, mask)
     valid = mask.to(torch.bool)
     gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))

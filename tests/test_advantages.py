@@ -13,17 +13,25 @@ from hypothesis import strategies as st
 
 from cluster.pipeline.groups import group_runs, shard_by_group
 from learner.advantages import (
+    AdvantageInputs,
+    AdvantageParams,
     estimate,
-    group_advantages,
+    grpo_advantages,
     kl_loss,
     missing_eos_penalty,
     needs_critic,
     returns_to_go,
+    rloo_advantages,
     vtrace,
 )
 from learner.algorithms import compute_gae, shape_rewards
 
 T = torch.tensor
+
+
+def estimate_with(estimator, *, gamma, lam, group_std=True, **inputs):
+    """`estimate` with the inputs and settings as keywords."""
+    return estimate(estimator, AdvantageInputs(**inputs), AdvantageParams(gamma, lam, group_std))
 
 
 def assert_rows(x: torch.Tensor, expected, atol: float = 1e-6) -> None:
@@ -40,14 +48,14 @@ def mask_from_lengths(lengths: list[int], width: int) -> torch.Tensor:
 def test_grpo_group_mean_and_std_by_hand():
     scores, groups = T([1.0, 3.0, 5.0, 10.0, 10.0, 7.0]), T([0, 0, 0, 1, 1, 2])
     # group 0: mean 3, std sqrt((4 + 0 + 4) / 2) = 2; group 1: std 0; group 2: one sample.
-    assert_rows(group_advantages(scores, groups, "grpo", std_normalize=False), [-2, 0, 2, 0, 0, 0])
-    assert_rows(group_advantages(scores, groups, "grpo", std_normalize=True), [-1, 0, 1, 0, 0, 0], atol=1e-5)
+    assert_rows(grpo_advantages(scores, groups, std_normalize=False), [-2, 0, 2, 0, 0, 0])
+    assert_rows(grpo_advantages(scores, groups, std_normalize=True), [-1, 0, 1, 0, 0, 0], atol=1e-5)
 
 
 def test_rloo_leave_one_out_by_hand():
     scores, groups = T([1.0, 3.0, 5.0, 10.0, 10.0, 7.0]), T([4, 4, 4, 9, 9, 2])
     # 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3; 10 - 10 = 0; a group of one has no baseline.
-    assert_rows(group_advantages(scores, groups, "rloo"), [-3, 0, 3, 0, 0, 0])
+    assert_rows(rloo_advantages(scores, groups), [-3, 0, 3, 0, 0, 0])
 
 
 def test_group_outcome_broadcast_plus_kl_return_to_go_by_hand():
@@ -56,7 +64,7 @@ def test_group_outcome_broadcast_plus_kl_return_to_go_by_hand():
     logp, ref = T([[0.1, 0.2], [0.3, 9.0]]), T([[0.0, 0.0], [0.0, 0.0]])
     scores = T([2.0, 0.0])
     rewards, _ = shape_rewards(scores, logp, ref, mask, kl_coef=0.5)
-    adv, returns = estimate(
+    adv, returns = estimate_with(
         "rloo",
         scores=scores,
         rewards=rewards,
@@ -71,7 +79,7 @@ def test_group_outcome_broadcast_plus_kl_return_to_go_by_hand():
     assert_rows(returns, [[0, 0], [0, 0]])
     # kl.mode='loss': beta 0 in the reward, so the outcome advantage is broadcast unchanged.
     rewards0, _ = shape_rewards(scores, logp, ref, mask, kl_coef=0.0)
-    adv0, _ = estimate(
+    adv0, _ = estimate_with(
         "grpo",
         scores=scores,
         rewards=rewards0,
@@ -88,7 +96,7 @@ def test_group_outcome_broadcast_plus_kl_return_to_go_by_hand():
 def test_reinforce_pp_whitened_returns_by_hand():
     mask = mask_from_lengths([2, 1], 2)
     rewards = T([[0.0, 1.0], [-1.0, 0.0]])
-    adv, _ = estimate(
+    adv, _ = estimate_with(
         "reinforce_pp",
         scores=T([1.0, -1.0]),
         rewards=rewards,
@@ -106,7 +114,9 @@ def test_reinforce_pp_whitened_returns_by_hand():
 def test_critic_registry():
     assert needs_critic("gae") and needs_critic("vtrace")
     assert not any(needs_critic(e) for e in ("grpo", "rloo", "reinforce_pp"))
-    with pytest.raises(ValueError, match="allowed: gae, grpo, rloo, reinforce_pp, vtrace"):
+    with pytest.raises(
+        ValueError, match=r"advantage estimator 'ppo' \(learner.advantage\); allowed: gae, grpo, rloo"
+    ):
         needs_critic("ppo")
 
 
@@ -277,9 +287,9 @@ def test_groups_land_whole_and_baselines_match_one_process(sizes, ranks, data):
         data.draw(st.lists(st.floats(-5, 5, width=32), min_size=len(groups), max_size=len(groups)))
     )
     g = torch.tensor(groups)
-    for est in ("grpo", "rloo"):
-        whole = group_advantages(scores, g, est)
-        pieces = torch.cat([group_advantages(scores[idx], g[idx], est) for idx in shards if len(idx)])
+    for group_advantages in (grpo_advantages, rloo_advantages):
+        whole = group_advantages(scores, g)
+        pieces = torch.cat([group_advantages(scores[idx], g[idx]) for idx in shards if len(idx)])
         torch.testing.assert_close(pieces, whole)
 
 
@@ -301,8 +311,8 @@ def test_group_runs_by_hand():
 def test_group_baseline_properties(data, n, G):
     scores = torch.tensor(data.draw(st.lists(st.floats(-5, 5, width=32), min_size=n * G, max_size=n * G)))
     groups = torch.arange(G).repeat_interleave(n)
-    centred = group_advantages(scores, groups, "grpo", std_normalize=False)
-    rloo = group_advantages(scores, groups, "rloo")
+    centred = grpo_advantages(scores, groups, std_normalize=False)
+    rloo = rloo_advantages(scores, groups)
     for g in range(G):
         sel = groups == g
         assert abs(float(centred[sel].sum())) < 1e-3 and abs(float(rloo[sel].sum())) < 1e-3
@@ -310,7 +320,7 @@ def test_group_baseline_properties(data, n, G):
         torch.testing.assert_close(rloo, centred * n / (n - 1), atol=1e-4, rtol=1e-4)
     perm = torch.randperm(n * G, generator=torch.Generator().manual_seed(n * 10 + G))
     torch.testing.assert_close(
-        group_advantages(scores[perm], groups[perm], "grpo"), group_advantages(scores, groups, "grpo")[perm]
+        grpo_advantages(scores[perm], groups[perm]), grpo_advantages(scores, groups)[perm]
     )
 
 

@@ -100,3 +100,10 @@ def test_bad_input_gives_a_named_error(worker):
     with pytest.raises(ValueError, match=f"prompt 4 has 60 tokens.*exceeds the model's {CONTEXT} positions"):
         worker.generate([4], [np.ones(60, dtype=np.int64)], seed=0, sampling=sampling)
     assert len(worker.generate([4], [np.ones(CONTEXT - 8, dtype=np.int64)], seed=0, sampling=sampling)) == 1
+
+
+def test_every_registered_engine_runs_this_suite():
+    """A backend added to the registry (rollout_workers.engines) is held to the contract here."""
+    from rollout_workers.engines import ENGINES
+
+    assert [p.values[0] for p in engine_contract_shared.ENGINES] == list(ENGINES.names())

@@ -1,7 +1,7 @@
 """The dependency rule of the architecture (docs/architecture.md), checked on the source: `cluster/`
 composes the roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`,
-of the demos or benchmarks, and of no other role, except the pure, stateless `learner.algorithms` and
-`learner.sequences`, which any role may use. Every import counts, lazy ones inside functions too."""
+of the demos or benchmarks, and of no other role, except the pure, stateless `learner.algorithms`,
+`learner.sequences` and `learner.registry` (the names of the algorithm parts), which any role may use. Every import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("learner", "rollout_workers", "reward_service")
 PROJECT = (*ROLES, "cluster", "demos", "bench")
-SHARED = ("learner.algorithms", "learner.sequences")  # pure modules any role may import
+SHARED = ("learner.algorithms", "learner.sequences", "learner.registry")  # pure modules any role may import
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:

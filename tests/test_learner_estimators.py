@@ -1,5 +1,6 @@
-"""The estimators inside real DeepSpeed learner ranks: one rank and two ranks (groups whole on each)
-take the same steps; critic-free estimators leave the value head alone and give it no optimizer state."""
+"""The estimators and policy losses inside real DeepSpeed learner ranks: one rank and two ranks (groups
+whole on each) take the same steps (GSPO and Dr. GRPO included, whose aggregations divide by the global
+sequence count); critic-free estimators leave the value head alone and give it no optimizer state."""
 
 from __future__ import annotations
 
@@ -37,15 +38,31 @@ ZERO3 = {
 @pytest.mark.parametrize(
     "overrides,two_ranks",
     [
-        ({"advantage": "grpo", "kl": KLConfig(mode="loss", loss_coef=0.05)}, {}),
+        (  # GSPO's sequence ratio, with the KL as a loss term (learner.registry: one registered loss)
+            {
+                "advantage": "grpo",
+                "policy_loss": "gspo",
+                "loss_agg": "seq-mean-token-mean",
+                "kl": KLConfig(mode="loss", loss_coef=0.05),
+            },
+            {},
+        ),
         ({"advantage": "rloo", "missing_eos_penalty": 1.0}, {}),
         (
             {"advantage": "vtrace", "off_policy": "none", "truncation": "bootstrap", "vtrace_rho_clip": 2.0},
             {},
         ),
-        ({"advantage": "grpo", "group_std_normalize": False}, ZERO3),
+        (  # Dr. GRPO: no std, each sequence's token sum over a constant (two ranks: global sequence count)
+            {
+                "advantage": "grpo",
+                "group_std_normalize": False,
+                "loss_agg": "seq-mean-token-sum-norm",
+                "loss_norm_tokens": 16,
+            },
+            ZERO3,
+        ),
     ],
-    ids=["grpo-kl-loss", "rloo-eos-penalty", "vtrace-bootstrap", "grpo-zero3"],
+    ids=["gspo-kl-loss", "rloo-eos-penalty", "vtrace-bootstrap", "dr-grpo-zero3"],
 )
 def test_one_rank_and_two_ranks_agree(ray_local, tiny_policy_dir, overrides, two_ranks):
     ray = ray_local

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from learner.advantages import compaction, estimate, has_gaps, place_token_rewards, uncompact
+from learner.advantages import (
+    AdvantageInputs,
+    AdvantageParams,
+    compaction,
+    estimate,
+    has_gaps,
+    place_token_rewards,
+    uncompact,
+)
 from learner.algorithms import shape_rewards
 from learner.batch import Trajectory, pack_trajectories
 
@@ -18,8 +26,13 @@ MASK2 = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
 VALUES2 = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4]])  # 9: values at observation tokens never count
 
 
+def estimate_with(estimator, *, gamma, lam, group_std=True, **inputs):
+    """`estimate` with the inputs and settings as keywords."""
+    return estimate(estimator, AdvantageInputs(**inputs), AdvantageParams(gamma, lam, group_std))
+
+
 def gae(rewards, values, mask, gamma, lam, scores=None, groups=None, estimator="gae"):
-    return estimate(
+    return estimate_with(
         estimator,
         scores=torch.zeros(rewards.shape[0]) if scores is None else scores,
         rewards=rewards,
@@ -72,7 +85,7 @@ def test_group_estimators_take_the_episode_return_and_keep_the_kl_part():
         "grpo", rewards, torch.tensor([1.0, 0.0]), torch.tensor([[0.5, 0, 0], [0, 0, 0]]), mask
     )
     assert scores.tolist() == [1.5, 0.0]
-    adv, _ = estimate(
+    adv, _ = estimate_with(
         "grpo",
         scores=scores,
         rewards=rewards,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.sequences import gather_response, pack_sequences, response_tokens
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import make_engine
+from rollout_workers.engines import make_engine
 from rollout_workers.hf_engine import truncate_logits
 from rollout_workers.types import Sample
 from rollout_workers.weights import state_checksum

@@ -24,6 +24,7 @@ from cluster.config.sections import (
     _Strict,
 )
 from learner.config import LearnerConfig
+from learner.registry import ADVANTAGES, LOSS_AGGS
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
 
@@ -70,7 +71,7 @@ class RunConfig(_Strict):
                 f"learner.num_minibatches={self.learner.num_minibatches} makes minibatches smaller than one "
                 f"sample: each rank gets {per_rank} samples per step"
             )
-        if self.learner.advantage in ("grpo", "rloo") and self.rollout.sampling.n < 2:
+        if ADVANTAGES[self.learner.advantage].groups and self.rollout.sampling.n < 2:
             raise ValueError(
                 f"learner.advantage={self.learner.advantage!r} takes its baseline from the other samples of "
                 "the same prompt: set rollout.sampling.n >= 2"
@@ -90,16 +91,18 @@ class RunConfig(_Strict):
             )
         self._environment()
         self._overlong()
+        self._loss_norm_tokens()
         self._lr_schedule()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
-        if self.learner.advantage == "vtrace" and self.learner.off_policy == "auto":
-            self.learner.off_policy = "none"  # vtrace's truncated importance weights are the correction
+        corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
+        if corrects and self.learner.off_policy == "auto":
+            self.learner.off_policy = "none"  # e.g. vtrace's truncated importance weights are the correction
         if self.learner.off_policy == "auto":
             # A correction is on whenever behaviour and proximal logprobs can differ: stale samples,
             # or a generator whose numerics differ from the learner's (e.g. a bf16 engine).
             mismatch = self.rollout.dtype != self.learner.dtype
             self.learner.off_policy = "tis" if stale or mismatch else "none"
-        if stale and self.learner.off_policy == "none" and self.learner.advantage != "vtrace":
+        if stale and self.learner.off_policy == "none" and not corrects:
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "
                 "from older policies: set learner.off_policy to 'tis', 'mask' or 'geo_mask' (the PPO ratio is "
@@ -164,6 +167,14 @@ class RunConfig(_Strict):
         if le.overlong_buffer > max_new:
             raise ValueError(
                 f"learner.overlong_buffer={le.overlong_buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
+            )
+
+    def _loss_norm_tokens(self) -> None:
+        """Dr. GRPO's constant (learner.loss_norm_tokens) is the most response tokens a sample can have."""
+        le, env = self.learner, self.rollout.environment
+        if LOSS_AGGS[le.loss_agg].horizon and le.loss_norm_tokens is None:
+            le.loss_norm_tokens = (
+                env.max_total_tokens if env.enabled else self.rollout.sampling.max_new_tokens
             )
 
     def _lr_schedule(self) -> None:

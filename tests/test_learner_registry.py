@@ -1,0 +1,108 @@
+"""The algorithm registries (learner.registry) are the one list of each part: the config's allowed
+values, its rules and the configuration reference are read from them, and every registered name
+reaches a function with the registry's signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+
+from cluster.config.schema import ConfigError, build_config
+from learner.config import KLConfig, LearnerConfig
+from learner.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, Part, Registry
+
+TREE = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
+FIELDS = [
+    (ADVANTAGES, LearnerConfig, "advantage"),
+    (POLICY_LOSSES, LearnerConfig, "policy_loss"),
+    (LOSS_AGGS, LearnerConfig, "loss_agg"),
+    (KL_ESTIMATORS, KLConfig, "estimator"),
+    (KL_ESTIMATORS, KLConfig, "loss_estimator"),
+]
+
+
+@pytest.mark.parametrize("registry,model,field", FIELDS, ids=[f for *_, f in FIELDS])
+def test_the_config_allows_exactly_the_registered_names(registry, model, field):
+    assert typing.get_args(model.model_fields[field].annotation) == registry.names()
+    with pytest.raises(ValueError, match=field):
+        model(**{field: "not-registered"})
+
+
+@pytest.mark.parametrize("registry", [ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS])
+def test_every_part_reaches_a_function_with_the_registrys_signature(registry):
+    arity = {"advantage estimator": 2, "policy loss": 5, "loss aggregation": 3, "KL estimator": 1}[
+        registry.kind
+    ]
+    for part in registry:
+        fn = registry.function(part.name)
+        assert callable(fn) and len(inspect.signature(fn).parameters) == arity, part.name
+        assert part.summary and part.summary in registry.describe()
+
+
+def test_the_configuration_reference_lists_every_part_with_its_summary():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
+    for registry in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS):
+        for part in registry:
+            cell = f"'{part.name}': {part.summary}".replace("|", "\\|")  # as a Markdown cell writes it
+            assert cell in doc, part.name
+
+
+def test_a_name_registered_twice_or_unknown_is_an_error_naming_the_field():
+    with pytest.raises(ValueError, match="registered twice"):
+        Registry(
+            "x",
+            "learner.x",
+            [Part(name="a", function="m:f", summary=""), Part(name="a", function="m:g", summary="")],
+        )
+    with pytest.raises(
+        ValueError, match=r"unknown policy loss 'ppo2' \(learner.policy_loss\); allowed: ppo, gspo"
+    ):
+        POLICY_LOSSES["ppo2"]
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_the_config_rules_follow_each_estimators_needs(name):
+    """A critic allows bootstrapping truncated responses; groups need n >= 2; an estimator that
+    corrects for the behaviour policy itself resolves off_policy 'auto' to 'none' on stale samples."""
+    est = ADVANTAGES[name]
+    learner = {"advantage": name}
+    if est.groups:
+        with pytest.raises(ConfigError, match="rollout.sampling.n >= 2"):
+            build_config({**TREE, "learner": learner})
+    sampled = {"rollout": {"sampling": {"n": 2}}}
+    assert build_config({**TREE, **sampled, "learner": learner}).learner.advantage == name
+    if est.critic:
+        assert LearnerConfig(advantage=name, truncation="bootstrap").truncation == "bootstrap"
+    else:
+        with pytest.raises(ValueError, match="needs a critic"):
+            LearnerConfig(advantage=name, truncation="bootstrap")
+    stale = {"pipeline": {"mode": "async", "max_staleness": 1}}
+    resolved = build_config({**TREE, **sampled, **stale, "learner": learner}).learner.off_policy
+    assert resolved == ("none" if est.corrects_off_policy else "tis")
+
+
+def test_a_policy_loss_defined_with_one_aggregation_needs_it():
+    with pytest.raises(ValueError, match="learner.loss_agg: seq-mean-token-mean"):
+        LearnerConfig(policy_loss="gspo")
+    assert LearnerConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean").policy_loss == "gspo"
+
+
+def test_dr_grpos_constant_is_the_longest_response_a_run_can_sample():
+    dr = {"advantage": "grpo", "group_std_normalize": False, "loss_agg": "seq-mean-token-sum-norm"}
+    rollout = {"sampling": {"n": 4, "max_new_tokens": 24}}
+    assert build_config({**TREE, "rollout": rollout, "learner": dr}).learner.loss_norm_tokens == 24
+    given = build_config({**TREE, "rollout": rollout, "learner": {**dr, "loss_norm_tokens": 100}})
+    assert given.learner.loss_norm_tokens == 100
+    # another aggregation leaves it unset (unused)
+    plain = build_config({**TREE, "rollout": rollout, "learner": {"advantage": "grpo"}})
+    assert plain.learner.loss_norm_tokens is None
+
+
+def test_parts_are_frozen_records():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ADVANTAGES["gae"].critic = False
