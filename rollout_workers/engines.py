@@ -1,18 +1,12 @@
 """The rollout engines by name (`rollout.engine`), each registered once: the config's allowed values
-and the worker's factory are read from here. An engine class is imported on first use, so the config
+and the worker's factory (`rollout_workers.worker.make_engine`) are read from here. An engine class is imported on first use, so the config
 loads without torch and vLLM stays an optional extra. A new engine is one `RolloutEngine` subclass
 (`rollout_workers.engine`: the public methods enforce the contract, a backend fills the hooks), one
 entry here, and its name in the engine contract suite (`tests/test_engine_contract.py`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from learner.registry import Part, Registry
-
-if TYPE_CHECKING:
-    from rollout_workers.config import RolloutConfig
-    from rollout_workers.engine import RolloutEngine
 
 ENGINES: Registry[Part] = Registry(
     "rollout engine",
@@ -30,8 +24,3 @@ ENGINES: Registry[Part] = Registry(
         ),
     ],
 )
-
-
-def make_engine(model_path: str, config: RolloutConfig) -> RolloutEngine:
-    """The engine `config.engine` names, loaded from `model_path`."""
-    return ENGINES.function(config.engine)(model_path, config)

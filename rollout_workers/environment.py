@@ -1,4 +1,5 @@
-"""Environments for multi-turn rollouts: the interface, the registry, and the episode record.
+"""Environments for multi-turn rollouts: the interface, the registry a user's environment joins, and
+the episode record (an environment is built by name in `rollout_workers.environments`).
 
 An environment talks to the policy in text. `reset(prompt, meta)` starts an episode and returns its
 state; `step(model_turn, state)` takes the text of one model turn and returns what the environment
@@ -19,10 +20,8 @@ Register one with `@register_environment("name")` in a module named by `rollout.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
-import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,58 +108,23 @@ def register_environment(name: str) -> Callable[[Callable[..., Environment]], Ca
     return wrap
 
 
-def _origin(factory: Callable[..., Environment]) -> tuple[str, str]:
-    """(where it is defined: its module's file, else the module's name; its qualified name)."""
-    file = getattr(sys.modules.get(factory.__module__), "__file__", None)
-    return (str(Path(file).resolve()) if file else factory.__module__, factory.__qualname__)
-
-
 def list_environments() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_environment(
-    name: str, module: str | None = None, kwargs: dict[str, Any] | None = None, source: str | None = None
-) -> Environment:
-    """The environment registered as `name`, built with `kwargs`, after importing `module`: a dotted
-    name, or a .py file run from its text `source` (read from the file when None)."""
-    import rollout_workers.tools  # noqa: F401  (registers the built-in environments)
-
-    if module:
-        try:
-            if module.endswith(".py"):
-                _run_module_file(module, source)
-            else:
-                importlib.import_module(module)
-        except Exception as e:
-            raise ValueError(
-                f"rollout.environment.module: cannot import {module!r} ({type(e).__name__}: {e}); give a .py "
-                "file or a dotted module importable on the rollout workers"
-            ) from e
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """The class (or factory) registered as `name`, or an error listing the registered ones."""
     if name not in _REGISTRY:
         raise ValueError(
             f"rollout.environment.name: unknown environment {name!r}; registered: {', '.join(list_environments())}"
         )
-    env = _REGISTRY[name](**(kwargs or {}))
-    if not isinstance(env, Environment):
-        raise TypeError(f"environment {name!r} built a {type(env).__name__}, not an Environment")
-    return env
+    return _REGISTRY[name]
 
 
-_RUN_FILES: set[tuple[str, int]] = set()
-
-
-def _run_module_file(path: str, source: str | None) -> None:
-    """Run a user's environment file once per process (its decorators register what it defines)."""
-    text = Path(path).read_text() if source is None else source
-    key = (path, hash(text))
-    if key in _RUN_FILES:
-        return
-    module = types.ModuleType(f"rayppo_environment_{len(_RUN_FILES)}")
-    module.__file__ = path
-    sys.modules[module.__name__] = module
-    exec(compile(text, path, "exec"), module.__dict__)
-    _RUN_FILES.add(key)
+def _origin(factory: Callable[..., Environment]) -> tuple[str, str]:
+    """(where it is defined: its module's file, else the module's name; its qualified name)."""
+    file = getattr(sys.modules.get(factory.__module__), "__file__", None)
+    return (str(Path(file).resolve()) if file else factory.__module__, factory.__qualname__)
 
 
 def as_step(answer: Step | tuple) -> Step:

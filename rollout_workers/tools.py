@@ -1,5 +1,6 @@
 """Tools for environments: a registry of text-in, text-out tools, tool-call parsers, and the built-in
-`tools` environment (a model turn either calls a tool or answers).
+`tools` environment (a model turn either calls a tool or answers; registered under that name in
+`rollout_workers.environments`).
 
 Two call formats (`call_format`, a registry of parsers):
 - `tags`: `<open>argument</close>` with the tags the environment is configured with, e.g.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_workers.environment import Environment, Step, register_environment
+from rollout_workers.environment import Environment, Step
 
 ToolFn = Callable[[str], str]
 _TOOLS: dict[str, ToolFn] = {}
@@ -137,7 +138,6 @@ def last_integer(text: str) -> str | None:
     return found[-1] if found else None
 
 
-@register_environment("tools")
 class ToolEnvironment(Environment):
     """Each model turn either calls a tool (answered with `<result>...</result>`, no reward) or gives the
     final answer (reward 1 when its last integer equals `meta[answer_key]`, else 0; the episode ends).

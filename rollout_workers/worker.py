@@ -30,15 +30,20 @@ import torch
 
 from learner.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput
-from rollout_workers.engines import make_engine
-from rollout_workers.environment import make_environment
+from rollout_workers.engine import GenerationOutput, RolloutEngine
+from rollout_workers.engines import ENGINES
+from rollout_workers.environments import make_environment
 from rollout_workers.episodes import EpisodeRunner
 from rollout_workers.types import Sample, WeightAck
 from rollout_workers.weight_gate import WeightGate
 from rollout_workers.weights import sampled_digest
 
 _MAX_SEED = 2**63 - 1
+
+
+def make_engine(model_path: str, config: RolloutConfig) -> RolloutEngine:
+    """The engine `config.engine` names (registered in `rollout_workers.engines`), loaded from `model_path`."""
+    return ENGINES.function(config.engine)(model_path, config)
 
 
 def make_episode_runner(engine, model_path: str, config, environment=None) -> EpisodeRunner | None:

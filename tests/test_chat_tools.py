@@ -240,7 +240,7 @@ def test_the_documented_chat_math_tools_come_from_its_environment_file(tmp_path,
     """docs/environments.md's chat model example: its `data.tools` names the functions of its
     chat_envs.py, which describe themselves; the driver importing that file for the tools and the
     environment module run from it again register one environment, not two conflicting ones."""
-    from rollout_workers import environment
+    from rollout_workers import environment, environments
 
     monkeypatch.setattr(environment, "_REGISTRY", dict(environment._REGISTRY))  # chat-math stays here
     page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
@@ -256,10 +256,10 @@ def test_the_documented_chat_math_tools_come_from_its_environment_file(tmp_path,
     assert tools[0]["function"]["parameters"]["required"] == ["expression"]
     assert tools[1]["function"]["parameters"]["properties"]["unit"]["enum"] == ["km", "h", "kg"]
     assert all(t["function"]["description"] for t in tools)
-    env = environment.make_environment("chat-math", config["rollout"]["environment"]["module"])
+    env = environments.make_environment("chat-math", config["rollout"]["environment"]["module"])
     call = '<tool_call>{"name": "convert", "arguments": {"value": "3", "unit": "km", "to": "m"}}</tool_call>'
     step = environment.as_step(env.step(call, env.reset("q", {"answer": 3000})))
     assert step.observation == [{"role": "tool", "content": "3000"}]
     (tmp_path / "other_envs.py").write_text((tmp_path / "chat_envs.py").read_text())
     with pytest.raises(ValueError, match="'chat-math' is already registered"):  # another file's: a conflict
-        environment.make_environment("chat-math", "other_envs.py")
+        environments.make_environment("chat-math", "other_envs.py")

@@ -287,7 +287,8 @@ def test_the_documented_chat_environment_runs_its_two_tools(tmp_path, chat_polic
     import numpy as np
 
     from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
-    from rollout_workers.environment import as_step, make_environment
+    from rollout_workers.environment import as_step
+    from rollout_workers.environments import make_environment
     from rollout_workers.worker import RolloutWorker
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()

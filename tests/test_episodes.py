@@ -15,7 +15,8 @@ from engine_contract_shared import ENGINES, INDICES, PROMPTS, policies  # noqa: 
 from tiny_models import build_tokenizer
 
 from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
-from rollout_workers.environment import Environment, Step, as_step, make_environment, register_environment
+from rollout_workers.environment import Environment, Step, as_step, register_environment
+from rollout_workers.environments import make_environment
 from rollout_workers.worker import RolloutWorker
 
 OBS = "the movie"  # two tokens of the tiny tokenizer

@@ -88,3 +88,70 @@ def test_cluster_reaches_the_demos_only_through_its_one_hook():
     )
     assert not users, f"import demos through cluster/demo_assets.py: {users}"
     assert any(m.startswith("demos") for _l, m in project_imports(hook))
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Each project module under `root` -> the project modules it imports (lazy and type-checking
+    imports too; a `from package import name` counts as the package's module where `name` is no module)."""
+    files = {
+        ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+        for package in PROJECT
+        for f in (root / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, f in files.items():
+        deps = set()
+        for _line, module in project_imports(f):
+            parts = module.split(".")
+            while parts and ".".join(parts) not in files:
+                parts.pop()
+            if parts and ".".join(parts) != name:
+                deps.add(".".join(parts))
+        graph[name] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_back_through_others():
+    """Every import counts (lazy ones inside functions and `if TYPE_CHECKING` ones too): a cycle is a
+    responsibility in the wrong place (a factory in its base class's module, a registry that imports
+    what registers into it, a part that reaches back into its owner)."""
+    assert import_cycles(module_graph(ROOT)) == []
+
+
+def test_the_cycle_checker_finds_a_lazy_cycle(tmp_path):
+    pkg = tmp_path / "cluster"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from cluster import b\n")
+    (pkg / "b.py").write_text("def f():\n    from cluster.c import x\n")
+    (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from cluster.a import y\n")
+    (pkg / "d.py").write_text("import cluster.a\n")
+    assert import_cycles(module_graph(tmp_path)) == [["cluster.a", "cluster.b", "cluster.c"]]

@@ -11,11 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from learner.sequences import gather_response, pack_sequences, response_tokens
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engines import make_engine
 from rollout_workers.hf_engine import truncate_logits
 from rollout_workers.types import Sample
 from rollout_workers.weights import state_checksum
-from rollout_workers.worker import RolloutWorker
+from rollout_workers.worker import RolloutWorker, make_engine
 
 EOS, VOCAB = 2, 28
 # Different lengths (1, 4 and 9 tokens) so left padding and position ids are exercised.

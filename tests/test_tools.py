@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_workers.environment import Step, as_step, make_environment
+from rollout_workers.environment import Step, as_step
+from rollout_workers.environments import make_environment
 from rollout_workers.tools import ToolCall, ToolError, calculator, last_integer, parse_tool_call
 
 TAGS = {"calculator": ("<calc>", "</calc>")}

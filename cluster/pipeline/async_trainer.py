@@ -242,7 +242,7 @@ class AsyncTrainer(Trainer):
         self.faults = RolloutBatch()
         scaling = self.apply_scaling()
         busy0 = dict(self.busy)
-        learner = LearnerStep(self, step)
+        learner = LearnerStep(step, self.start_train, self.give_back, self.weights, self.cfg.rollout.dtype)
         while not learner.done:
             if self.weights.collective:
                 self.weights.broadcast_due(learner)

@@ -1,10 +1,12 @@
 """The learner's side of one async step (`LearnerStep`): wait for a batch, train on every rank, export
-and publish the new weights, timing each phase. It reaches the trainer only through `start_train`
-and `give_back`, and the publisher through `start_export` and `published`."""
+and publish the new weights, timing each phase. It holds no reference to the trainer: it is handed
+the two calls it makes of it (`start_train`, `give_back`) and the publisher it exports through
+(`start_export`, `published`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cluster.pipeline.calls import Call
@@ -12,7 +14,7 @@ from cluster.pipeline.stream_buffer import Taken
 from cluster.weights.push import Fingerprint, expected_fingerprint
 
 if TYPE_CHECKING:
-    from cluster.pipeline.async_trainer import AsyncTrainer
+    from cluster.weights.async_publisher import AsyncPublisher
 
 
 class LearnerStep:
@@ -20,8 +22,17 @@ class LearnerStep:
     publish the new weights (then `done`). Times each phase. Talks to the trainer through
     `start_train` and `give_back`, and to its publisher through `start_export` and `published`."""
 
-    def __init__(self, trainer: AsyncTrainer, step: int) -> None:
-        self.trainer, self.step = trainer, step
+    def __init__(
+        self,
+        step: int,
+        start_train: Callable[[Taken], list[Call]],
+        give_back: Callable[[Taken, set[int]], None],
+        weights: AsyncPublisher,
+        rollout_dtype: str,
+    ) -> None:
+        self.step = step
+        self._start_train, self._give_back = start_train, give_back
+        self.weights, self.rollout_dtype = weights, rollout_dtype
         self.taken: Taken | None = None
         self.depth = 0
         self.train_calls: list[Call] = []
@@ -55,10 +66,10 @@ class LearnerStep:
         self.taken, self.depth = taken, depth
         self.t_wait = time.perf_counter() - self.t0
         self.t1 = time.perf_counter()
-        self.train_calls = self.trainer.start_train(taken)
+        self.train_calls = self._start_train(taken)
 
     def finished(self, call: Call, value: Any) -> None:
-        weights = self.trainer.weights
+        weights = self.weights
         if call.kind == "train":
             self.train_calls.remove(call)
             if "lost_parts" in value:  # no rank trained: some input's object is gone
@@ -69,7 +80,7 @@ class LearnerStep:
             if self.train_calls:
                 return
             if self.aborted:  # the step waits for a batch again
-                self.trainer.give_back(self.taken, self.lost)
+                self._give_back(self.taken, self.lost)
                 self.taken, self.metrics, self.lost, self.aborted = None, {}, set(), False
                 return
             self.t_train = time.perf_counter() - self.t1
@@ -81,7 +92,7 @@ class LearnerStep:
             return
         self.export_calls.remove(call)
         if call.extra["name"] == "fingerprint":
-            self.fingerprint = expected_fingerprint(value, self.step, self.trainer.cfg.rollout.dtype)
+            self.fingerprint = expected_fingerprint(value, self.step, self.rollout_dtype)
         if not self.export_calls:  # published: workers load it before their next chunk
             self.t_sync = time.perf_counter() - self.t2
             weights.published(self.step, self.bundle, self.fingerprint)

@@ -22,7 +22,8 @@ from typing import Any
 import ray
 
 from rollout_workers.config import EnvironmentConfig
-from rollout_workers.environment import Environment, Step, TurnEnd, as_step, make_environment, step_with
+from rollout_workers.environment import Environment, Step, TurnEnd, as_step, step_with
+from rollout_workers.environments import make_environment
 
 # Calls a host runs at once (threads of a threaded actor): every episode of a turn asks at the same time.
 HOST_CONCURRENCY = 256

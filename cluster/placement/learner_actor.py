@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from cluster.pipeline.groups import RankPart
-from cluster.placement.actors import part_trajectories
+from cluster.pipeline.trajectories import part_trajectories
 from cluster.placement.pools import LOST_OBJECT_ERRORS
 from learner.rank import LearnerRank
 

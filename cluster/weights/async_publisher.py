@@ -30,7 +30,7 @@ from cluster.weights.push import bundle_facts, load_into
 
 
 class PublishingStep(Protocol):
-    """What the publisher reads of the learner's step in progress (`cluster.pipeline.async_trainer.LearnerStep`)."""
+    """What the publisher reads of the learner's step in progress (`cluster.pipeline.learner_step.LearnerStep`)."""
 
     step: int
 
