@@ -52,6 +52,8 @@ def preflight(cfg: RunConfig) -> RunPrompts:
         checks.append(("reference.model_path", cfg.reference.model_path, "config.json"))
     if cfg.reward.kind == "model":
         checks.append(("reward.model_path", cfg.reward.model_path, "config.json"))
+    if cfg.reward.kind == "judge":
+        checks.append(("reward.judge.model_path", cfg.reward.judge.model_path, "config.json"))
     for field, path, must_hold in checks:
         p = Path(path)
         if not p.is_dir():

@@ -1,8 +1,9 @@
-"""Config sections owned by the scoring role (reward model, reward functions, reference policy)."""
+"""Config sections owned by the scoring role (reward model, reward functions, LLM judge, reference policy)."""
 
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,91 @@ class RewardFunctionConfig(_Strict):
         return self.name or (self.module or "").rsplit(":", 1)[1]
 
 
+JUDGE_FIELDS = ("question", "response", "reference")
+DEFAULT_JUDGE_TEMPLATE = (
+    "Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
+    "Is the response correct? Answer Yes or No."
+)
+
+
+class JudgeConfig(_Strict):
+    """reward.kind='judge': a causal LM as the reward (docs/rewards.md#an-llm-as-the-judge)."""
+
+    model_path: str | None = Field(
+        None, description="Folder of the judge, any causal LM (save_pretrained layout with its tokenizer)."
+    )
+    template: str = Field(
+        DEFAULT_JUDGE_TEMPLATE,
+        description="The judge's prompt, a Python format string of {question} (the prompt's last user message, "
+        "or its text), {response} (the decoded response) and {reference} (the prompt row's `reference_key`); "
+        "rendered as one user message by the judge's chat template when it has one (chat_template).",
+    )
+    chat_template: Literal["auto", "off"] = Field(
+        "auto",
+        description="'auto': the filled template is a user message rendered by the judge tokenizer's chat "
+        "template, with its generation prompt (plain text when the tokenizer has none); 'off': plain text.",
+    )
+    reference_key: str = Field(
+        "answer",
+        description="The prompt row's field read as {reference}; a row without it fails its samples "
+        "(counted, never scored) when the template uses {reference}.",
+    )
+    verdict: Literal["yes_no", "score"] = Field(
+        "yes_no",
+        description="How the judge's answer becomes the reward: 'yes_no' P(yes) / (P(yes) + P(no)) of the "
+        "judge's next token after the prompt (one forward, no generation); 'score' the first match of "
+        "score_pattern in the judge's greedy reply, which must lie in score_range.",
+    )
+    yes: str = Field(
+        "Yes", description="verdict 'yes_no': the text of the yes token (one token of the judge's)."
+    )
+    no: str = Field(
+        "No", description="verdict 'yes_no': the text of the no token (one token of the judge's)."
+    )
+    score_pattern: str = Field(
+        r"-?\d+(?:\.\d+)?",
+        description="verdict 'score': the regular expression whose first match (its group 1, if it has "
+        "groups) is the score; a reply without one fails its sample.",
+    )
+    score_range: tuple[float, float] = Field(
+        (0.0, 10.0), description="verdict 'score': [lo, hi]; a score outside fails its sample."
+    )
+    max_new_tokens: int = Field(16, ge=1, description="verdict 'score': most tokens of the judge's reply.")
+
+    @field_validator("template")
+    @classmethod
+    def _fields(cls, v: str) -> str:
+        try:
+            used = {name for _t, name, _f, _c in string.Formatter().parse(v) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"reward.judge.template is no format string: {e}") from None
+        unknown = sorted(used - set(JUDGE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"reward.judge.template uses {', '.join('{' + u + '}' for u in unknown)}; allowed: "
+                + ", ".join("{" + f + "}" for f in JUDGE_FIELDS)
+            )
+        return v
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"reward.judge.score_pattern is no regular expression: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _range(self) -> JudgeConfig:
+        lo, hi = self.score_range
+        if not lo < hi:
+            raise ValueError(
+                f"reward.judge.score_range must be [lo, hi] with lo < hi (got {self.score_range})"
+            )
+        return self
+
+
 @dataclass(frozen=True)
 class FunctionEntry:
     """A reward function to load, with the config fields that name it (for messages)."""
@@ -72,11 +158,11 @@ class FunctionEntry:
 
 
 class RewardConfig(_Strict):
-    kind: Literal["model", "rule", "remote", "environment"] = Field(
+    kind: Literal["model", "rule", "remote", "judge", "environment"] = Field(
         "model",
         description="Reward source: a sequence-classification model, reward functions (reward.rule or "
         "reward.functions), a remote HTTP "
-        "endpoint, or 'environment': the rewards of each multi-turn episode's environment (rollout.environment), "
+        "endpoint, 'judge': a causal LM prompted with each sample (reward.judge), or 'environment': the rewards of each multi-turn episode's environment (rollout.environment), "
         "all of them: the outcome (the last turn's reward) on the last model token and each earlier turn's reward "
         "on that turn's last token. With any other kind an episode's transcript is scored and that score is its "
         "whole reward: none of the environment's turn rewards is used.",
@@ -103,6 +189,9 @@ class RewardConfig(_Strict):
         description="kind='rule': the reward functions, each {name and/or module, weight, style}; a sample's score "
         "is the weighted sum of their scores, each logged as reward/<name> (docs/rewards.md).",
     )
+    judge: JudgeConfig = Field(
+        default_factory=JudgeConfig, description="kind='judge': the judge model, its prompt and its verdict."
+    )
     url: str | None = Field(None, description="Remote reward endpoint; kind='remote'.")
     token_env: str = Field(
         "REWARD_API_TOKEN", description="Environment variable holding the remote endpoint's bearer token."
@@ -128,11 +217,11 @@ class RewardConfig(_Strict):
     batch_size: int = Field(
         64,
         ge=1,
-        description="Samples per reward-model forward (and per remote request, and per call of a batched "
-        "reward function).",
+        description="Samples per reward-model or judge forward (and per remote request, and per call of a "
+        "batched reward function).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Reward model weights dtype; scores are computed in float32."
+        "float32", description="Reward model (or judge) weights dtype; scores are computed in float32."
     )
 
     @model_validator(mode="after")

@@ -69,8 +69,8 @@ class ScoreBatch:
 
 
 class RewardScorer:
-    """Scores samples with a reward model, reward functions, a remote endpoint or the environment
-    (`config.kind`).
+    """Scores samples with a reward model, reward functions, a remote endpoint, an LLM judge or the
+    environment (`config.kind`).
 
     A plain class: `cluster/` wraps it with `ray.remote`; tests call it directly.
     """
@@ -82,6 +82,7 @@ class RewardScorer:
         self._classifier = None
         self._functions = None
         self._remote = None
+        self._judge = None
         if config.kind == "model":
             if not config.model_path:
                 raise ValueError("reward.kind='model' needs reward.model_path")
@@ -100,6 +101,10 @@ class RewardScorer:
             from reward_service.remote import RemoteRewardClient
 
             self._remote = RemoteRewardClient.from_config(config)
+        elif config.kind == "judge":
+            from reward_service.judge import JudgeReward
+
+            self._judge = JudgeReward(config.judge, config.batch_size, config.dtype)
         self._samples = 0
         self._failures = 0
         self._calls = 0
@@ -169,7 +174,7 @@ class RewardScorer:
         live = [i for i in range(n) if out.errors[i] is None]  # failed episodes already carry their error
         if self._classifier is not None:
             self._score_model([full_text[i] for i in live], live, out)
-        elif self._functions is not None:
+        elif self._functions is not None or self._judge is not None:
             inputs = [
                 RewardInput(
                     prompt=prompt_text[i] if prompt_texts is None else prompt_texts[i],
@@ -181,7 +186,10 @@ class RewardScorer:
                 )
                 for i in live
             ]
-            self._score_functions(inputs, live, out)
+            if self._judge is not None:
+                self._score_judge(inputs, live, out)
+            else:
+                self._score_functions(inputs, live, out)
         else:
             self._score_remote(prompt_text, response_text, meta, live, out)
         self._count(n, out, start)
@@ -236,6 +244,15 @@ class RewardScorer:
             column = np.full(len(out.ok), np.nan, dtype=np.float32)
             column[index] = values
             out.function_values[name] = column
+
+    def _score_judge(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
+        assert self._judge is not None
+        scores, errors, _replies = self._judge.score(inputs)
+        for i, v, err in zip(index, scores, errors, strict=True):
+            if err is None:
+                out.set(i, float(v), "judge")
+            else:
+                out.fail(i, err)
 
     def _score_remote(
         self, prompts: list[str], responses: list[str], meta: list[dict], live: list[int], out: ScoreBatch

@@ -126,3 +126,56 @@ def build_causal_lm(out: Path, family: str, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+JUDGE_WORDS = [
+    "<|user|>",
+    "<|assistant|>",
+    "Yes",
+    "No",
+    "Question:",
+    "Response:",
+    "Reference",
+    "answer:",
+    "Is",
+    "the",
+    "response",
+    "correct?",
+    "Answer",
+    "or",
+    "No.",
+    "score:",
+    *"0123456789",
+]
+# One user message, then the assistant's turn: a chat template of the judge's own.
+JUDGE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def build_judge(out: Path, seed: int = 2, reply: str | None = None) -> Path:
+    """A 1-layer GPT-2 judge with a word-level tokenizer of its own and a chat template. `reply`: every
+    position's logits put the token `reply` far ahead (final layer norm to a constant vector, an untied
+    lm_head with one row along it), so greedy generation repeats it: a judge whose answer is known."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + JUDGE_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
+    cfg = _config(tokenizer, n_layer=1, n_embd=16)
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(cfg)
+    if reply is not None:
+        with torch.no_grad():
+            direction = torch.ones(cfg.n_embd)
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.copy_(direction)
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[vocab[reply]] = 10.0 * direction / cfg.n_embd
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -119,6 +119,8 @@ class RunConfig(_Strict):
             raise ValueError("reward.rule or reward.functions is required when reward.kind='rule'")
         if self.reward.kind == "remote" and not self.reward.url:
             raise ValueError("reward.url is required when reward.kind='remote'")
+        if self.reward.kind == "judge" and not self.reward.judge.model_path:
+            raise ValueError("reward.judge.model_path is required when reward.kind='judge'")
         return self
 
     def _environment(self) -> None:

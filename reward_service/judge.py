@@ -1,0 +1,207 @@
+"""A causal LM as the reward (reward.kind='judge', a generative judge): each sample is written into the
+user's template, the judge reads it, and its verdict becomes the score by the configured rule.
+
+Verdicts (`JudgeConfig.verdict`):
+  yes_no  score = P(yes) / (P(yes) + P(no)) = sigmoid(log P(yes) - log P(no)) of the judge's next token
+          after the prompt: one batched forward, no generation; in [0, 1].
+  score   the first match of `score_pattern` in the judge's greedy reply (at most `max_new_tokens`),
+          which must lie in `score_range`.
+A sample the judge cannot judge fails, with the reason (its reference missing from the prompt row, a
+prompt longer than the judge's context, a reply without a score or outside the range, a non-finite
+value, a failed forward): the scorer counts it against `reward.max_failure_frac`, never as a 0.
+
+The judge runs inside the reward scorer actors (`RewardScorer`), so it scales with
+`reward.num_replicas`, takes `reward.num_gpus`, and has the reward role's deadlines and failure
+accounting. The hf path only (transformers); a vLLM judge is not built.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from reward_service.config import JudgeConfig
+from reward_service.functions import RewardInput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class JudgeReward:
+    def __init__(
+        self,
+        config: JudgeConfig,
+        batch_size: int = 8,
+        dtype: str = "float32",
+        device: torch.device | None = None,
+    ) -> None:
+        if not config.model_path:
+            raise ValueError("reward.kind='judge' needs reward.judge.model_path")
+        self.config, self.batch_size = config, batch_size
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=_DTYPES[dtype], local_files_only=True
+        )
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        tok = self.tokenizer
+        self.pad_id = next(
+            (t for t in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) if t is not None), 0
+        )
+        self.max_len = _context(self.model.config)
+        self.chat = config.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
+        self.uses_reference = "{reference}" in config.template
+        self.pattern = re.compile(config.score_pattern)
+        if config.verdict == "yes_no":
+            self.yes_id = self._one_token(config.yes, "yes")
+            self.no_id = self._one_token(config.no, "no")
+            if self.yes_id == self.no_id:
+                raise ValueError(f"reward.judge.yes and reward.judge.no are the same token ({self.yes_id})")
+
+    def _one_token(self, text: str, field: str) -> int:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(
+                f"reward.judge.{field}={text!r} is {len(ids)} tokens of the judge's tokenizer "
+                f"({self.config.model_path}); it must be exactly one"
+            )
+        return int(ids[0])
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_text(self, x: RewardInput) -> str:
+        """The filled template (KeyError naming the field when the row has no reference)."""
+        question = x.prompt
+        if x.messages:
+            users = [
+                m["content"]
+                for m in x.messages
+                if m.get("role") == "user" and isinstance(m.get("content"), str)
+            ]
+            question = users[-1] if users else x.prompt
+        reference = ""
+        if self.uses_reference:
+            if self.config.reference_key not in x.meta:
+                raise KeyError(
+                    f"the prompt row has no {self.config.reference_key!r} (reward.judge.reference_key), which "
+                    "reward.judge.template's {reference} reads"
+                )
+            reference = str(x.meta[self.config.reference_key])
+        return self.config.template.format(question=question, response=x.response, reference=reference)
+
+    def encode(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if self.chat:
+            rendered = tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return list(tok(rendered, add_special_tokens=False)["input_ids"])
+        return list(tok(text)["input_ids"])
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, inputs: list[RewardInput]) -> tuple[np.ndarray, list[str | None], list[str | None]]:
+        """float32 scores (NaN where failed), an error per input (None where scored) and the judge's
+        reply per input (verdict 'score'; None otherwise or where it did not run)."""
+        n = len(inputs)
+        scores = np.full(n, np.nan, dtype=np.float32)
+        errors: list[str | None] = [None] * n
+        replies: list[str | None] = [None] * n
+        ids: dict[int, list[int]] = {}
+        for i, x in enumerate(inputs):
+            try:
+                row = self.encode(self.prompt_text(x))
+            except KeyError as e:
+                errors[i] = f"judge: {e.args[0]}"
+                continue
+            room = self.max_len - (self.config.max_new_tokens if self.config.verdict == "score" else 0)
+            if self.max_len and len(row) > room:
+                errors[i] = (
+                    f"judge: the prompt is {len(row)} tokens, more than the judge's context allows ({room})"
+                )
+                continue
+            ids[i] = row
+        todo = sorted(ids, key=lambda i: len(ids[i]))  # similar lengths together: less padding
+        for k in range(0, len(todo), self.batch_size):
+            rows = todo[k : k + self.batch_size]
+            try:
+                if self.config.verdict == "yes_no":
+                    values = self._yes_no([ids[i] for i in rows])
+                    texts = [None] * len(rows)
+                else:
+                    texts = self._generate([ids[i] for i in rows])
+                    values = [self._parse(t) for t in texts]
+            except Exception as e:  # noqa: BLE001 - the whole batch fails, the others still run
+                for i in rows:
+                    errors[i] = f"judge forward failed: {type(e).__name__}: {e}"
+                continue
+            for i, v, t in zip(rows, values, texts, strict=True):
+                replies[i] = t
+                if isinstance(v, str):
+                    errors[i] = v
+                elif not math.isfinite(v):
+                    errors[i] = f"judge produced a non-finite score ({v})"
+                else:
+                    scores[i] = v
+        return scores, errors, replies
+
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        L = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), L), dtype=torch.long)
+        for j, r in enumerate(rows):
+            input_ids[j, L - len(r) :] = torch.tensor(r, dtype=torch.long)
+            attn[j, L - len(r) :] = 1
+        return input_ids.to(self.device), attn.to(self.device)
+
+    @torch.no_grad()
+    def _yes_no(self, rows: list[list[int]]) -> list[float]:
+        """sigmoid(log P(yes) - log P(no)) of the next token after each prompt."""
+        input_ids, attn = self._left_padded(rows)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).logits[:, -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return torch.sigmoid(logp[:, self.yes_id] - logp[:, self.no_id]).cpu().tolist()
+
+    @torch.no_grad()
+    def _generate(self, rows: list[list[int]]) -> list[str]:
+        """The judge's greedy reply to each prompt, decoded without special tokens."""
+        input_ids, attn = self._left_padded(rows)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=self.config.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )
+        return [
+            self.tokenizer.decode(r, skip_special_tokens=True) for r in out[:, input_ids.shape[1] :].tolist()
+        ]
+
+    def _parse(self, reply: str) -> float | str:
+        """The score in `reply`, or the reason there is none (a str)."""
+        m = self.pattern.search(reply)
+        shown = reply if len(reply) <= 200 else reply[:200] + "..."
+        if m is None:
+            return f"judge reply has no score (reward.judge.score_pattern): {shown!r}"
+        try:
+            value = float(m.group(1) if m.groups() else m.group(0))
+        except ValueError:
+            return f"judge reply's match {m.group(0)!r} is no number: {shown!r}"
+        lo, hi = self.config.score_range
+        if not lo <= value <= hi:
+            return f"judge score {value:g} is outside reward.judge.score_range [{lo:g}, {hi:g}]: {shown!r}"
+        return value
+
+
+def _context(model_config) -> int:
+    """The judge's longest input (0: unknown)."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(model_config, name, None)
+        if isinstance(v, int) and 0 < v < 10_000_000:
+            return v
+    return 0
