@@ -217,13 +217,13 @@ class AsyncTrainer(Trainer):
             self.eval_ready, self.eval_round = m, None
 
     def _learner_value(self, call: Call) -> Any:
-        return self.learner.value(call.ref, call.extra["name"], self.step + 1)
+        return self.learner.value(call.ref, call.label, self.step + 1)
 
     def start_train(self, taken: Taken) -> list[Call]:
         """Every rank trains on its shard of `taken` (as in sync mode), tracked like any call."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.train_s
         return [
-            add(name, ref, "train", limit, name=name, chunks=chunks)
+            add(name, ref, "train", limit, label=name, chunks=chunks)
             for name, ref, chunks in self.learner.train_calls(taken.parts)
         ]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,7 +26,12 @@ class Call:
     timeout: float  # seconds from the moment the call starts
     payload: Any = None  # the caller's record of the work (e.g. the chunk), for re-dispatch
     started: float | None = None  # monotonic time it reached the head of its actor's queue
-    extra: dict = field(default_factory=dict)  # the caller's bookkeeping
+    # The caller's bookkeeping, by kind (left at None / 0 by the kinds that have none):
+    kept: Any = None  # generate, reference: the second ObjectRef (samples, logprobs), read only by actors
+    round: int = 0  # generate, reference, reward: the round of its chunk it belongs to
+    check: Callable[[Any], None] | None = None  # prepare: run on the value when it arrives
+    chunks: list | None = None  # train: the chunks of the batch this rank trains
+    label: str | None = None  # train, export: whose result it is (a rank's name, or "fingerprint")
 
     @property
     def deadline(self) -> float:
@@ -40,8 +46,11 @@ class CallTracker:
     def __len__(self) -> int:
         return len(self._by_ref)
 
-    def add(self, actor: str, ref: Any, kind: str, timeout: float, payload: Any = None, **extra) -> Call:
-        call = Call(ref, actor, kind, timeout, payload, extra=extra)
+    def add(
+        self, actor: str, ref: Any, kind: str, timeout: float, payload: Any = None, **bookkeeping
+    ) -> Call:
+        """Track a call; `bookkeeping` sets `Call`'s bookkeeping fields by name (an unknown one is a TypeError)."""
+        call = Call(ref, actor, kind, timeout, payload, **bookkeeping)
         queue = self._queues.setdefault(actor, collections.deque())
         if not queue:
             call.started = time.monotonic()

@@ -91,14 +91,14 @@ class RolloutCollector:
                 [p.text for p in ps],
                 [p.meta for p in ps],
             )
-            keep = {"samples": samples}
+            kept = samples
         elif kind == "reference":
             ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
-            keep = {"logprobs": logprobs}
+            kept = logprobs
         else:
             ref = h.score_samples.remote(chunk.samples_ref, prompt_facts(chunk.prompts))
-            keep = {}
-        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, round=chunk.round, **keep)
+            kept = None
+        return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, kept=kept, round=chunk.round)
 
     def record(self, tracker: CallTracker, call: Call, stats: Any) -> Chunk | None:
         """Settle a finished call and file its result on its chunk: the facts and the samples'
@@ -110,9 +110,9 @@ class RolloutCollector:
             return None
         chunk = call.payload
         if call.kind == "generate":
-            chunk.facts, chunk.samples_ref = value, call.extra["samples"]
+            chunk.facts, chunk.samples_ref = value, call.kept
         elif call.kind == "reference":
-            chunk.ref_logprobs_ref = call.extra["logprobs"]
+            chunk.ref_logprobs_ref = call.kept
         else:
             chunk.scores = value
         return chunk
@@ -120,7 +120,7 @@ class RolloutCollector:
     @staticmethod
     def current(call: Call) -> bool:
         """`call` belongs to its chunk's current round (not to samples since lost)."""
-        return call.extra.get("round", 0) == call.payload.round
+        return call.round == call.payload.round
 
     def resubmit(self, tracker: CallTracker, call: Call, member: Member | None) -> bool:
         """Hand `call`'s work out again (same chunk, same seed) to `member` or `pick`'s;
@@ -231,7 +231,8 @@ class RolloutCollector:
                 raise ActorStartError(f"{call.actor} failed to start: {err.cause!r}") from err
             raise RolloutError(f"{call.actor} failed in {call.kind}: {err.cause!r}") from err
         if call.kind == "prepare":
-            call.extra["check"](value)
+            assert call.check is not None
+            call.check(value)
         return True, value
 
     def expire(self, tracker: CallTracker, stats: Any) -> None:

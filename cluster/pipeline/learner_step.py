@@ -73,7 +73,7 @@ class LearnerStep:
         if call.kind == "train":
             self.train_calls.remove(call)
             if "lost_parts" in value:  # no rank trained: some input's object is gone
-                self.lost.update(call.extra["chunks"][k].index for k in value["lost_parts"])
+                self.lost.update(call.chunks[k].index for k in value["lost_parts"])
                 self.aborted = True
             else:
                 self.metrics = self.metrics or value  # every rank returns the same global metrics
@@ -91,7 +91,7 @@ class LearnerStep:
                 self.export_calls, self.bundle = weights.start_export()
             return
         self.export_calls.remove(call)
-        if call.extra["name"] == "fingerprint":
+        if call.label == "fingerprint":
             self.fingerprint = expected_fingerprint(value, self.step, self.rollout_dtype)
         if not self.export_calls:  # published: workers load it before their next chunk
             self.t_sync = time.perf_counter() - self.t2

@@ -162,7 +162,7 @@ class AsyncPublisher(WeightPublisher):
         for i, r in enumerate(self.roles.ranks):
             flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype)
             bundle = exported if i == 0 else bundle
-            calls.append(add(f"learner-rank-{i}", flag, "export", limit, name=f"learner-rank-{i}"))
+            calls.append(add(f"learner-rank-{i}", flag, "export", limit, label=f"learner-rank-{i}"))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor
-        calls.append(add("learner-rank-0", fingerprint, "export", limit, name="fingerprint"))
+        calls.append(add("learner-rank-0", fingerprint, "export", limit, label="fingerprint"))
         return calls, bundle
