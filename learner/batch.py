@@ -3,8 +3,8 @@ and a rank's shard of them packed into right-padded tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -12,7 +12,34 @@ import torch
 from learner.sequences import pack_sequences
 from learner.trajectory import Trajectory
 
-__all__ = ["Batch", "Trajectory", "dummy_batch", "pack_trajectories"]
+__all__ = ["Batch", "TokenFields", "Trajectory", "dummy_batch", "pack_trajectories"]
+
+
+@dataclass
+class TokenFields:
+    """A shard's per-token tensors, `[B, R]` over response tokens (None: not there). From the rollout:
+    the behaviour and reference logprobs, and the earlier turns' rewards of multi-turn episodes. Filled by
+    `learner.prepare` for the PPO epochs: the proximal logprobs and values, the advantages and returns,
+    the off-policy weights (None when learner.off_policy is off) and the value clip radius (None unless
+    learner.value_clip is 'relative')."""
+
+    behaviour_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    value_clip: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenFields:
+        """`fn` applied to every tensor that is there."""
+        return TokenFields(**{f.name: _apply(fn, getattr(self, f.name)) for f in fields(self)})
+
+
+def _apply(fn, x):
+    return None if x is None else fn(x)
 
 
 @dataclass
@@ -28,7 +55,7 @@ class Batch:
     prompt_lens: torch.Tensor
     mask: torch.Tensor
     scores: torch.Tensor
-    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: TokenFields = field(default_factory=TokenFields)
     # Whole-shard facts read by `prepare` (not carried into micro-batches): group id per sequence
     # (equal ids = samples of one prompt) and whether it was cut at max_new_tokens.
     groups: torch.Tensor | None = None
@@ -54,7 +81,7 @@ class Batch:
             self.prompt_lens[idx],
             mask[:, :R],
             self.scores[idx],
-            {k: v[idx, :R] for k, v in self.tokens.items()},
+            self.tokens.map(lambda v: v[idx, :R]),
         )
 
     def to(self, device) -> Batch:
@@ -64,7 +91,7 @@ class Batch:
             self.prompt_lens.to(device),
             self.mask.to(device),
             self.scores.to(device),
-            {k: v.to(device) for k, v in self.tokens.items()},
+            self.tokens.map(lambda v: v.to(device)),
         )
 
 
@@ -79,7 +106,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     """Right-padded tensors of a shard (an empty shard gives a 0-row batch)."""
     if not trajectories:
         z = torch.zeros((0, 2), dtype=torch.long)
-        tokens = {"behaviour_logprobs": torch.zeros((0, 1)), "ref_logprobs": torch.zeros((0, 1))}
+        tokens = TokenFields(behaviour_logprobs=torch.zeros((0, 1)), ref_logprobs=torch.zeros((0, 1)))
         return Batch(
             z,
             z.clone(),
@@ -102,10 +129,10 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     )
     R = mask.shape[1]
     scores = torch.tensor([float(t.score) for t in trajectories], dtype=torch.float32)
-    tokens = {
-        "behaviour_logprobs": _pad_rows([t.behaviour_logprobs for t in trajectories], R),
-        "ref_logprobs": _pad_rows([t.ref_logprobs for t in trajectories], R),
-    }
+    tokens = TokenFields(
+        behaviour_logprobs=_pad_rows([t.behaviour_logprobs for t in trajectories], R),
+        ref_logprobs=_pad_rows([t.ref_logprobs for t in trajectories], R),
+    )
     if any(t.action_mask is not None for t in trajectories):
         for i, t in enumerate(trajectories):
             if t.action_mask is not None and len(t.action_mask) != len(t.response_ids):
@@ -120,7 +147,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
             R,
         )
     if any(t.token_rewards is not None for t in trajectories):
-        tokens["token_rewards"] = _pad_rows(
+        tokens.token_rewards = _pad_rows(
             [
                 t.token_rewards if t.token_rewards is not None else np.zeros(len(t.response_ids))
                 for t in trajectories

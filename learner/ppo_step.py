@@ -80,13 +80,13 @@ def micro_batch_loss(
     )
     pg, pg_m = policy_loss(
         logprobs,
-        t["old_logprobs"],
-        t["advantages"],
+        t.old_logprobs,
+        t.advantages,
         mb.mask,
         clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high,
         dual_clip=config.dual_clip,
-        is_weights=t.get("is_weights"),
+        is_weights=t.is_weights,
         agg=agg,
         global_tokens=g_tokens,
         global_seqs=g_seqs,
@@ -94,16 +94,20 @@ def micro_batch_loss(
         horizon=horizon,
     )
     if needs_critic(config.advantage):
-        vclip = None if config.value_clip == "off" else t.get("value_clip", config.value_clip_eps)
-        vf, vf_m = value_loss(
-            values, t["old_values"], t["returns"], mb.mask, vclip, agg, g_tokens, g_seqs, horizon
+        vclip = (
+            None
+            if config.value_clip == "off"
+            else config.value_clip_eps
+            if t.value_clip is None
+            else t.value_clip
         )
+        vf, vf_m = value_loss(values, t.old_values, t.returns, mb.mask, vclip, agg, g_tokens, g_seqs, horizon)
     else:  # no critic: no value loss (the value head is frozen, see LearnerRank.setup)
         vf, vf_m = torch.zeros((), device=logprobs.device), {"clip_frac": 0.0}
     ent = reduce(scored.entropy if with_entropy else -logprobs.detach(), mb.mask)
     loss = pg + config.vf_coef * vf - config.entropy_coef * ent
     if config.kl.mode == "loss":
-        kl_term = kl_loss(logprobs, t["ref_logprobs"], config.kl.loss_estimator)
+        kl_term = kl_loss(logprobs, t.ref_logprobs, config.kl.loss_estimator)
         loss = loss + config.kl.loss_coef * reduce(kl_term, mb.mask)
     n = float(mb.mask.sum())
     local = UpdateSums(

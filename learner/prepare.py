@@ -132,12 +132,12 @@ def prepare(
         buffer=config.overlong_buffer,
         factor=config.overlong_penalty,
     )
-    raw_turns = batch.tokens.get("token_rewards")  # earlier turns of multi-turn episodes
+    raw_turns = batch.tokens.token_rewards  # earlier turns of multi-turn episodes
     scores, turns, norm_stats = normalized_rewards(
         penalized, config, reward_moments, reduce_sum, raw_turns, mask
     )
     beta = kl_coef if config.kl.mode == "reward" else 0.0
-    rewards, kl = shape_rewards(scores, old_lp, batch.tokens["ref_logprobs"], mask, beta, config.kl.estimator)
+    rewards, kl = shape_rewards(scores, old_lp, batch.tokens.ref_logprobs, mask, beta, config.kl.estimator)
     if turns is not None:
         rewards, scores = place_token_rewards(config.advantage, rewards, scores, turns, mask)
     inputs = AdvantageInputs(
@@ -146,13 +146,13 @@ def prepare(
         values=values,
         mask=mask,
         groups=batch.groups,
-        log_rho=old_lp - batch.tokens["behaviour_logprobs"],
+        log_rho=old_lp - batch.tokens.behaviour_logprobs,
         bootstrap=None if boot is None else torch.where(truncated, boot, torch.zeros_like(boot)),
     )
     adv, returns = estimate(config.advantage, inputs, advantage_params(config, device))
     raw_returns = batch.scores if raw_turns is None else episode_return(batch.scores, raw_turns, mask)
     valid = mask.to(torch.bool)
-    gap = torch.where(valid, (old_lp - batch.tokens["behaviour_logprobs"]).abs(), torch.zeros(()))
+    gap = torch.where(valid, (old_lp - batch.tokens.behaviour_logprobs).abs(), torch.zeros(()))
     g = BatchSums(
         tokens=float(mask.sum()),
         sequences=float(len(batch)),
@@ -191,24 +191,25 @@ def prepare(
     stats.update(critic_stats(values, returns, mask, reduce_sum))
     if config.value_clip == "relative":
         radius = value_clip_radius("relative", config.value_clip_eps, stats["returns/std"])
-        batch.tokens["value_clip"] = torch.full_like(returns, radius)
+        batch.tokens.value_clip = torch.full_like(returns, radius)
         stats["values/clip_radius"] = radius
     if config.whiten_advantages and needs_critic(config.advantage):
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
-    batch.tokens.update(old_logprobs=old_lp, old_values=values, advantages=adv, returns=returns)
+    t = batch.tokens
+    t.old_logprobs, t.old_values, t.advantages, t.returns = old_lp, values, adv, returns
     # One computation of the off-policy weights, for the loss (applied unless the mode is 'none') and for
     # the statistics (reported in every mode). 'auto' is resolved by the run config; here it reads as 'none'.
     mode = "none" if config.off_policy == "auto" else config.off_policy
     weights, weight_stats = off_policy_weights(
         old_lp,
-        batch.tokens["behaviour_logprobs"],
+        batch.tokens.behaviour_logprobs,
         mask,
         mode,
         config.off_policy_cap,
         config.off_policy_geo_bounds,
     )
     if mode != "none":
-        batch.tokens["is_weights"] = weights
+        batch.tokens.is_weights = weights
     stats.update(_off_policy_stats(weight_stats, mask, device))
     if config.overlong_filter:
         # DAPO overlong filtering: from here on (the PPO epochs) a truncated row has no valid token, so it

@@ -138,7 +138,7 @@ def test_packed_batch_masks_observations_and_keeps_response_lengths():
     batch = pack_trajectories([t, single], pad_id=0)
     assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
     assert batch.response_lens.tolist() == [5, 2]
-    assert batch.tokens["token_rewards"].tolist() == [[0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert batch.tokens.token_rewards.tolist() == [[0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0]]
     part = batch.take(torch.tensor([0]))
     assert part.mask.shape == (1, 5)  # trimmed by response length, not by the mask's sum
     with pytest.raises(ValueError, match="mask entries"):
@@ -173,7 +173,7 @@ def test_a_score_from_another_reward_kind_takes_none_of_the_environments_turn_re
 
     t = to_trajectory(_episode_sample(), np.zeros(5, np.float32), 0.5)
     assert t.token_rewards is None and t.action_mask.tolist() == [1, 1, 0, 1, 1]
-    assert "token_rewards" not in pack_trajectories([t], pad_id=0).tokens
+    assert pack_trajectories([t], pad_id=0).tokens.token_rewards is None
 
 
 @pytest.mark.parametrize("kind", ["environment", "rule"])
@@ -229,7 +229,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
     tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
     stats = prepare(tap, batch, LearnerConfig(advantage="grpo"), 0.0, 1.0, 0, tap.device)
     assert stats["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
-    adv = batch.tokens["advantages"]
+    adv = batch.tokens.advantages
     for row, want in enumerate([1.161895, 0.387298, -0.387298, -1.161895]):
         valid = batch.mask[row] > 0
         np.testing.assert_allclose(adv[row][valid].tolist(), [want] * int(valid.sum()), atol=1e-4)
@@ -276,7 +276,7 @@ def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_po
         advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False, reward_norm=mode, reward_norm_clip=clip
     )
     stats = prepare(tap, batch, config, 0.0, 1.0, 0, tap.device, RunningMoments())
-    np.testing.assert_allclose(batch.tokens["advantages"].tolist(), want, atol=1e-6)
+    np.testing.assert_allclose(batch.tokens.advantages.tolist(), want, atol=1e-6)
     assert (stats["reward_norm/count"], stats["reward_norm/mean"]) == (3.0, pytest.approx(1.0))
     assert stats["reward_norm/std"] == pytest.approx(2.0)
     assert stats["rollout/reward_mean"] == pytest.approx(1.0)  # the raw returns' mean

@@ -318,7 +318,7 @@ def test_the_ramp_reaches_the_scores_the_learner_trains_on(policy_path):
         "group_std_normalize": False,
     }
     _, stats, batch = _run(policy_path, _trajectories([False, True]), kl_coef=0.0, **cfg)
-    adv = batch.tokens["advantages"]
+    adv = batch.tokens.advantages
     assert float(adv[0, 0]) == pytest.approx(1.25) and float(adv[1, 0]) == pytest.approx(-1.25)
     assert stats["train/overlong_penalty_mean"] == pytest.approx(-0.5)  # (0 + -1) / 2 sequences
     assert stats["rollout/reward_mean"] == pytest.approx(0.5)  # the raw scores

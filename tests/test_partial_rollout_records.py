@@ -123,7 +123,7 @@ def test_off_policy_weights_use_each_tokens_own_behaviour_logprob():
     sample = _sample([3, 3, 4, 4])
     sample.logprobs = np.array([-1.2, -2.0, -0.4, -3.0], dtype=np.float32)  # v3, v3, v4, v4
     batch = pack_trajectories([to_trajectory(sample, np.zeros(4, np.float32), 1.0)], pad_id=0)
-    behaviour = batch.tokens["behaviour_logprobs"]
+    behaviour = batch.tokens.behaviour_logprobs
     mask = batch.mask
     torch.testing.assert_close(behaviour[0, :4], torch.from_numpy(sample.logprobs))
     proximal = torch.tensor([[-1.0, -2.0, -0.5, -1.5]])
