@@ -8,18 +8,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from reward_service.hf_models import DTYPES, max_positions
+
 ScoreKind = Literal["logit", "logit_diff", "prob"]
-
-
-def _max_positions(model_config, tokenizer) -> int | None:
-    """Longest input the model accepts: its position table, or the tokenizer's limit when that is smaller."""
-    limits = [
-        getattr(model_config, name, None) for name in ("max_position_embeddings", "n_positions", "n_ctx")
-    ]
-    limits.append(getattr(tokenizer, "model_max_length", None))
-    limits = [int(x) for x in limits if isinstance(x, int) and 0 < x < 1_000_000]
-    return min(limits) if limits else None
 
 
 class ClassifierReward:
@@ -41,7 +32,7 @@ class ClassifierReward:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True
+            model_path, dtype=DTYPES[dtype], local_files_only=True, use_safetensors=True
         )
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
@@ -54,7 +45,7 @@ class ClassifierReward:
             raise ValueError(f"reward.score='prob' needs at least 2 labels; {model_path} has {n_labels}")
         self.score_kind = score
         self.positive_label = positive_label
-        self.max_len = _max_positions(self.model.config, self.tokenizer)
+        self.max_len = max_positions(self.model.config, self.tokenizer)
         pad = self.model.config.pad_token_id
         if pad is None:
             tok = self.tokenizer

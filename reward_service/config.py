@@ -69,6 +69,11 @@ DEFAULT_JUDGE_TEMPLATE = (
 )
 
 
+def template_fields(template: str) -> set[str]:
+    """The fields a format string reads ({question} -> "question"); ValueError if it is none."""
+    return {name for _t, name, _f, _c in string.Formatter().parse(template) if name is not None}
+
+
 class JudgeConfig(_Strict):
     """reward.kind='judge': a causal LM as the reward (docs/rewards.md#an-llm-as-the-judge)."""
 
@@ -117,7 +122,7 @@ class JudgeConfig(_Strict):
     @classmethod
     def _fields(cls, v: str) -> str:
         try:
-            used = {name for _t, name, _f, _c in string.Formatter().parse(v) if name is not None}
+            used = template_fields(v)
         except ValueError as e:
             raise ValueError(f"reward.judge.template is no format string: {e}") from None
         unknown = sorted(used - set(JUDGE_FIELDS))

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from reward_service.config import JudgeConfig
+from learner.sequences import pad_id_of, right_padded
+from reward_service.config import JudgeConfig, template_fields
 from reward_service.functions import RewardInput
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from reward_service.hf_models import DTYPES, max_positions
+from reward_service.reference import pick_device
 
 
 class JudgeReward:
@@ -41,20 +42,18 @@ class JudgeReward:
         if not config.model_path:
             raise ValueError("reward.kind='judge' needs reward.judge.model_path")
         self.config, self.batch_size = config, batch_size
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or pick_device()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=_DTYPES[dtype], local_files_only=True
+            config.model_path, dtype=DTYPES[dtype], local_files_only=True
         )
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         tok = self.tokenizer
-        self.pad_id = next(
-            (t for t in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) if t is not None), 0
-        )
-        self.max_len = _context(self.model.config)
+        self.pad_id = pad_id_of(tok)
+        self.max_len = max_positions(self.model.config, tok)  # None: neither says
         self.chat = config.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
-        self.uses_reference = "{reference}" in config.template
+        self.uses_reference = "reference" in template_fields(config.template)
         self.pattern = re.compile(config.score_pattern)
         if config.verdict == "yes_no":
             self.yes_id = self._one_token(config.yes, "yes")
@@ -118,12 +117,13 @@ class JudgeReward:
             except KeyError as e:
                 errors[i] = f"judge: {e.args[0]}"
                 continue
-            room = self.max_len - (self.config.max_new_tokens if self.config.verdict == "score" else 0)
-            if self.max_len and len(row) > room:
-                errors[i] = (
-                    f"judge: the prompt is {len(row)} tokens, more than the judge's context allows ({room})"
-                )
-                continue
+            if self.max_len is not None:
+                room = self.max_len - (self.config.max_new_tokens if self.config.verdict == "score" else 0)
+                if len(row) > room:
+                    errors[i] = (
+                        f"judge: the prompt is {len(row)} tokens, more than the judge's context allows ({room})"
+                    )
+                    continue
             ids[i] = row
         todo = sorted(ids, key=lambda i: len(ids[i]))  # similar lengths together: less padding
         for k in range(0, len(todo), self.batch_size):
@@ -149,28 +149,22 @@ class JudgeReward:
                     scores[i] = v
         return scores, errors, replies
 
-    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        L = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), L), dtype=torch.long)
-        for j, r in enumerate(rows):
-            input_ids[j, L - len(r) :] = torch.tensor(r, dtype=torch.long)
-            attn[j, L - len(r) :] = 1
-        return input_ids.to(self.device), attn.to(self.device)
-
     @torch.no_grad()
     def _yes_no(self, rows: list[list[int]]) -> list[float]:
-        """sigmoid(log P(yes) - log P(no)) of the next token after each prompt."""
-        input_ids, attn = self._left_padded(rows)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).logits[:, -1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        """sigmoid(log P(yes) - log P(no)) of the next token after each prompt, read at each row's last
+        token of a right-padded batch (causal attention: the padding after it changes nothing)."""
+        input_ids, attn = right_padded([np.asarray(r) for r in rows], self.device)
+        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
+        last = logits[torch.arange(len(rows), device=self.device), attn.sum(-1) - 1]
+        logp = torch.log_softmax(last.float(), dim=-1)
         return torch.sigmoid(logp[:, self.yes_id] - logp[:, self.no_id]).cpu().tolist()
 
     @torch.no_grad()
     def _generate(self, rows: list[list[int]]) -> list[str]:
         """The judge's greedy reply to each prompt, decoded without special tokens."""
-        input_ids, attn = self._left_padded(rows)
+        width = max(len(r) for r in rows)  # left-padded: every prompt ends where generation starts
+        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=self.device)
+        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
@@ -196,12 +190,3 @@ class JudgeReward:
         if not lo <= value <= hi:
             return f"judge score {value:g} is outside reward.judge.score_range [{lo:g}, {hi:g}]: {shown!r}"
         return value
-
-
-def _context(model_config) -> int:
-    """The judge's longest input (0: unknown)."""
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        v = getattr(model_config, name, None)
-        if isinstance(v, int) and 0 < v < 10_000_000:
-            return v
-    return 0

@@ -20,8 +20,7 @@ from learner.sequences import (
     response_tokens,
 )
 from reward_service.config import ReferenceConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from reward_service.hf_models import DTYPES
 
 
 def pick_device() -> torch.device:
@@ -46,7 +45,7 @@ class ReferencePolicy:
         self.device = pick_device()
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path,
-            dtype=_DTYPES[config.dtype],
+            dtype=DTYPES[config.dtype],
             local_files_only=True,
             use_safetensors=True,
             **fused_gelu_kwargs(AutoConfig.from_pretrained(model_path, local_files_only=True)),

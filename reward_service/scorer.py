@@ -225,11 +225,7 @@ class RewardScorer:
         if not index:
             return
         scores, errors = self._classifier.score_texts(texts)
-        for i, s, err in zip(index, scores, errors, strict=True):
-            if err is None:
-                out.set(i, s, "reward model")
-            else:
-                out.fail(i, err)
+        _file(out, index, scores, errors, "reward model")
 
     def _score_functions(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
         """The weighted sum of the reward functions as each sample's score, and each function's values."""
@@ -248,11 +244,7 @@ class RewardScorer:
     def _score_judge(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
         assert self._judge is not None
         scores, errors, _replies = self._judge.score(inputs)
-        for i, v, err in zip(index, scores, errors, strict=True):
-            if err is None:
-                out.set(i, float(v), "judge")
-            else:
-                out.fail(i, err)
+        _file(out, index, scores, errors, "judge")
 
     def _score_remote(
         self, prompts: list[str], responses: list[str], meta: list[dict], live: list[int], out: ScoreBatch
@@ -274,3 +266,12 @@ class RewardScorer:
                     out.fail(i, "remote reward returned null for this sample")
                 else:
                     out.set(i, s, "remote reward")
+
+
+def _file(out: ScoreBatch, index: list[int], scores, errors: list[str | None], source: str) -> None:
+    """A backend's scores and errors (one each per sample of `index`) onto the batch's rows."""
+    for i, value, err in zip(index, scores, errors, strict=True):
+        if err is None:
+            out.set(i, value, source)
+        else:
+            out.fail(i, err)
