@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,32 @@ def area_of(filename: str) -> str:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, area_of(Path(str(item.fspath)).name)))
+
+
+# DeepSpeed's cpu_adam op is JIT-built with g++ the first time a venv uses it (~2 min on 2 cores; a
+# new venv path is a new build, since ninja sees new include paths). When a selected test needs it
+# (marker `cpu_adam`), the build starts as the session starts, at the lowest CPU priority, so it
+# fills the time the end-to-end tests leave idle; the test that needs it loads the finished op, or
+# waits on torch's own build lock until it is done. Never killed: a build stopped midway would
+# leave that lock behind for the next run.
+_BUILDS: list[subprocess.Popen] = []
+BUILD_CPU_ADAM = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
+
+
+def pytest_collection_finish(session):
+    if any(item.get_closest_marker("cpu_adam") for item in session.items):
+        log = Path(tempfile.gettempdir()) / f"cpu_adam_build_{os.getpid()}.log"
+        with log.open("w") as out:  # the child keeps its own copy of the descriptor
+            _BUILDS.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", BUILD_CPU_ADAM],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=lambda: os.nice(19),
+                )
+            )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for build in _BUILDS:
+        build.wait()

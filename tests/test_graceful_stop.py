@@ -30,8 +30,10 @@ STEP_WAIT_S = 900  # start-up plus one step, on a machine shared with other CPU-
 EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's shutdown
 
 
-def start_run(assets, run_dir: Path, steps: int, *extra: str) -> subprocess.Popen:
-    sets = sum((["--set", s] for s in demo_overrides(assets, steps)), [])
+def start_run(
+    assets, run_dir: Path, steps: int, *extra: str, placement: str = "separate"
+) -> subprocess.Popen:
+    sets = sum((["--set", s] for s in demo_overrides(assets, steps, **{"cluster.placement": placement})), [])
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, *extra, "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
@@ -55,9 +57,9 @@ def shm_files() -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith("deepspeed_")}
 
 
-def stop_with(sig: int, assets, run_dir: Path) -> tuple[str, list[psutil.Process]]:
+def stop_with(sig: int, assets, run_dir: Path, placement: str) -> tuple[str, list[psutil.Process]]:
     """Start a long run, send `sig` after step 1; returns its output and its process tree."""
-    proc = start_run(assets, run_dir, 1000)
+    proc = start_run(assets, run_dir, 1000, placement=placement)
     tree: list[psutil.Process] = []
     try:
         wait_for_steps(proc, run_dir, 1)
@@ -87,7 +89,7 @@ def assert_nothing_left(tree: list[psutil.Process], shm_before: set[str]) -> Non
 def test_sigterm_checkpoints_stops_everything_and_resumes(demo_assets, tmp_path):
     shm_before = shm_files()
     run_dir = tmp_path / "run"
-    out, tree = stop_with(signal.SIGTERM, demo_assets, run_dir)
+    out, tree = stop_with(signal.SIGTERM, demo_assets, run_dir, "separate")
     assert "stopped by SIGTERM" in out and "Aborted" not in out
     ckpt = latest_checkpoint(run_dir)
     done = json.loads((ckpt / "state.json").read_text())["step"]
@@ -144,9 +146,11 @@ def assert_export_matches_final(ckpt: Path, final: Path, out: Path) -> None:
 
 
 def test_ctrl_c_checkpoints_prints_a_run_summary_and_stops_everything(demo_assets, tmp_path):
+    """In the demo's own placement (colocated: what `make train` runs, and stops with Ctrl-C); the
+    SIGTERM test above stops the separate placement's actors."""
     shm_before = shm_files()
     run_dir = tmp_path / "run"
-    out, tree = stop_with(signal.SIGINT, demo_assets, run_dir)
+    out, tree = stop_with(signal.SIGINT, demo_assets, run_dir, "colocated")
     assert "stopped by SIGINT" in out and "interrupted after" in out and "metrics" in out
     ckpt = latest_checkpoint(run_dir)
     assert f"continue with --resume {run_dir}" in out and str(ckpt) in out
@@ -171,6 +175,9 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
         "rollout.chunk_size": 4,
         "learner.micro_batch_size": 8,
         "pipeline.mode": mode,
+        # The stop hook is the pipeline's, not the placement's: sync runs the demo's colocated placement
+        # (one actor), async the separate one it needs.
+        "cluster.placement": "colocated" if mode == "sync" else "separate",
     }
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))  # no checkpoint but the stop's
     run_dir = tmp_path / "run"
@@ -214,7 +221,9 @@ def always_fails(prompt, response, meta):
 
 
 def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
-    """Every process the run started is watched while it runs (its tree grows as actors start)."""
+    """Every process the run started is watched while it runs (its tree grows as actors start). In the
+    demo's colocated placement: the rule is scored in the learner rank's own process, so the failure
+    ends the run from inside the process that also holds the learner."""
     shm_before = shm_files()
     module = tmp_path / "failing_rule.py"
     module.write_text(FAILING_RULE)
@@ -225,7 +234,8 @@ def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
         "reward.max_failure_frac=0",
     ]
     log = (tmp_path / "out.log").open("w+")
-    sets = sum((["--set", s] for s in [*demo_overrides(demo_assets, 3), *rule]), [])
+    over = demo_overrides(demo_assets, 3, **{"cluster.placement": "colocated"})
+    sets = sum((["--set", s] for s in [*over, *rule]), [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, "--run-dir", str(tmp_path / "run")],
         stdout=log,

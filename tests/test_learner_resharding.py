@@ -96,6 +96,7 @@ def test_two_ranks_zero3_checkpoint_resumes_on_one_rank_zero2_and_back(ray_local
         _assert_same_weights(_weights(ray, two), w2, atol=1e-7)
 
 
+@pytest.mark.cpu_adam
 def test_cpu_offload_takes_the_torch_adamw_step_and_shares_checkpoints(ray_local, tiny_policy_dir, tmp_path):
     """DeepSpeedCPUAdam (offload_optimizer; offload_params too under ZeRO-3) vs torch AdamW."""
     ray = ray_local

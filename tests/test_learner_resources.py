@@ -37,6 +37,7 @@ def test_good_learner_resources_are_accepted():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_adam
 def test_offload_maps_to_deepspeed_config_and_cpu_adam():
     base = ds_config(LearnerConfig())["zero_optimization"]
     assert "offload_optimizer" not in base and "offload_param" not in base

@@ -40,15 +40,22 @@ def run_steps(trainer: Trainer, n: int) -> list[dict]:
     return [trainer.iteration() for _ in range(n)]
 
 
-def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_assets, tmp_path):
-    extra = {"checkpoint.every_steps": 2}
-    reference = Trainer(small(demo_assets, 4, **extra), tmp_path / "straight")
+EVERY_2 = {"checkpoint.every_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def straight(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
+    """4 steps of a run that loses nothing: what the faulted runs below must reproduce."""
+    reference = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path_factory.mktemp("straight") / "run")
     try:
         reference.setup()
-        straight = run_steps(reference, 4)
+        return run_steps(reference, 4)
     finally:
         reference.close()
 
+
+def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_assets, tmp_path, straight):
+    extra = EVERY_2
     # A run that checkpoints at step 2, then loses its learner rank in step 3.
     crashed = Trainer(small(demo_assets, 4, **extra), tmp_path / "crashed")
     try:
@@ -119,18 +126,15 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
     assert set(trainer.progress.trained_prompts.values()) == {1}
 
 
-def test_a_lost_learner_input_is_generated_again_with_the_same_seed(ray_local, demo_assets, tmp_path):
+def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
+    ray_local, demo_assets, tmp_path, straight
+):
     """Sync mode: the ranks report an input whose object is gone (`lost_parts`: its only copy died
     with its node, as tests/test_multinode.py does for real in async mode), so no rank trained; the
     driver generates and scores that chunk again, same seed and weights, and retries the step: the
-    numbers of a run that lost nothing, the loss counted."""
-    straight = Trainer(small(demo_assets, 1), tmp_path / "straight")
-    try:
-        straight.setup()
-        want = straight.iteration()
-    finally:
-        straight.close()
-    trainer = Trainer(small(demo_assets, 1), tmp_path / "lossy")
+    numbers of a run that lost nothing (step 1 of the same config), the loss counted."""
+    want = straight[0]
+    trainer = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "lossy")
     lost = []
     try:
         trainer.setup()
@@ -199,6 +203,9 @@ def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_lo
     module = tmp_path / "flaky_rule.py"
     module.write_text(FLAKY_RULE)
     extra = {"reward.kind": "rule", "reward.rule": "flaky_positive", "reward.rule_module": module}
+    # Scored in the demo's colocated placement (one actor): reward failures are the scorer's rule, the
+    # same code in either placement; a scorer actor that dies is tested above.
+    extra["cluster.placement"] = "colocated"
     trainer = Trainer(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.95}), tmp_path / "ok")
     try:
         trainer.setup()

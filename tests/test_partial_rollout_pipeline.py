@@ -4,8 +4,8 @@ trained sample stays within the staleness bound by its oldest token, every promp
 once, and with `stale_policy: wait` nothing is ever dropped.
 
 The workload makes chunks long next to a learner step, whatever the machine's speed: 3-turn episodes
-whose environment answers each turn after 1.5 s (a slow tool), so a chunk takes >= 4.5 s and the
-learner publishes while the workers are inside their chunks; the weights come in between turns or
+whose environment answers each turn after 0.75 s (a slow tool), so a chunk takes >= 2.25 s, several
+times a learner step of the tiny demo, and the learner publishes while the workers are inside their chunks; the weights come in between turns or
 inside a turn's generation. (The engines' own interruption points are tested exactly, with a load
 made at a chosen token, in tests/test_partial_rollout_engines.py.)"""
 
@@ -41,7 +41,7 @@ def _run(assets, tmp_path, **extra):
         "rollout.environment.module": ENV_MODULE,
         "rollout.environment.max_turns": 3,
         "rollout.environment.max_total_tokens": 48,
-        "rollout.environment.kwargs": "{turns: 3, delay: 1.5}",
+        "rollout.environment.kwargs": "{turns: 3, delay: 0.75}",
         "reward.kind": "environment",
         **extra,
     }
