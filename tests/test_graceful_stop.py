@@ -26,6 +26,8 @@ from cluster.pipeline.stopping import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 
+# Steps of 8 prompts (the demo's are 64): what is checked is how a run stops, not what it learns.
+SMALL = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
 STEP_WAIT_S = 900  # start-up plus one step, on a machine shared with other CPU-bound work
 EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's shutdown
 
@@ -33,7 +35,9 @@ EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's
 def start_run(
     assets, run_dir: Path, steps: int, *extra: str, placement: str = "separate"
 ) -> subprocess.Popen:
-    sets = sum((["--set", s] for s in demo_overrides(assets, steps, **{"cluster.placement": placement})), [])
+    sets = sum(
+        (["--set", s] for s in demo_overrides(assets, steps, **SMALL, **{"cluster.placement": placement})), []
+    )
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, *extra, "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
@@ -234,7 +238,7 @@ def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
         "reward.max_failure_frac=0",
     ]
     log = (tmp_path / "out.log").open("w+")
-    over = demo_overrides(demo_assets, 3, **{"cluster.placement": "colocated"})
+    over = demo_overrides(demo_assets, 3, **SMALL, **{"cluster.placement": "colocated"})
     sets = sum((["--set", s] for s in [*over, *rule]), [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, "--run-dir", str(tmp_path / "run")],

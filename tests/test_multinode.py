@@ -247,55 +247,72 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     assert not any(".partial" in f for f in files)
 
 
-def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(demo_assets, tmp_path):
-    """Issue 10: 2.5 CPUs asked of 3 x 1 CPU. Small actors placed first, one per node, left no
-    node a whole CPU for the learner; placed as one plan, the learner gets a node of its own."""
-    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+@pytest.fixture(scope="module")
+def three_one_cpu_nodes():
+    """3 x 1 CPU, shared by the two plan tests below. The plan that cannot be placed runs first: it
+    starts no actor and reserves nothing, so the cluster is as fresh for the plan that can."""
     one_cpu = {"num_cpus": 1}
     with ray_cluster(one_cpu, one_cpu, one_cpu) as (cluster, _nodes):
-        two_workers = {"rollout.num_workers": 2, "rollout.num_cpus_per_worker": 0.5}
-        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **two_workers))
-        out = finish(proc, log)
-        assert proc.returncode == 0, out[-4000:]
-        actors = actors_by_name(cluster)
+        yield cluster
+
+
+def run_actors(cluster: Cluster, run_id: str) -> dict[str, dict]:
+    """`actors_by_name` for the run `run_id` only (the run id is the run folder's name)."""
+    table = cluster.global_state.actor_table(None)
+    ours = {a["Name"].split("/", 1)[-1] for a in table.values() if a["Name"].startswith(f"{run_id}/")}
+    return {name: a for name, a in actors_by_name(cluster).items() if name in ours}
+
+
+def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(
+    demo_assets, tmp_path, three_one_cpu_nodes
+):
+    """2.7 CPUs asked of 3 x 1 CPU, yet no layout holds them: each 0.8-CPU learner rank leaves
+    0.2 of its node, too little for anything else, and the rest (1.1 CPUs) exceeds the third node.
+    Ray would keep that group pending; the run fails before timeouts.actor_start_s, naming why.
+    With cluster.autoscaling it waits actor_start_s for nodes instead."""
+    cluster = three_one_cpu_nodes
+    run_dir, log = tmp_path / "unplaceable", tmp_path / "run.log"
+    plan = {
+        "learner.num_ranks": 2,
+        "learner.num_cpus_per_rank": 0.8,
+        "rollout.num_workers": 2,
+        "rollout.num_cpus_per_worker": 0.3,
+        "timeouts.actor_start_s": 3600,  # an answer before this is not a timeout
+    }
+    proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **plan))
+    out = finish(proc, log)
+    assert proc.returncode == 1, out[-4000:]
+    assert "cannot hold these bundles even when idle" in out
+    assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
+    assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
+    assert not run_actors(cluster, run_dir.name)  # no actor was started
+
+    # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
+    # then fails the same way and takes its pending group back.
+    waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 20}
+    log = tmp_path / "waiting.log"
+    proc = start_run(cluster, tmp_path / "waiting", log, small_demo(demo_assets, tmp_path, 1, **waiting))
+    out = finish(proc, log)
+    assert proc.returncode == 1, out[-4000:]
+    assert "not placed within 20s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
+    groups = cluster.global_state.placement_group_table()
+    assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}
+
+
+def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(
+    demo_assets, tmp_path, three_one_cpu_nodes
+):
+    """Issue 10: 2.5 CPUs asked of 3 x 1 CPU. Small actors placed first, one per node, left no
+    node a whole CPU for the learner; placed as one plan, the learner gets a node of its own."""
+    cluster = three_one_cpu_nodes
+    run_dir, log = tmp_path / "placed", tmp_path / "run.log"
+    two_workers = {"rollout.num_workers": 2, "rollout.num_cpus_per_worker": 0.5}
+    proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **two_workers))
+    out = finish(proc, log)
+    assert proc.returncode == 0, out[-4000:]
+    actors = run_actors(cluster, run_dir.name)
     learner_node = actors["learner-rank-0"]["NodeID"]
     others = [
         a["NodeID"] for name, a in actors.items() if name.split("-")[0] in ("rollout", "reference", "reward")
     ]
     assert len(others) == 4 and learner_node not in others
-
-
-def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(demo_assets, tmp_path):
-    """2.7 CPUs asked of 3 x 1 CPU, yet no layout holds them: each 0.8-CPU learner rank leaves
-    0.2 of its node, too little for anything else, and the rest (1.1 CPUs) exceeds the third node.
-    Ray would keep that group pending; the run fails before timeouts.actor_start_s, naming why.
-    With cluster.autoscaling it waits actor_start_s for nodes instead."""
-    run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    one_cpu = {"num_cpus": 1}
-    with ray_cluster(one_cpu, one_cpu, one_cpu) as (cluster, _nodes):
-        plan = {
-            "learner.num_ranks": 2,
-            "learner.num_cpus_per_rank": 0.8,
-            "rollout.num_workers": 2,
-            "rollout.num_cpus_per_worker": 0.3,
-            "timeouts.actor_start_s": 3600,  # an answer before this is not a timeout
-        }
-        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **plan))
-        out = finish(proc, log)
-        actors = actors_by_name(cluster)
-        assert proc.returncode == 1, out[-4000:]
-        assert "cannot hold these bundles even when idle" in out
-        assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
-        assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
-        assert not actors  # no actor was started
-
-        # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
-        # then fails the same way and takes its pending group back.
-        waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 20}
-        log = tmp_path / "waiting.log"
-        proc = start_run(cluster, tmp_path / "run2", log, small_demo(demo_assets, tmp_path, 1, **waiting))
-        out = finish(proc, log)
-        assert proc.returncode == 1, out[-4000:]
-        assert "not placed within 20s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
-        groups = cluster.global_state.placement_group_table()
-        assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}

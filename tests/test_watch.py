@@ -38,6 +38,13 @@ CONDITIONAL = {
 # histogram _sum adds bucket midpoints, not the observed values, so no panel shows a mean from it).
 UNPANELLED = {"ray_rayppo_step_seconds_sum", "ray_rayppo_step_seconds_count"}
 STEPS = 3
+# Async (the pipeline whose metrics are the most), steps of 8 prompts: the metrics are checked, not the learning.
+SMALL = {
+    "pipeline.mode": "async",
+    "data.prompts_per_step": 8,
+    "rollout.chunk_size": 4,
+    "learner.micro_batch_size": 8,
+}
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -129,7 +136,7 @@ def test_prometheus_sees_every_dashboard_metric_of_a_live_demo_run(demo_assets, 
             argv = [
                 str(CONFIG),
                 *sum(
-                    (["--set", o] for o in demo_overrides(demo_assets, STEPS, **{"pipeline.mode": "async"})),
+                    (["--set", o] for o in demo_overrides(demo_assets, STEPS, **SMALL)),
                     [],
                 ),
             ]

@@ -246,6 +246,9 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
         "rollout.weight_sync": "collective",
         "rollout.num_workers": 2,
         "rollout.num_cpus_per_worker": 0.25,
+        "data.prompts_per_step": 8,  # the versions are checked, not the learning
+        "rollout.chunk_size": 4,
+        "learner.micro_batch_size": 8,
     }
     trainer = Trainer(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
     versions = lambda: ray.get([w.version.remote() for w in trainer.roles.workers.handles], timeout=60)  # noqa: E731
