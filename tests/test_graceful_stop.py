@@ -19,15 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from demo_run import CONFIG, demo_overrides
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
 from cluster.pipeline.stopping import EXIT_CODES
 
 pytestmark = pytest.mark.slow
 
-# Steps of 8 prompts (the demo's are 64): what is checked is how a run stops, not what it learns.
-SMALL = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
 STEP_WAIT_S = 900  # start-up plus one step, on a machine shared with other CPU-bound work
 EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's shutdown
 
@@ -35,9 +33,8 @@ EXIT_WAIT_S = 600  # the rest of the step, the checkpoint, the summary and Ray's
 def start_run(
     assets, run_dir: Path, steps: int, *extra: str, placement: str = "separate"
 ) -> subprocess.Popen:
-    sets = sum(
-        (["--set", s] for s in demo_overrides(assets, steps, **SMALL, **{"cluster.placement": placement})), []
-    )
+    over = demo_overrides(assets, steps, **SMALL_STEPS, **{"cluster.placement": placement})
+    sets = sum((["--set", s] for s in over), [])
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, *extra, "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
@@ -174,10 +171,8 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(demo_assets.prompts.read_text().splitlines()[:24]) + "\n")
     extra = {
+        **SMALL_STEPS,
         "data.prompts_path": prompts,
-        "data.prompts_per_step": 8,
-        "rollout.chunk_size": 4,
-        "learner.micro_batch_size": 8,
         "pipeline.mode": mode,
         # The stop hook is the pipeline's, not the placement's: sync runs the demo's colocated placement
         # (one actor), async the separate one it needs.
@@ -238,7 +233,7 @@ def test_a_failed_run_leaves_no_process_or_shm_file(demo_assets, tmp_path):
         "reward.max_failure_frac=0",
     ]
     log = (tmp_path / "out.log").open("w+")
-    over = demo_overrides(demo_assets, 3, **SMALL, **{"cluster.placement": "colocated"})
+    over = demo_overrides(demo_assets, 3, **SMALL_STEPS, **{"cluster.placement": "colocated"})
     sets = sum((["--set", s] for s in [*over, *rule]), [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.train", str(CONFIG), *sets, "--run-dir", str(tmp_path / "run")],

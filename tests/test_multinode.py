@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from demo_run import CONFIG, demo_overrides, prompt_file
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides, prompt_file
 from ray.cluster_utils import Cluster
 from ray.core.generated import common_pb2
 
@@ -75,14 +75,16 @@ def finish(proc: subprocess.Popen, log: Path) -> str:
     return log.read_text()
 
 
-def actors_by_name(cluster: Cluster) -> dict[str, dict]:
-    """Every actor the cluster has seen (dead ones too): member name (the run id prefix of
-    `<run id>/<member>` dropped) -> {'State', 'NodeID', 'Pid'}."""
+def actors_by_name(cluster: Cluster, run_id: str | None = None) -> dict[str, dict]:
+    """Every actor the cluster has seen (dead ones too), or the run `run_id`'s only (the run id is the
+    run folder's name): member name (the run id prefix of `<run id>/<member>` dropped) -> {'State',
+    'NodeID', 'Pid'}."""
     table = cluster.global_state.actor_table(None)
+    prefix = "" if run_id is None else f"{run_id}/"
     return {
         a["Name"].split("/", 1)[-1]: {"State": a["State"], "NodeID": a["Address"]["NodeID"], "Pid": a["Pid"]}
         for a in table.values()
-        if a["Name"]
+        if a["Name"] and a["Name"].startswith(prefix)
     }
 
 
@@ -120,13 +122,7 @@ def small_demo(assets, tmp_path: Path, steps: int, **extra) -> list[str]:
     return demo_overrides(
         assets,
         steps,
-        **{
-            "data.prompts_per_step": 8,
-            "data.prompts_path": prompt_file(assets, tmp_path, steps * 8),
-            "rollout.chunk_size": 4,
-            "learner.micro_batch_size": 8,
-            **extra,
-        },
+        **{**SMALL_STEPS, "data.prompts_path": prompt_file(assets, tmp_path, steps * 8), **extra},
     )
 
 
@@ -256,13 +252,6 @@ def three_one_cpu_nodes():
         yield cluster
 
 
-def run_actors(cluster: Cluster, run_id: str) -> dict[str, dict]:
-    """`actors_by_name` for the run `run_id` only (the run id is the run folder's name)."""
-    table = cluster.global_state.actor_table(None)
-    ours = {a["Name"].split("/", 1)[-1] for a in table.values() if a["Name"].startswith(f"{run_id}/")}
-    return {name: a for name, a in actors_by_name(cluster).items() if name in ours}
-
-
 def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(
     demo_assets, tmp_path, three_one_cpu_nodes
 ):
@@ -285,7 +274,7 @@ def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(
     assert "cannot hold these bundles even when idle" in out
     assert "2 x learner-rank {CPU: 0.8}" in out and "2 x rollout-worker {CPU: 0.3}" in out
     assert out.count("CPU 1/1") == 3  # free/total of each node: nothing was reserved
-    assert not run_actors(cluster, run_dir.name)  # no actor was started
+    assert not actors_by_name(cluster, run_dir.name)  # no actor was started
 
     # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
     # then fails the same way and takes its pending group back.
@@ -310,7 +299,7 @@ def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(
     proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, 1, **two_workers))
     out = finish(proc, log)
     assert proc.returncode == 0, out[-4000:]
-    actors = run_actors(cluster, run_dir.name)
+    actors = actors_by_name(cluster, run_dir.name)
     learner_node = actors["learner-rank-0"]["NodeID"]
     others = [
         a["NodeID"] for name, a in actors.items() if name.split("-")[0] in ("rollout", "reference", "reward")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import ray
-from demo_run import CONFIG, demo_overrides
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.config.schema import load_config
 from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
@@ -32,8 +32,7 @@ COMPARED = [
 
 
 def small(assets, steps, **extra):
-    base = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
-    return load_config(CONFIG, demo_overrides(assets, steps, **{**base, **extra}))
+    return load_config(CONFIG, demo_overrides(assets, steps, **{**SMALL_STEPS, **extra}))
 
 
 def run_steps(trainer: Trainer, n: int) -> list[dict]:
@@ -55,9 +54,8 @@ def straight(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
 
 
 def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_assets, tmp_path, straight):
-    extra = EVERY_2
     # A run that checkpoints at step 2, then loses its learner rank in step 3.
-    crashed = Trainer(small(demo_assets, 4, **extra), tmp_path / "crashed")
+    crashed = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed")
     try:
         crashed.setup()
         run_steps(crashed, 2)
@@ -69,7 +67,7 @@ def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_asset
     ckpt = latest_checkpoint(tmp_path / "crashed")
     assert ckpt.name == "step-000002"
 
-    resumed = Trainer(small(demo_assets, 4, **extra), tmp_path / "crashed", resume_from=ckpt)
+    resumed = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed", resume_from=ckpt)
     try:
         resumed.setup()
         assert resumed.step == 2 and resumed.version == 2
@@ -202,10 +200,14 @@ def flaky_positive(prompt, response, meta):
 def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_local, demo_assets, tmp_path):
     module = tmp_path / "flaky_rule.py"
     module.write_text(FLAKY_RULE)
-    extra = {"reward.kind": "rule", "reward.rule": "flaky_positive", "reward.rule_module": module}
-    # Scored in the demo's colocated placement (one actor): reward failures are the scorer's rule, the
-    # same code in either placement; a scorer actor that dies is tested above.
-    extra["cluster.placement"] = "colocated"
+    extra = {
+        "reward.kind": "rule",
+        "reward.rule": "flaky_positive",
+        "reward.rule_module": module,
+        # The demo's colocated placement (one actor): reward failures are the scorer's rule, the same
+        # code in either placement; a scorer actor that dies is tested above.
+        "cluster.placement": "colocated",
+    }
     trainer = Trainer(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.95}), tmp_path / "ok")
     try:
         trainer.setup()

@@ -5,8 +5,8 @@ once, and with `stale_policy: wait` nothing is ever dropped.
 
 The workload makes chunks long next to a learner step, whatever the machine's speed: 3-turn episodes
 whose environment answers each turn after 0.75 s (a slow tool), so a chunk takes >= 2.25 s, several
-times a learner step of the tiny demo, and the learner publishes while the workers are inside their chunks; the weights come in between turns or
-inside a turn's generation. (The engines' own interruption points are tested exactly, with a load
+times a learner step of the tiny demo, and the learner publishes while the workers are inside their
+chunks; the weights come in between turns or inside a turn's generation. (The engines' own interruption points are tested exactly, with a load
 made at a chosen token, in tests/test_partial_rollout_engines.py.)"""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import ray
-from demo_run import CONFIG, demo_overrides, prompt_file
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides, prompt_file
 
 from cluster.config.schema import ConfigError, load_config
 from cluster.pipeline.async_trainer import AsyncTrainer, make_trainer
@@ -33,8 +33,7 @@ def slow_positive(prompt, response, meta):
 
 
 def cfg_for(assets, steps, **extra):
-    base = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
-    return load_config(CONFIG, demo_overrides(assets, steps, **{**base, **extra}))
+    return load_config(CONFIG, demo_overrides(assets, steps, **{**SMALL_STEPS, **extra}))
 
 
 def _run(cfg, run_dir, steps):

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import ray
-from demo_run import CONFIG, demo_overrides
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.config.schema import load_config
 from cluster.pipeline.async_trainer import make_trainer
@@ -128,8 +128,7 @@ def _free_port() -> int:
 
 
 def test_sync_pipeline_equals_the_one_process_loop(ray_local, demo_assets, tmp_path):
-    small = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
-    cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **small))
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **SMALL_STEPS))
     assert cfg.pipeline.mode == "sync"  # the default
     trainer = make_trainer(cfg, tmp_path / "run")
     try:

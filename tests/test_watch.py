@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from demo_run import CONFIG, demo_overrides
+from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 from ray_head import free_port, ray_head
 
 from cluster.run import telemetry
@@ -38,13 +38,8 @@ CONDITIONAL = {
 # histogram _sum adds bucket midpoints, not the observed values, so no panel shows a mean from it).
 UNPANELLED = {"ray_rayppo_step_seconds_sum", "ray_rayppo_step_seconds_count"}
 STEPS = 3
-# Async (the pipeline whose metrics are the most), steps of 8 prompts: the metrics are checked, not the learning.
-SMALL = {
-    "pipeline.mode": "async",
-    "data.prompts_per_step": 8,
-    "rollout.chunk_size": 4,
-    "learner.micro_batch_size": 8,
-}
+# Async: the pipeline with the most metrics; small steps: the metrics are checked, not the learning.
+RUN = {**SMALL_STEPS, "pipeline.mode": "async"}
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -136,7 +131,7 @@ def test_prometheus_sees_every_dashboard_metric_of_a_live_demo_run(demo_assets, 
             argv = [
                 str(CONFIG),
                 *sum(
-                    (["--set", o] for o in demo_overrides(demo_assets, STEPS, **SMALL)),
+                    (["--set", o] for o in demo_overrides(demo_assets, STEPS, **RUN)),
                     [],
                 ),
             ]

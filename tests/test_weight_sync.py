@@ -236,7 +236,7 @@ def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_si
 def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
     ray_local, demo_assets, tmp_path
 ):
-    from demo_run import CONFIG, demo_overrides
+    from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
     from cluster.config.schema import load_config
     from cluster.pipeline.trainer import Trainer
@@ -246,9 +246,7 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
         "rollout.weight_sync": "collective",
         "rollout.num_workers": 2,
         "rollout.num_cpus_per_worker": 0.25,
-        "data.prompts_per_step": 8,  # the versions are checked, not the learning
-        "rollout.chunk_size": 4,
-        "learner.micro_batch_size": 8,
+        **SMALL_STEPS,  # the versions are checked, not the learning
     }
     trainer = Trainer(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
     versions = lambda: ray.get([w.version.remote() for w in trainer.roles.workers.handles], timeout=60)  # noqa: E731
