@@ -218,6 +218,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         max_tokens_per_micro_batch=args.micro_tokens,
         attn_implementation=attn,
         logits_chunk_tokens=None if args.logits_chunk == "none" else args.logits_chunk,
+        gradient_checkpointing=args.gradient_checkpointing,
         torch_threads=args.threads,
         dist_timeout_s=600,
         lora=LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else LoRAConfig(),
@@ -258,6 +259,7 @@ def learner_steps(args, s: Shared, row: Row) -> None:
             getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad
         ),
         "logits_chunk": args.logits_chunk,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "setup_s": round(setup_s, 1),
         "tokens_per_step": tokens,
         "step_s": [round(t, 2) for t in times],
@@ -388,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="learner.lora.rank (alpha 2 x rank, all-linear): the learner trains adapters, exports merged",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="learner.gradient_checkpointing: recompute each layer's activations in the backward pass",
     )
     p.add_argument("--engine-dtype", default="bfloat16" if gpu else "float32")
     p.add_argument("--learner-dtype", default="bfloat16" if gpu else "float32")
