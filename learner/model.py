@@ -152,7 +152,11 @@ class PolicyWithValueHead(nn.Module):
             else:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if lora is not None and lora.rank > 0:
-            policy = apply_lora(policy, lora)
+            # PEFT draws each lora_A from torch's global generator: seed it, so the adapters' start
+            # follows the run's seed and not whatever this process drew before.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                policy = apply_lora(policy, lora)
         model = cls(policy, value_head_std=value_head_std, seed=seed, logits_chunk_tokens=logits_chunk_tokens)
         model.train()  # from_pretrained leaves eval mode, in which HF skips gradient checkpointing
         saved_head = Path(path) / VALUE_HEAD_FILE

@@ -149,6 +149,14 @@ def pytest_collection_finish(session):
             )
 
 
+def pytest_runtest_setup(item):
+    """Learner rank actors pooled by tests/rank_pool.py go before a test that does not take them."""
+    import rank_pool
+
+    if not rank_pool.takes_ranks_from_the_pool(item):
+        rank_pool.drain()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for build in _BUILDS:
         build.wait()

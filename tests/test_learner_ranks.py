@@ -9,22 +9,18 @@ off, and the gradient-norm metric must agree too.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from rank_pool import CPUS_PER_RANK, TIMEOUT_S, learner_group  # noqa: F401 - the learner tests import them here
 from transformers import AutoModelForCausalLM
 
 from learner.config import KLConfig, LearnerConfig
 from learner.model import VALUE_HEAD_FILE
-from learner.rank import LearnerRank
 from learner.trajectory import Trajectory
 
 pytestmark = pytest.mark.slow
-
-TIMEOUT_S = 120
-CPUS_PER_RANK = 0.5
 
 
 def _config(**kw) -> LearnerConfig:
@@ -61,37 +57,6 @@ def _trajectories(n: int, seed: int) -> list[Trajectory]:
             )
         )
     return out
-
-
-@contextmanager
-def learner_group(
-    ray, n: int, model_path, config: LearnerConfig, temperature: float = 0.8, rank_cls: type = LearnerRank
-):
-    """n `rank_cls` (LearnerRank) actors in one placement group, set up together; shut down and killed on exit."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group([{"CPU": CPUS_PER_RANK}] * n, strategy="PACK")
-    ray.get(pg.ready(), timeout=TIMEOUT_S)
-    cls = ray.remote(rank_cls)
-    ranks = [
-        cls.options(
-            num_cpus=CPUS_PER_RANK,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(i, n, str(model_path), config, 0, 0, temperature)
-        for i in range(n)
-    ]
-    try:
-        addr = ray.get(ranks[0].node_address.remote(), timeout=TIMEOUT_S)
-        ray.get([r.setup.remote(*addr) for r in ranks], timeout=TIMEOUT_S)
-        yield ranks
-    finally:
-        try:
-            ray.get([r.shutdown.remote() for r in ranks], timeout=30)
-        finally:
-            for r in ranks:
-                ray.kill(r)
-            remove_placement_group(pg)
 
 
 def _call(ray, ranks, method: str, *per_rank_args):
