@@ -103,6 +103,18 @@ def test_rank_zero_is_full_fine_tuning(tiny_policy_dir):
     assert not has_lora(model.policy) and all(p.requires_grad for p in model.policy.parameters())
 
 
+def test_the_adapters_start_from_the_runs_seed_not_the_processs_generator(tiny_policy_dir):
+    def lora_a(seed: int) -> dict[str, torch.Tensor]:
+        model = PolicyWithValueHead.from_pretrained(tiny_policy_dir, lora=LORA, seed=seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    first = lora_a(0)
+    torch.rand(1000)  # whatever else the process drew in between
+    again, other = lora_a(0), lora_a(1)
+    assert first and all(torch.equal(first[n], again[n]) for n in first)
+    assert not all(torch.equal(first[n], other[n]) for n in first)
+
+
 def test_bad_lora_fields_are_errors_naming_the_field(tiny_policy_dir):
     model = _hf(tiny_policy_dir)
     with pytest.raises(
