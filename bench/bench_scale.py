@@ -15,8 +15,9 @@ Per size, with fresh actors (all killed before the next size, so memory does not
   push     learner rank 0 -> one `RolloutWorker` at a time (hf, then vLLM with its CPU defaults; rollout
            dtype `--dtype`), over the object store (`push_weights`) and the collective broadcast
            (`CollectiveWeightSync`). One warm-up push (which also forms the broadcast group), then
-           `--reps` pushes: seconds is the median `SyncResult.seconds` (export with the probe and digest
-           on rank 0 -> transfer -> load -> acknowledged and verified); bytes are the bundle at the rollout
+           `--reps` pushes: seconds is the median `SyncResult.seconds` (export with the digest, and the
+           probe on rank 0 in `--probe on` rows -> transfer -> load -> acknowledged and verified, by
+           digests alone in `--probe off` rows, a version off `rollout.probe_every`'s cadence); bytes are the bundle at the rollout
            dtype (unique tensors: tied weights once); GB/s = bytes / seconds; memcpy = that over this
            machine's copy bandwidth at the actors' thread count. Peak RSS over the RSS before the push of
            the worker and of learner rank 0: the largest over the timed pushes.
@@ -72,6 +73,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES), help="rollout dtype")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument(
+        "--probe",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="pushes that score the probe on both sides (on: every push, rollout.probe_every=1) and pushes "
+        "off its cadence (off: digests only); both by default, each its own rows",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed pushes per row (after one warm-up)")
     ap.add_argument("--samples", type=int, default=None, help="trajectories in the learner step (both ranks)")
     ap.add_argument("--prompt-tokens", type=int, default=None)

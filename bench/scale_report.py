@@ -18,6 +18,10 @@ STAGES = [
 ]
 
 
+def _probe(row: dict) -> str:
+    return "every push" if row.get("probe", True) else "digests only"
+
+
 def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
     mine = [r for r in rows if r["size"] == name]
     nbytes = facts["bundle_bytes"][args.dtype]
@@ -40,18 +44,18 @@ def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
     pushes = [r for r in mine if r["kind"] == "push"]
     if pushes:
         print(
-            f"\n| path | engine | MB moved | s (median of {args.reps}) | first s | GB/s | of memcpy | "
+            f"\n| path | engine | probe | MB moved | s (median of {args.reps}) | first s | GB/s | of memcpy | "
             "worker peak over before MiB | learner r0 peak over rest MiB |"
         )
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in pushes:
             if "error" in r:
                 print(
-                    f"| {r['path']} | {r['engine']} | {nbytes / 1e6:.1f} | FAILED: {r['error'][:120]} |||||"
+                    f"| {r['path']} | {r['engine']} | {_probe(r)} | {nbytes / 1e6:.1f} | FAILED: {r['error'][:120]} |||||"
                 )
                 continue
             print(
-                f"| {r['path']} | {r['engine']} | {nbytes / 1e6:.1f} | {r['seconds']:.3f} | {r['first_s']:.3f} | "
+                f"| {r['path']} | {r['engine']} | {_probe(r)} | {nbytes / 1e6:.1f} | {r['seconds']:.3f} | {r['first_s']:.3f} | "
                 f"{r['gb_per_s']:.3f} | {r['memcpy_fraction']:.1%} | {r['worker_peak_over_before_mib']:.0f} | "
                 f"{r['learner0_peak_over_rest_mib']:.0f} |"
             )
@@ -60,11 +64,15 @@ def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
         print(
             f"\nWhere the push went (seconds, median of {args.reps}; a stage a path does not run is blank):\n"
         )
-        print("| path | engine | " + " | ".join(label for _k, label in STAGES) + " | total |")
-        print("|---|---|" + "---:|" * (len(STAGES) + 1))
+        print("| path | engine | probe | " + " | ".join(label for _k, label in STAGES) + " | total |")
+        print("|---|---|---|" + "---:|" * (len(STAGES) + 1))
         for r in timed:
             cells = [f"{r['stages'][k]:.2f}" if k in r["stages"] else "" for k, _label in STAGES]
-            print(f"| {r['path']} | {r['engine']} | " + " | ".join(cells) + f" | {r['seconds']:.2f} |")
+            print(
+                f"| {r['path']} | {r['engine']} | {_probe(r)} | "
+                + " | ".join(cells)
+                + f" | {r['seconds']:.2f} |"
+            )
     for r in mine:
         if r["kind"] == "error":
             print(f"\nsize FAILED: {r['error']}")

@@ -148,8 +148,9 @@ class Size:
             for r, s in enumerate(samplers)
         ]
 
-    def push_row(self, engine: str, path: str, version: int) -> tuple[dict, int]:
-        """One (engine, path) row: a warm-up push and `reps` timed ones; returns it and the last version."""
+    def push_row(self, engine: str, path: str, version: int, probe: bool) -> tuple[dict, int]:
+        """One (engine, path, probe) row: a warm-up push and `reps` timed ones; returns it and the last
+        version. `probe`: both sides score the probe sequences (else the push checks digests only)."""
         from cluster.weights.collective import CollectiveWeightSync
         from cluster.weights.push import push_weights
 
@@ -157,7 +158,14 @@ class Size:
         worker, wsamp, lsamp = self.workers[engine], self.samplers[engine], self.samplers["rank0"]
         nbytes = self.facts["bundle_bytes"][a.dtype]
         sync = CollectiveWeightSync(a.bucket_mb) if path == "collective" else None
-        row = {"size": self.name, "kind": "push", "path": path, "engine": engine, "dtype": a.dtype}
+        row = {
+            "size": self.name,
+            "kind": "push",
+            "path": path,
+            "engine": engine,
+            "dtype": a.dtype,
+            "probe": probe,
+        }
         row["bytes"] = nbytes
         seconds, wext, lext, stages = [], [], [], []
         try:
@@ -166,10 +174,14 @@ class Size:
                 wsamp.reset()
                 lsamp.reset()
                 if sync is None:
-                    result, bundle = push_weights(self.ranks, [worker], [engine], version, a.dtype, a.timeout)
+                    result, bundle = push_weights(
+                        self.ranks, [worker], [engine], version, a.dtype, a.timeout, probe or i == 0
+                    )
                     del bundle  # the object store frees it
                 else:
-                    result, _ = sync.push(self.ranks, [worker], [engine], version, a.dtype, a.timeout)
+                    result, _ = sync.push(
+                        self.ranks, [worker], [engine], version, a.dtype, a.timeout, probe or i == 0
+                    )
                 if result.lost:
                     raise RuntimeError(f"{engine} worker lost during push v{version}")
                 if i == 0:
@@ -210,8 +222,9 @@ class Size:
                 if a.serial_engines:
                     self.start_worker(engine)
                 for path in a.paths:
-                    row, version = self.push_row(engine, path, version)
-                    rows.append(row)
+                    for probe in a.probe:
+                        row, version = self.push_row(engine, path, version, probe == "on")
+                        rows.append(row)
                 if a.serial_engines:
                     self.stop_worker(engine)
         finally:

@@ -157,7 +157,10 @@ class LearnerRank:
         return int(self.config.export_bucket_mb * 2**20)
 
     def export_weights(
-        self, describe: Callable[[dict[str, torch.Tensor]], dict] | None = None, dtype: str | None = None
+        self,
+        describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
+        dtype: str | None = None,
+        probe: bool = True,
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (CPU copies, floating tensors in `dtype`, e.g.
         the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
@@ -166,12 +169,12 @@ class LearnerRank:
         time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
         (learner.lora.merged_cpu_state_dict): the bundle has the base model's names. Tied weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
-        on the fixed probe and, when `describe` is given, the facts `describe(bundle)` returns (the
+        on the fixed probe when `probe` (a forward of every rank: None otherwise) and, when `describe` is given, the facts `describe(bundle)` returns (the
         cluster's: checksum and digest at the rollout dtype).
         """
         engine = self._require_engine()
         t0 = time.perf_counter()
-        probe = self._probe_logprobs()
+        scored = self._probe_logprobs() if probe else None
         t1 = time.perf_counter()
         out = merged_cpu_state_dict(
             engine.module.policy,
@@ -184,7 +187,7 @@ class LearnerRank:
         t2 = time.perf_counter()
         facts = describe(out) if describe else {}
         timings = {"probe_s": t1 - t0, "gather_s": t2 - t1, "describe_s": time.perf_counter() - t2}
-        self._fingerprint = {"probe": probe, "dtype": self.config.dtype, **facts, "timings": timings}
+        self._fingerprint = {"probe": scored, "dtype": self.config.dtype, **facts, "timings": timings}
         return out
 
     def join_weight_group(
@@ -208,6 +211,7 @@ class LearnerRank:
         bucket_mb: float,
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         dtype: str | None = None,
+        probe: bool = True,
     ) -> int:
         """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
         group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks). A failed
@@ -215,7 +219,7 @@ class LearnerRank:
         receives then fail at once instead of waiting out their timeout, and the group is formed again."""
         from learner.weight_broadcast import WeightBroadcastError, broadcast_state, close_group
 
-        state = self.export_weights(describe, dtype)
+        state = self.export_weights(describe, dtype, probe)
         if state is None:
             return 0
         if self._weight_group is None:

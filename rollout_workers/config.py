@@ -199,6 +199,15 @@ class RolloutConfig(_Strict):
         description="Bucket size of the collective weight broadcast: a receiver holds about one bucket "
         "beyond its weights while loading.",
     )
+    probe_every: int = Field(
+        1,
+        ge=1,
+        description="How often a weight push also compares logprobs: learner rank 0 and every engine score the "
+        "fixed probe sequences on v`version` when version % probe_every == 0, and on every worker's first "
+        "push; every push checks digests of the weights (a stale or partial load is refused on any version). "
+        "The probe is a forward pass on both sides (under ZeRO-3 the learner's gathers every parameter): "
+        "raise it for large models; 1 probes every push.",
+    )
     interruptible: bool = Field(
         False,
         description="Let a weight load cut into a running generate call at the engine's next interruption "

@@ -62,7 +62,7 @@ class WeightAck:
     """
 
     version: int
-    probe: list[np.ndarray]
+    probe: list[np.ndarray] | None  # None: the push did not ask for the probe (rollout.probe_every)
     checksum: str | None = None
     received: str | None = None
     held: str | None = None

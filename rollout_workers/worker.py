@@ -197,12 +197,13 @@ class RolloutWorker:
             s["generate_s"] += time.perf_counter() - t0
         return samples
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> WeightAck:
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, probe: bool = True) -> WeightAck:
         """Load a full weight bundle tagged `version`; acknowledge it with what the engine now computes.
 
-        The ack carries the engine's logprobs on the fixed probe (compare them with the learner's on the
-        same weights) and, where the engine can read its weights back, their checksum at the engine
-        dtype (compare with `state_checksum(bundle, engine dtype)`). Versions never go backwards.
+        The ack carries the digests of the bundle and of the weights held, the engine's logprobs on the
+        fixed probe when `probe` (compare them with the learner's on the same weights; None otherwise)
+        and, where the engine can read its weights back, their checksum at the engine dtype (compare
+        with `state_checksum(bundle, engine dtype)`). Versions never go backwards.
         """
         with self._gate.hold(load=True):
             if version < self._version:
@@ -217,11 +218,12 @@ class RolloutWorker:
                 engine.load_weights(state)
                 return int(version), received
 
-            return self._swap(load, t0)
+            return self._swap(load, t0, probe)
 
-    def _swap(self, load: Callable[[], tuple[int, str]], t0: float) -> WeightAck:
+    def _swap(self, load: Callable[[], tuple[int, str]], t0: float, probe: bool) -> WeightAck:
         """Run `load` (it swaps the engine's weights and returns the version and the digest of the
-        bundle it loaded) and acknowledge it with what the engine computes afterwards (lock held)."""
+        bundle it loaded) and acknowledge it with what the engine computes afterwards (lock held); the
+        probe logprobs only when `probe`."""
         engine = self._engine
         self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
         marks = [time.perf_counter()]
@@ -235,12 +237,12 @@ class RolloutWorker:
         marks.append(time.perf_counter())
         after = engine.weights_digest()
         marks.append(time.perf_counter())
-        probe = engine.probe_logprobs(self._probe)
+        scored = engine.probe_logprobs(self._probe) if probe else None
         marks.append(time.perf_counter())
         took = [b - a for a, b in zip(marks, marks[1:], strict=False)]
         ack = WeightAck(
             self._version,
-            probe,
+            scored,
             self._checksum,
             received=received,
             held=after if engine.digest_names_match else None,
@@ -307,11 +309,11 @@ class RolloutWorker:
         with self._gate.hold(load=True):
             self._engine.join_weight_group(host, port, first_rank, world_size, timeout_s, backend)
 
-    def receive_weights(self) -> WeightAck:
+    def receive_weights(self, probe: bool = True) -> WeightAck:
         """Load the next broadcast bundle bucket by bucket (`RolloutEngine.receive_weights`) and
         acknowledge it as `load_weights` does."""
         with self._gate.hold(load=True):
-            return self._swap(lambda: self._engine.receive_weights(self._version), time.perf_counter())
+            return self._swap(lambda: self._engine.receive_weights(self._version), time.perf_counter(), probe)
 
     def fingerprint(self) -> WeightAck:
         """The same acknowledgement for the weights held now, without loading anything."""

@@ -97,7 +97,7 @@ def test_push_acknowledged_by_probe_and_a_worker_that_did_not_load_is_named(
         """A broken worker: it acknowledges the version but keeps generating with its old weights,
         and has no checksum to give it away (as a vLLM engine): only the probe can tell."""
 
-        def load_weights(self, state, version):
+        def load_weights(self, state, version, probe=True):
             self._version = version
             return WeightAck(version, self.fingerprint().probe, None)
 
@@ -246,6 +246,7 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
         "rollout.weight_sync": "collective",
         "rollout.num_workers": 2,
         "rollout.num_cpus_per_worker": 0.25,
+        "rollout.probe_every": 2,  # v1: first pushes, v2: on the cadence, v3: digests only
         **SMALL_STEPS,  # the versions are checked, not the learning
     }
     trainer = Trainer(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
@@ -256,11 +257,14 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
             m = trainer.iteration()
             assert versions() == [step, step] and m["policy_version"] == step
             assert trainer.weights.bundle is None  # the broadcast leaves nothing in the object store
+            assert trainer.weights.fingerprint.probe is not None
         ray.get(trainer.control.set_target.remote("rollout", 3), timeout=60)
         trainer.apply_scaling()  # the new worker loads an export made for it, acknowledged by the probe
         assert versions() == [2, 2, 2]
+        assert trainer.weights.probed == set(trainer.roles.workers.names)
         m = trainer.iteration()  # the group forms again with the new member
         assert versions() == [3, 3, 3] and m["scale/rollout_workers"] == 3
+        assert trainer.weights.fingerprint.probe is None  # every engine passed a probe before: digests
     finally:
         trainer.close()
 
@@ -309,6 +313,96 @@ def test_an_engine_that_keeps_the_previous_version_is_refused_after_one_real_ste
     finally:
         for actor in (rank, *workers):
             ray.kill(actor)
+
+
+@pytest.mark.slow
+def test_off_the_probes_cadence_digests_still_refuse_a_stale_engine_and_on_it_the_probe_a_wrong_one(
+    ray_local, tiny_policy_dir
+):
+    """rollout.probe_every=3 as the publisher applies it: v1 is every worker's first push (probed), v2
+    checks digests only, v3 is on the cadence. A worker whose engine's load is a no-op is refused at
+    v2 by its digest, with no probe scored on either side. A worker that holds the right weights but
+    computes wrong logits (a hook on its output layer, as a faulty kernel would) passes the digests at
+    v2 and is refused at v3 by the probe. Real learner rank (DeepSpeed), real hf workers."""
+    from test_learner_ranks import _trajectories
+
+    from cluster.weights.push import probe_due
+    from learner.config import LearnerConfig
+    from learner.rank import LearnerRank
+
+    ray = ray_local
+    rank = (
+        ray.remote(LearnerRank)
+        .options(num_cpus=0.5)
+        .remote(0, 1, str(tiny_policy_dir), LearnerConfig(), 0, 0)
+    )
+    names = ["honest", "wrong", "stale"]
+    workers = [
+        ray.remote(RolloutWorker).options(num_cpus=0.25).remote(str(tiny_policy_dir), RolloutConfig())
+        for _ in names
+    ]
+    honest, wrong, stale = workers
+    assert [probe_due(v, 3) for v in (1, 2, 3)] == [False, False, True]
+
+    def step_and_push(version: int, to: list, probe: bool):
+        ray.get(rank.train_step.remote(_trajectories(8, seed=version)), timeout=120)
+        return push_weights([rank], to, [names[workers.index(w)] for w in to], version, "float32", 120, probe)
+
+    try:
+        ray.get(rank.setup.remote(*ray.get(rank.node_address.remote(), timeout=120)), timeout=120)
+        result, _ = push_weights([rank], workers, names, 1, "float32", 120, probe=True)  # first pushes
+        assert result.expected.probe is not None
+        ray.get(stale.__ray_call__.remote(lambda w: setattr(w._engine, "_load_weights", lambda state: None)))
+        ray.get(
+            wrong.__ray_call__.remote(
+                lambda w: w._engine.model.get_output_embeddings().register_forward_hook(
+                    lambda m, i, o: o * 1.5
+                )
+            )
+        )
+        with pytest.raises(WeightSyncError, match="stale holds weights that are not v2"):
+            step_and_push(2, [stale], probe=False)
+        result, _ = push_weights([rank], [honest, wrong], names[:2], 2, "float32", 120, probe=False)
+        assert result.expected.probe is None and result.stages["learner_probe_s"] < 0.05
+        assert ray.get(wrong.version.remote()) == 2  # the digests cannot see what it computes
+        with pytest.raises(WeightSyncError, match="wrong does not compute what the learner's v3 weights"):
+            step_and_push(3, [honest, wrong], probe=True)
+    finally:
+        for actor in (rank, *workers):
+            ray.kill(actor)
+
+
+def test_the_publisher_probes_on_the_cadence_and_every_workers_first_push():
+    from types import SimpleNamespace
+
+    from cluster.weights.publisher import WeightPublisher
+
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(probe_every=3), pipeline=SimpleNamespace(partial_rollout=False)
+    )
+    publisher = WeightPublisher(cfg)
+    assert publisher.probe_wanted(1, ["w0", "w1"])  # first pushes
+    publisher.checked(["w0", "w1"], Fingerprint(1, PROBE, None, 1e-4, 1e-5))
+    assert not publisher.probe_wanted(2, ["w0", "w1"])
+    assert publisher.probe_wanted(3, ["w0", "w1"]) and publisher.probe_wanted(6, ["w0"])
+    assert publisher.probe_wanted(4, ["w0", "w2"])  # w2 is new
+    publisher.checked(["w2"], Fingerprint(4, None, None, 1e-4, 1e-5))  # loaded a digest-only version
+    assert publisher.probe_wanted(5, ["w2"])  # still owes its first probe
+    publisher.checked(["w2"], Fingerprint(5, PROBE, None, 1e-4, 1e-5))
+    assert not publisher.probe_wanted(5, ["w0", "w1", "w2"])
+
+
+def test_a_digest_only_push_skips_the_probe_and_a_probed_push_needs_the_workers_answer():
+    fp = dataclasses.replace(_expected(None), digest="d2")
+    verify_ack(
+        "w", WeightAck(4, None, None, received="d2", held="d2"), 4, dataclasses.replace(fp, probe=None)
+    )
+    with pytest.raises(WeightSyncError, match="w answered no probe logprobs for v4"):
+        verify_ack("w", WeightAck(4, None, None, received="d2", held="d2"), 4, fp)
+    with pytest.raises(WeightSyncError, match="w holds weights that are not v4"):  # digests: every push
+        verify_ack(
+            "w", WeightAck(4, None, None, received="d2", held="d1"), 4, dataclasses.replace(fp, probe=None)
+        )
 
 
 def test_verify_ack_checks_digests_before_anything_else():

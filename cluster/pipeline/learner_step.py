@@ -88,7 +88,7 @@ class LearnerStep:
             if weights.collective:
                 self.publishing = True  # `AsyncPublisher.broadcast_due` broadcasts
             else:
-                self.export_calls, self.bundle = weights.start_export()
+                self.export_calls, self.bundle = weights.start_export(self.step)
             return
         self.export_calls.remove(call)
         if call.label == "fingerprint":

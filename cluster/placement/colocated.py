@@ -139,19 +139,19 @@ class ColocatedHost:
         return out
 
     def push_local(
-        self, version: int, describe: Any, share: bool, dtype: str | None = None
+        self, version: int, describe: Any, share: bool, dtype: str | None = None, probe: bool = True
     ) -> tuple[Any, dict | None, Any]:
         """Export v`version` from this host's learner rank (every rank takes part, as ZeRO-3 gathers)
         and load it into this host's rollout worker in memory (every host wakes its engine first, so
         the driver's loads on other hosts find it awake). Returns (the worker's
         acknowledgement or None, rank 0's fingerprint or None, an object-store copy of the bundle
-        when `share`, for workers on other hosts)."""
+        when `share`, for workers on other hosts). `probe`: both sides score the probe sequences."""
         self.wake_rollout()
-        bundle = self.call("learner", "export_weights", describe, dtype)
+        bundle = self.call("learner", "export_weights", describe, dtype, probe)
         meta = self.call("learner", "export_fingerprint") if bundle is not None else None
         ack = None
         if bundle is not None and "rollout" in self.roles:
-            ack = self.call("rollout", "load_weights", bundle, version)
+            ack = self.call("rollout", "load_weights", bundle, version, probe)
         shared = ray.put(bundle) if share and bundle is not None else None
         return ack, meta, shared
 

@@ -17,10 +17,12 @@ from learner.rank import LearnerRank
 
 class StreamingLearnerRank(LearnerRank):
     @ray.method(num_returns=2)
-    def export_split(self, describe: Any = None, dtype: str | None = None) -> tuple[bool, Any]:
+    def export_split(
+        self, describe: Any = None, dtype: str | None = None, probe: bool = True
+    ) -> tuple[bool, Any]:
         """`export_weights` as (whether this rank holds the bundle, the bundle): the driver waits on
         the flag and publishes the bundle's reference; the bundle itself never reaches the driver."""
-        bundle = self.export_weights(describe, dtype)
+        bundle = self.export_weights(describe, dtype, probe)
         return bundle is not None, bundle
 
     def train_parts(self, parts: list[RankPart]) -> dict[str, Any]:

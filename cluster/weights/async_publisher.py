@@ -150,17 +150,20 @@ class AsyncPublisher(WeightPublisher):
         for m in self.roles.workers.members:
             if self.bundle is not None and self.behind(m):
                 load_into(m.handle, m.name, self.bundle, self.version, self.fingerprint, limit)
+                self.checked([m.name], self.fingerprint)
                 self.worker_versions[m.name] = self.version
 
-    def start_export(self) -> tuple[list[Call], Any]:
-        """Every rank exports (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs, checksum, digest) is what the workers must acknowledge. The driver tracks each
+    def start_export(self, version: int) -> tuple[list[Call], Any]:
+        """Every rank exports v`version` (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
+        (probe logprobs when `probe_wanted` for the current workers, checksum, digest) is what the workers
+        must acknowledge. The driver tracks each
         rank's small flag; the bundle stays an object reference it hands to the workers."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
         describe = bundle_facts(self.cfg.rollout.dtype)
+        probe = self.probe_wanted(version, self.roles.workers.names)
         calls, bundle = [], None
         for i, r in enumerate(self.roles.ranks):
-            flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype)
+            flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype, probe)
             bundle = exported if i == 0 else bundle
             calls.append(add(f"learner-rank-{i}", flag, "export", limit, label=f"learner-rank-{i}"))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor

@@ -86,9 +86,17 @@ class CollectiveWeightSync:
         self._members = members
 
     def push(
-        self, ranks: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+        self,
+        ranks: list[Any],
+        workers: list[Any],
+        names: list[str],
+        version: int,
+        dtype: str,
+        timeout: float,
+        probe: bool = True,
     ) -> tuple[SyncResult, None]:
-        """Broadcast v`version` and verify every acknowledgement; no bundle is left in the object store.
+        """Broadcast v`version` and verify every acknowledgement (probe logprobs too when `probe`); no
+        bundle is left in the object store.
         Workers lost during a broadcast are in the result's `lost` and the version is broadcast again
         to the others (each try has its own timeout; each loses at least one worker, so this ends); the
         rest hold v`version`. When every worker is lost, nobody holds v`version` and the result's
@@ -106,6 +114,7 @@ class CollectiveWeightSync:
                     dtype,
                     timeout,
                     deadline,
+                    probe,
                 )
                 return SyncResult(version, expected, time.perf_counter() - t0, sorted(lost), stages), None
             except _LostMembers as gone:
@@ -122,11 +131,13 @@ class CollectiveWeightSync:
         dtype: str,
         timeout: float,
         deadline: float,
+        probe: bool,
     ) -> tuple[Fingerprint, dict[str, float]]:
         self._form(ranks[0], workers, names, timeout, deadline)
-        acks = [worker_method(w, "receive_weights", self.cut_in).remote() for w in workers]
+        acks = [worker_method(w, "receive_weights", self.cut_in).remote(probe) for w in workers]
         refs = [
-            r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype) for r in ranks
+            r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype, probe)
+            for r in ranks
         ]
         meta_ref = ranks[0].export_fingerprint.remote()
         try:

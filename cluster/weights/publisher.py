@@ -17,6 +17,7 @@ from cluster.weights.push import (
     Fingerprint,
     export_bundle,
     load_into,
+    probe_due,
     push_colocated,
     push_weights,
     verify_ack,
@@ -39,6 +40,17 @@ class WeightPublisher:
         self.roles: Any = None
         self._on_lost: Callable[[Any], None] | None = None
         self._collective: CollectiveWeightSync | None = None
+        self.probed: set[str] = set()  # workers whose engine has passed a probe comparison
+
+    def probe_wanted(self, version: int, names: list[str]) -> bool:
+        """Whether pushing v`version` to `names` scores the probe: on `rollout.probe_every`'s cadence, and
+        whenever one of them has not passed a probe yet (its first push)."""
+        return probe_due(version, self.cfg.rollout.probe_every) or not self.probed.issuperset(names)
+
+    def checked(self, names: list[str], fingerprint: Fingerprint | None) -> None:
+        """`names` acknowledged a version whose `fingerprint` they were verified against."""
+        if fingerprint is not None and fingerprint.probe is not None:
+            self.probed.update(names)
 
     def bind(self, roles: Any, on_lost: Callable[[Any], None]) -> None:
         """The run's actors, once started; `on_lost(member)` replaces a worker lost during a push."""
@@ -50,16 +62,18 @@ class WeightPublisher:
         r, rc, limit = self.roles, self.cfg.rollout, self.cfg.timeouts.weight_sync_s
         members = r.workers.members if members is None else members
         handles, names = [m.handle for m in members], [m.name for m in members]
+        probe = self.probe_wanted(version, names)
         if r.hosts:
-            result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit)
+            result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit, probe)
         elif rc.weight_sync == "collective":
             self._collective = self._collective or CollectiveWeightSync(
                 rc.weight_bucket_mb, weight_backend(self.cfg), self.cut_in
             )
-            result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit)
+            result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit, probe)
         else:
-            result, bundle = push_weights(r.ranks, handles, names, version, rc.dtype, limit)
+            result, bundle = push_weights(r.ranks, handles, names, version, rc.dtype, limit, probe)
         self.published(result.version, bundle, result.expected)
+        self.checked([n for i, n in enumerate(names) if i not in result.lost], result.expected)
         for index in result.lost:
             self._on_lost(members[index])
         self.replacements = len(result.lost)
@@ -93,6 +107,7 @@ class WeightPublisher:
             load_into(
                 handle, name, self.bundle, self.version, self.fingerprint, self.cfg.timeouts.weight_sync_s
             )
+            self.checked([name], self.fingerprint)
 
     def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
         """Calls queued on a replacement actor before its first work: a rollout worker loads the
@@ -101,9 +116,11 @@ class WeightPublisher:
         if kind != "generate" or self.version == 0 or self.current_bundle() is None:
             return []
         version, expected = self.version, self.fingerprint
-        ref = worker_method(member.handle, "load_weights", cut_in).remote(self.bundle, version)
+        probe = expected is not None and expected.probe is not None
+        ref = worker_method(member.handle, "load_weights", cut_in).remote(self.bundle, version, probe)
 
         def check(ack: Any, name: str = member.name) -> None:
             verify_ack(name, ack, version, expected)
+            self.checked([name], expected)
 
         return [(ref, self.cfg.timeouts.weight_sync_s, check)]

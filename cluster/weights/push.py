@@ -52,7 +52,7 @@ class Fingerprint:
     """What every worker must acknowledge for one pushed version."""
 
     version: int
-    probe: list[np.ndarray]  # learner rank 0's logprobs on the probe sequences
+    probe: list[np.ndarray] | None  # learner rank 0's logprobs on the probe sequences; None: not scored
     checksum: str | None  # of the bundle at the rollout dtype; None when skipped (too large)
     atol: float
     rtol: float
@@ -90,6 +90,12 @@ def stage_seconds(meta: dict, acks: list[Any]) -> dict[str, float]:
     return out
 
 
+def probe_due(version: int, every: int) -> bool:
+    """Whether pushing v`version` compares probe logprobs (`rollout.probe_every`; a worker's first push
+    compares them whatever the version: the publisher asks for it)."""
+    return version % every == 0
+
+
 def push_weights(
     ranks: list[Any],
     workers: list[Any],
@@ -97,17 +103,18 @@ def push_weights(
     version: int,
     dtype: str,
     timeout: float,
+    probe: bool = True,
 ) -> tuple[SyncResult, Any]:
     """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
 
-    `dtype` is the rollout dtype. A worker that dies or does not answer in time is reported in `lost`
+    `dtype` is the rollout dtype; `probe`: the learner and every engine score the probe sequences. A worker that dies or does not answer in time is reported in `lost`
     (it holds no weights anyone relies on); a worker that answers with the wrong version, checksum
     or probe logprobs is an error naming it.
     """
     t0 = time.perf_counter()
-    refs, meta_ref = _start_export(ranks, dtype)
+    refs, meta_ref = _start_export(ranks, dtype, probe)
     bundle = refs[0]
-    acks = [w.load_weights.remote(bundle, version) for w in workers]  # they load once it is there
+    acks = [w.load_weights.remote(bundle, version, probe) for w in workers]  # they load once it is there
     meta = _finish_export(refs, meta_ref, f"learner export of v{version}", timeout)
     expected = expected_fingerprint(meta, version, dtype)
     lost, values = _collect_acks(names, acks, version, expected, timeout)
@@ -116,7 +123,13 @@ def push_weights(
 
 
 def push_colocated(
-    hosts: list[Any], workers: list[Any], names: list[str], version: int, dtype: str, timeout: float
+    hosts: list[Any],
+    workers: list[Any],
+    names: list[str],
+    version: int,
+    dtype: str,
+    timeout: float,
+    probe: bool = True,
 ) -> tuple[SyncResult, Any]:
     """The colocated placement's push (`cluster.placement.colocated`): every host exports from its learner rank
     and rank 0's host loads the bundle into its own rollout worker in memory (waking its engine
@@ -125,7 +138,7 @@ def push_colocated(
     t0 = time.perf_counter()
     share = len(workers) > 1
     refs = [
-        h.push_local.remote(version, bundle_facts(dtype), share and i == 0, dtype)
+        h.push_local.remote(version, bundle_facts(dtype), share and i == 0, dtype, probe)
         for i, h in enumerate(hosts)
     ]
     _wait_for_export(refs, f"learner export of v{version}", timeout)
@@ -138,7 +151,7 @@ def push_colocated(
     expected = expected_fingerprint(meta, version, dtype)
     if workers:
         verify_ack(names[0], ack, version, expected)
-    acks = [w.load_weights.remote(bundle, version) for w in workers[1:]]
+    acks = [w.load_weights.remote(bundle, version, probe) for w in workers[1:]]
     lost, values = _collect_acks(names[1:], acks, version, expected, timeout)
     if lost:  # a worker on another host is gone: its host (a learner rank) is gone too
         raise WeightSyncError(
@@ -150,17 +163,18 @@ def push_colocated(
 
 def export_bundle(ranks: list[Any], version: int, dtype: str, timeout: float) -> tuple[Any, Fingerprint]:
     """Learner rank 0's current weights in the rollout `dtype` put in the object store as v`version`
-    (all ranks take part); the ref and what a worker that loads it must acknowledge."""
-    refs, meta_ref = _start_export(ranks, dtype)
+    (all ranks take part, the probe scored); the ref and what a worker that loads it must acknowledge."""
+    refs, meta_ref = _start_export(ranks, dtype, True)
     meta = _finish_export(refs, meta_ref, "learner export", timeout)
     return refs[0], expected_fingerprint(meta, version, dtype)
 
 
-def _start_export(ranks: list[Any], dtype: str) -> tuple[list[Any], Any]:
-    """Start the export of the learner's weights in the rollout `dtype`: every rank takes part (ZeRO-3);
+def _start_export(ranks: list[Any], dtype: str, probe: bool) -> tuple[list[Any], Any]:
+    """Start the export of the learner's weights in the rollout `dtype` (with the probe's logprobs when
+    `probe`): every rank takes part (ZeRO-3);
     rank 0's reference is the bundle. Returns the ranks' references and that of rank 0's export
     record (its call runs after export_weights on the same actor)."""
-    refs = [r.export_weights.remote(bundle_facts(dtype), dtype) for r in ranks]
+    refs = [r.export_weights.remote(bundle_facts(dtype), dtype, probe) for r in ranks]
     return refs, ranks[0].export_fingerprint.remote()
 
 
@@ -219,7 +233,7 @@ def expected_fingerprint(meta: dict, version: int, rollout_dtype: str) -> Finger
     """The acknowledgement to expect from learner rank 0's `export_fingerprint()`."""
     coarser = max(rollout_dtype, meta["dtype"], key=_PRECISION.index)
     atol, rtol = PROBE_TOLERANCE[coarser]
-    probe = [np.asarray(p) for p in meta["probe"]]
+    probe = None if meta["probe"] is None else [np.asarray(p) for p in meta["probe"]]
     return Fingerprint(version, probe, meta.get("checksum"), atol, rtol, meta.get("digest"))
 
 
@@ -227,7 +241,8 @@ def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None
     """A worker's acknowledgement (`rollout_workers.types.WeightAck`) must name the version; the bundle
     it received and (hf) the weights it holds must have the learner's digest, and (vLLM) its engine's
     own digest must have moved when the bundle did; then the full checksum where both ends have one,
-    and the engine must compute the learner's probe logprobs within tolerance."""
+    and, when the push scored the probe, the engine must compute the learner's probe logprobs within
+    tolerance."""
     if ack.version != version:
         raise WeightSyncError(f"{name} acknowledged v{ack.version}, expected v{version}")
     if expected.digest is not None and ack.received is not None and ack.received != expected.digest:
@@ -245,6 +260,10 @@ def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None
         raise WeightSyncError(
             f"{name} holds weights with checksum {ack.checksum[:12]}, expected v{version} {expected.checksum[:12]}"
         )
+    if expected.probe is None:
+        return  # this version's push checks digests only (rollout.probe_every)
+    if ack.probe is None:
+        raise WeightSyncError(f"{name} answered no probe logprobs for v{version}, whose push asked for them")
     if [len(p) for p in ack.probe] != [len(p) for p in expected.probe]:
         raise WeightSyncError(f"{name} answered a different probe than the learner's (vocabularies differ?)")
     gap, bad = 0.0, False
@@ -262,5 +281,7 @@ def verify_ack(name: str, ack: Any, version: int, expected: Fingerprint) -> None
 def load_into(
     worker: Any, name: str, bundle: Any, version: int, expected: Fingerprint, timeout: float
 ) -> None:
-    """Bring one (new) worker to the current weights before its first sample."""
-    verify_ack(name, ray.get(worker.load_weights.remote(bundle, version), timeout=timeout), version, expected)
+    """Bring one (new) worker to the current weights before its first sample (probed when the bundle's
+    export was)."""
+    ack = worker.load_weights.remote(bundle, version, expected.probe is not None)
+    verify_ack(name, ray.get(ack, timeout=timeout), version, expected)
