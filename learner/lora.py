@@ -15,6 +15,7 @@ PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,10 @@ class LoraLayerInfo:
 
 
 def lora_layers(model: nn.Module) -> list[LoraLayerInfo]:
-    """The adapted layers of `model` (none without LoRA)."""
+    """The adapted layers of `model` (none without LoRA). A LoRA layer exists only once PEFT is imported,
+    so a run without `learner.lora` neither imports nor needs it."""
+    if sys.modules.get("peft") is None:  # never imported (or blocked)
+        return []
     from peft.tuners.lora import LoraLayer
 
     return [

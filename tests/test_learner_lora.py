@@ -115,6 +115,22 @@ def test_the_adapters_start_from_the_runs_seed_not_the_processs_generator(tiny_p
     assert not all(torch.equal(first[n], other[n]) for n in first)
 
 
+def test_an_export_without_lora_does_not_need_peft(tiny_policy_dir):
+    """The learner's export of a plain policy runs where PEFT is not installed (a new process where
+    importing it fails, as in an environment without it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['peft'] = None; "  # `import peft` raises, as for a missing package
+        "from learner.model import PolicyWithValueHead; from learner.lora import merged_cpu_state_dict; "
+        f"m = PolicyWithValueHead.from_pretrained({str(tiny_policy_dir)!r}); "
+        "state = merged_cpu_state_dict(m.policy, 1 << 20, keep=True); print(len(state))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) > 0, done.stderr[-2000:]
+
+
 def test_bad_lora_fields_are_errors_naming_the_field(tiny_policy_dir):
     model = _hf(tiny_policy_dir)
     with pytest.raises(
