@@ -169,8 +169,9 @@ class LearnerRank:
         time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
         (learner.lora.merged_cpu_state_dict): the bundle has the base model's names. Tied weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
-        on the fixed probe when `probe` (a forward of every rank: None otherwise) and, when `describe` is given, the facts `describe(bundle)` returns (the
-        cluster's: checksum and digest at the rollout dtype).
+        on the fixed probe when `probe` (a forward of every rank; None otherwise) and, when `describe`
+        is given, the facts `describe(bundle)` returns (the cluster's: checksum and digest at the
+        rollout dtype).
         """
         engine = self._require_engine()
         t0 = time.perf_counter()

@@ -7,8 +7,8 @@ learner tests used to start about thirty of them, one world per group. Each grou
 the process already holds, which `setup` verifies (`check_world`: this rank of this size), and the
 previous test's engine is destroyed first. What is never reused: a group whose test raised (a rank
 may still be inside a collective) is killed, and ranks of another class than `LearnerRank` (a test's
-instrumented subclass) live for their test only. The pool is emptied before the first test of a module that does
-not use it (tests/conftest.py), so the rest of the suite sees no extra actors.
+instrumented subclass) live for their test only. The pool is emptied before the first test of a
+module that does not use it (tests/conftest.py), so the rest of the suite sees no extra actors.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from learner.rank import LearnerRank
 TIMEOUT_S = 120
 CPUS_PER_RANK = 0.5
 
-_free: dict[int, list[list]] = {}  # world size -> idle groups of LearnerRank actors, rank order
-_live: list[list] = []  # every pooled group, idle or lent
+# world size -> idle groups of LearnerRank actors, rank order. A group is lent only inside its test's
+# `with` block, so between tests every pooled group is here.
+_free: dict[int, list[list]] = {}
 
 
 def _reusable(cls: type) -> type:
@@ -64,8 +65,6 @@ def learner_group(ray, n: int, model_path, config, temperature: float = 0.8, ran
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable on workers
         cls = ray.remote(_reusable(rank_cls) if pooled else rank_cls)
         group = [cls.options(num_cpus=CPUS_PER_RANK).remote(i, n, *args) for i in range(n)]
-        if pooled:
-            _live.append(group)
     else:
         ray.get([r.reuse.remote(i, n, *args) for i, r in enumerate(group)], timeout=TIMEOUT_S)
     clean = False
@@ -83,24 +82,20 @@ def _give_back(ray, group: list, pooled: bool, clean: bool) -> None:
         try:
             ray.get([r.release.remote() for r in group], timeout=TIMEOUT_S)
         except BaseException:
-            _live.remove(group)
             _kill(ray, group, graceful=False)
             raise
         _free.setdefault(len(group), []).append(group)
         return
-    if pooled:
-        _live.remove(group)
     _kill(ray, group, graceful=not pooled)
 
 
 def drain() -> None:
     """Shut every pooled rank down (leaving its world, removing its /dev/shm buffers) and kill it."""
-    if not _live:
+    if not _free:
         return
     import ray
 
-    groups = list(_live)
-    _live.clear()
+    groups = [g for idle in _free.values() for g in idle]
     _free.clear()
     for group in groups:
         _kill(ray, group, graceful=True)

@@ -154,10 +154,10 @@ class AsyncPublisher(WeightPublisher):
                 self.worker_versions[m.name] = self.version
 
     def start_export(self, version: int) -> tuple[list[Call], Any]:
-        """Every rank exports v`version` (ZeRO-3 gathers); rank 0's result is the bundle, and its fingerprint
-        (probe logprobs when `probe_wanted` for the current workers, checksum, digest) is what the workers
-        must acknowledge. The driver tracks each
-        rank's small flag; the bundle stays an object reference it hands to the workers."""
+        """Every rank exports v`version` (ZeRO-3 gathers); rank 0's result is the bundle, and its
+        fingerprint (probe logprobs when `probe_wanted` for the current workers, checksum, digest) is
+        what the workers must acknowledge. The driver tracks each rank's small flag; the bundle stays an
+        object reference it hands to the workers."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
         describe = bundle_facts(self.cfg.rollout.dtype)
         probe = self.probe_wanted(version, self.roles.workers.names)

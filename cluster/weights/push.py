@@ -107,9 +107,10 @@ def push_weights(
 ) -> tuple[SyncResult, Any]:
     """Export, push to every worker, verify acknowledgements. Returns the result and the bundle ref.
 
-    `dtype` is the rollout dtype; `probe`: the learner and every engine score the probe sequences. A worker that dies or does not answer in time is reported in `lost`
-    (it holds no weights anyone relies on); a worker that answers with the wrong version, checksum
-    or probe logprobs is an error naming it.
+    `dtype` is the rollout dtype; `probe`: the learner and every engine score the probe sequences. A
+    worker that dies or does not answer in time is reported in `lost` (it holds no weights anyone
+    relies on); a worker that answers with the wrong version, digest, checksum or probe logprobs is an
+    error naming it.
     """
     t0 = time.perf_counter()
     refs, meta_ref = _start_export(ranks, dtype, probe)
