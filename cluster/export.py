@@ -40,10 +40,11 @@ def run_config(checkpoint: Path):
 
 def load_policy(cfg, checkpoint: Path):
     """The base policy with the checkpoint's weights, float32 (a LoRA run's adapters merged in)."""
+    from cluster.pipeline.checkpoint import LEARNER_DIR
     from learner.consolidated_checkpoint import read_weights
 
     try:
-        state = read_weights(checkpoint / "learner", "policy.")
+        state = read_weights(checkpoint / LEARNER_DIR, "policy.")
     except ValueError as err:
         raise ExportError(str(err)) from None
     try:
@@ -100,7 +101,7 @@ def export(
     from safetensors.torch import save_file
 
     from cluster.pipeline.chat import save_tokenizer
-    from cluster.pipeline.checkpoint import CheckpointError, read_state
+    from cluster.pipeline.checkpoint import LEARNER_DIR, CheckpointError, read_state
     from learner.consolidated_checkpoint import read_weights
     from learner.model import VALUE_HEAD_FILE
 
@@ -117,7 +118,7 @@ def export(
     model.save_pretrained(out)
     template = save_tokenizer(cfg.data, cfg.tokenizer_path, out)
     if value_head:
-        head = read_weights(checkpoint / "learner", "value_head.")
+        head = read_weights(checkpoint / LEARNER_DIR, "value_head.")
         save_file({k: v.contiguous() for k, v in head.items()}, str(out / VALUE_HEAD_FILE))
     record = {
         "checkpoint": str(checkpoint),

@@ -21,7 +21,7 @@ from cluster.run.metrics import read_metrics
 # (panel title, [(metric key, legend label)])
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     (
-        "reward",
+        "mean reward",
         [
             ("rollout/reward_mean", "train reward"),
             ("eval/reward_mean", "held-out reward"),

@@ -123,25 +123,19 @@ def test_colocated_config_errors_name_the_fields(demo_assets):
 
 def test_views_ask_for_two_returns_where_the_roles_return_two():
     """A `RoleView` returns what the role's own actor would: two references for the methods that
-    return (facts, payload) (the driver reads the first only), one for every other method."""
+    return (facts, payload) (the driver reads the first only), one for every other method. Each
+    role's descriptor names its two-return methods; here they are read off its actor class."""
     import inspect
 
-    from cluster.placement import learner_actor, role_actors
-    from cluster.placement.colocated import TWO_RETURNS
+    from cluster.roles.registry import ROLES
 
-    classes = (
-        role_actors.StreamingRolloutWorker,
-        role_actors.StreamingReference,
-        role_actors.StreamingScorer,
-        learner_actor.StreamingLearnerRank,
-    )
-    two = {
-        name
-        for cls in classes
-        for name, fn in inspect.getmembers(cls, inspect.isfunction)
-        if getattr(fn, "__ray_num_returns__", 1) == 2
-    }
-    assert two == TWO_RETURNS
+    for role in ROLES:
+        two = {
+            name
+            for name, fn in inspect.getmembers(role.actor_class(), inspect.isfunction)
+            if getattr(fn, "__ray_num_returns__", 1) == 2
+        }
+        assert two == role.two_returns, role.name
 
 
 def test_the_driver_imports_no_framework():
@@ -149,7 +143,7 @@ def test_the_driver_imports_no_framework():
     processes that compute (its tokenizer loads transformers later, while the actors start)."""
     code = (
         "import json, sys\n"
-        "import cluster.train, cluster.pipeline.trainer, cluster.pipeline.async_trainer, cluster.placement.actors, cluster.placement.colocated\n"
+        "import cluster.train, cluster.pipeline.trainer, cluster.pipeline.async_trainer, cluster.placement.actors, cluster.placement.colocated, cluster.roles.registry, cluster.scale\n"
         "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -162,7 +156,7 @@ def test_an_actor_imports_only_its_own_roles_frameworks():
     the scorer's never import DeepSpeed (the learner rank's alone needs it)."""
     code = (
         "import json, sys\n"
-        "import cluster.placement.role_actors\n"
+        "import cluster.roles.actors\n"
         "print(json.dumps([m for m in ('deepspeed', 'learner.rank') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

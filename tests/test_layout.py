@@ -155,3 +155,35 @@ def test_the_cycle_checker_finds_a_lazy_cycle(tmp_path):
     (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from cluster.a import y\n")
     (pkg / "d.py").write_text("import cluster.a\n")
     assert import_cycles(module_graph(tmp_path)) == [["cluster.a", "cluster.b", "cluster.c"]]
+
+
+def role_name_literals(root: Path, names: set[str], registry: Path) -> list[str]:
+    """`file:line 'name'` for every string constant equal to a role's name in a module under
+    `root/cluster` other than `registry` (the one place a role is described)."""
+    found = []
+    for f in sorted((root / "cluster").rglob("*.py")):
+        if f == registry:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                found.append(f"{f.relative_to(root)}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_no_module_of_cluster_but_the_roles_registry_names_a_role():
+    """Placement, control, scaling, the collector, the stream loop, telemetry and the run folder loop
+    over `cluster.roles.registry.ROLES`: a role's name is spelled in its descriptor only, so adding
+    a role is a descriptor, its actor class and its config section."""
+    from cluster.roles.registry import ROLES
+
+    names = {r.name for r in ROLES}
+    assert names == {"learner", "rollout", "reference", "reward"}
+    assert role_name_literals(ROOT, names, ROOT / "cluster" / "roles" / "registry.py") == []
+
+
+def test_the_role_name_check_sees_a_name_in_any_module(tmp_path):
+    (tmp_path / "cluster" / "pipeline").mkdir(parents=True)
+    (tmp_path / "cluster" / "pipeline" / "x.py").write_text('KINDS = {"rollout": 1}\nlabel = "rollouts"\n')
+    registry = tmp_path / "cluster" / "registry.py"
+    registry.write_text('NAME = "rollout"\n')
+    assert role_name_literals(tmp_path, {"rollout"}, registry) == ["cluster/pipeline/x.py:1 'rollout'"]

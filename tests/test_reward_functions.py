@@ -447,7 +447,7 @@ def test_the_streaming_scorer_hands_each_sample_its_prompts_text_messages_row_an
     tokenizer_dir, user_module
 ):
     """The cluster's glue, without Ray: samples and the driver's prompt facts in, `RewardInput`s out."""
-    from cluster.placement.role_actors import StreamingScorer
+    from cluster.roles.actors import StreamingScorer
     from rollout_workers.types import Sample
 
     prompts, responses = _samples()

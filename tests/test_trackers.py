@@ -332,3 +332,22 @@ def test_run_loggers_are_checked_with_the_field_and_the_allowed_values():
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(CONFIG, [override])
+
+
+def test_each_registered_sink_loads_the_class_of_its_name_and_names_a_real_extra():
+    """`SINKS` names its classes as `module:Class`: each loads to a `Sink` whose `name` is its key,
+    and a package a sink needs is one of the project's pip extras."""
+    import tomllib
+
+    from cluster.run.trackers.base import Sink
+    from cluster.run.trackers.registry import SINKS, missing_packages
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, entry in SINKS.items():
+        cls = entry.load()
+        assert issubclass(cls, Sink) and cls.name == name
+        assert (entry.package is None) == (entry.extra is None) and (
+            entry.extra is None or entry.extra in extras
+        )
+    assert missing_packages(list(SINKS)) == []  # the dev venv has every extra

@@ -34,6 +34,7 @@ from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.learner_step import LearnerStep
 from cluster.pipeline.stream_buffer import StreamBuffer, Taken
 from cluster.pipeline.trainer import Trainer
+from cluster.roles.registry import SCALABLE, scoring_kinds
 from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
 
@@ -132,10 +133,10 @@ class AsyncTrainer(Trainer):
         draining: a removed member takes no new work and leaves when its calls are done."""
         targets = ray.get(self.control.targets.remote(), timeout=30)
         events = []
-        for role, pool in zip(("rollout", "reference", "reward"), self.roles.pools(), strict=True):
-            kind = {"rollout": "generate", "reference": "reference", "reward": "reward"}[role]
+        for role in SCALABLE:
+            pool, kind = self.roles.by_role[role.name], role.work.kind
             live = [m for m in pool.members if m.name not in self.collector.draining]
-            want = int(targets[role])
+            want = int(targets[role.name])
             if want < 1:
                 raise ValueError(f"{pool.prefix}: at least one actor is needed (asked for {want})")
             for m in pool.launch(max(0, want - len(live))):
@@ -193,7 +194,7 @@ class AsyncTrainer(Trainer):
         if chunk is None:
             return None
         if call.kind == "generate":
-            for kind in ("reward",) if chunk.eval else ("reference", "reward"):
+            for kind in scoring_kinds(train=not chunk.eval):
                 c.submit(c.tracker, kind, chunk)
         if chunk.eval:
             if chunk.scores is not None:

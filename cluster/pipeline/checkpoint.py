@@ -28,9 +28,11 @@ from typing import Any
 import ray
 
 from cluster.placement.pools import wait_until
+from cluster.roles.registry import LEARNER
 
 FORMAT = 1
 STATE_FILE = "state.json"
+LEARNER_DIR = LEARNER.name  # the learner ranks' DeepSpeed state: the checkpoint's folder named for its role
 COMPLETE = "COMPLETE"
 
 
@@ -111,7 +113,7 @@ def save_checkpoint(
     tmp = root / f".step-{step:06d}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    refs = [r.save_checkpoint.remote(str(tmp / "learner"), {}) for r in ranks]
+    refs = [r.save_checkpoint.remote(str(tmp / LEARNER_DIR), {}) for r in ranks]
     _, pending = wait_until(refs, len(refs), time.monotonic() + timeout)
     if pending:
         raise CheckpointError(f"learner checkpoint into {tmp} not written within {timeout:.0f}s")
@@ -184,8 +186,8 @@ def read_state(ckpt: Path) -> dict:
     marker, state_path = ckpt / COMPLETE, ckpt / STATE_FILE
     if not marker.is_file():
         raise CheckpointError(f"{ckpt}: incomplete checkpoint (no {COMPLETE} marker)")
-    if not state_path.is_file() or not (ckpt / "learner").is_dir():
-        raise CheckpointError(f"{ckpt}: corrupt checkpoint (missing {STATE_FILE} or learner/)")
+    if not state_path.is_file() or not (ckpt / LEARNER_DIR).is_dir():
+        raise CheckpointError(f"{ckpt}: corrupt checkpoint (missing {STATE_FILE} or {LEARNER_DIR}/)")
     if marker.read_text().strip() != _sha256(state_path):
         raise CheckpointError(f"{ckpt}: corrupt checkpoint ({STATE_FILE} does not match its checksum)")
     try:

@@ -23,9 +23,10 @@ from typing import Any
 import ray
 
 from cluster.pipeline.calls import Call, CallTracker
-from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed, prompt_facts
+from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
 from cluster.pipeline.data import Prompt
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
+from cluster.roles.registry import WORK, role_of_kind, scoring_kinds
 
 
 class RolloutError(RuntimeError):
@@ -47,23 +48,22 @@ class RolloutCollector:
 
     def __init__(
         self,
-        workers: ActorPool,
-        references: ActorPool,
-        scorers: ActorPool,
-        generate_timeout: float,
-        score_timeout: float,
+        by_role: dict[str, ActorPool],
+        timeouts: Any,
         max_attempts: int = 3,
-        start_timeout: float = 300.0,
         prepare: Prepare | None = None,
         one_chunk_per_worker: bool = False,
     ) -> None:
-        self.pools = {"generate": workers, "reference": references, "reward": scorers}
+        """`by_role`: the run's pools by role name; `timeouts`: the config's `timeouts` section (each
+        role's `Work.timeout` names its call's deadline there; actor_start_s bounds a start)."""
+        # the pool and the deadline of each kind of call (`cluster.roles.registry.WORK`)
+        self.pools = {kind: by_role[role_of_kind(kind).name] for kind in WORK}
+        self.timeouts = {kind: float(getattr(timeouts, work.timeout)) for kind, work in WORK.items()}
         # Colocated roles take turns in one process, where smaller chunks overlap nothing and only
         # add per-call and per-token overhead: the batch is then split evenly over the workers.
         self.one_chunk_per_worker = one_chunk_per_worker
-        self.timeouts = {"generate": generate_timeout, "reference": score_timeout, "reward": score_timeout}
         self.max_attempts = max_attempts
-        self.start_timeout = start_timeout
+        self.start_timeout = float(timeouts.actor_start_s)
         self.prepare = prepare
 
     # ------------------------------------------------------------------ submission
@@ -80,24 +80,7 @@ class RolloutCollector:
         the scores (reward). Kept with the call are the payload's references, which only actors read:
         the samples (generate) and the reference logprobs."""
         member = member or self.pick(kind)
-        h = member.handle
-        if kind == "generate":
-            ps = chunk.prompts
-            ref, samples = h.generate_chunk.remote(
-                [p.index for p in ps],
-                [p.ids for p in ps],
-                chunk.seed,
-                chunk.sampling,
-                [p.text for p in ps],
-                [p.meta for p in ps],
-            )
-            kept = samples
-        elif kind == "reference":
-            ref, logprobs = h.sample_logprobs.remote(chunk.samples_ref)
-            kept = logprobs
-        else:
-            ref = h.score_samples.remote(chunk.samples_ref, prompt_facts(chunk.prompts))
-            kept = None
+        ref, kept = WORK[kind].send(member.handle, chunk)
         return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, kept=kept, round=chunk.round)
 
     def record(self, tracker: CallTracker, call: Call, stats: Any) -> Chunk | None:
@@ -109,12 +92,7 @@ class RolloutCollector:
         if not ok or call.kind not in self.pools or not self.current(call):
             return None
         chunk = call.payload
-        if call.kind == "generate":
-            chunk.facts, chunk.samples_ref = value, call.kept
-        elif call.kind == "reference":
-            chunk.ref_logprobs_ref = call.kept
-        else:
-            chunk.scores = value
+        WORK[call.kind].file(chunk, value, call.kept)
         return chunk
 
     @staticmethod
@@ -282,7 +260,7 @@ class RolloutCollector:
         """Generate `chunks`, scoring each as soon as it lands, until all are scored; faults are
         counted on `batch`. Returns the seconds until the last chunk was generated."""
         t0 = time.perf_counter()
-        scoring = ("reference", "reward") if reference else ("reward",)
+        scoring = scoring_kinds(train=reference)
         tracker = CallTracker()
         for c in chunks:
             self.submit(tracker, "generate", c)

@@ -10,8 +10,10 @@ import json
 import os
 from pathlib import Path
 
+from cluster.roles.registry import scalable_names
+
 NAMESPACE = "rayppo"
-ROLES = ("rollout", "reference", "reward")
+ROLES = scalable_names()  # the roles whose counts a running job can change
 
 
 def control_name(run_id: str) -> str:

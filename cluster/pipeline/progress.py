@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.checkpoint import Cadence, checkpoint_step, read_state, save_checkpoint
+from cluster.pipeline.checkpoint import LEARNER_DIR, Cadence, checkpoint_step, read_state, save_checkpoint
 from cluster.pipeline.chunks import Parts, kept
 
 
@@ -97,7 +97,7 @@ class Checkpointer:
     def restore(self, ckpt: Path, ranks: list[Any]) -> dict:
         """Every learner rank loads `ckpt`'s state; returns the run state saved with it."""
         state = read_state(ckpt)
-        refs = [r.load_checkpoint.remote(str(ckpt / "learner")) for r in ranks]
+        refs = [r.load_checkpoint.remote(str(ckpt / LEARNER_DIR)) for r in ranks]
         ray.get(refs, timeout=self.cfg.timeouts.train_s)
         self.last = ckpt
         return state

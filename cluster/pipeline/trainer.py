@@ -20,7 +20,7 @@ from cluster.config.schema import RunConfig
 from cluster.pipeline.chat import save_tokenizer
 from cluster.pipeline.chunks import Parts, RolloutBatch, env_errors, reward_errors
 from cluster.pipeline.collector import RolloutCollector
-from cluster.pipeline.control import NAMESPACE, ROLES, RunControl, control_name, current_run_id
+from cluster.pipeline.control import NAMESPACE, RunControl, control_name, current_run_id
 from cluster.pipeline.data import (
     Prompt,
     PromptStream,
@@ -158,21 +158,15 @@ class Trainer:
 
     def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over this run's pools, timeouts and replacement hook."""
-        t = self.cfg.timeouts
         return cls(
-            self.roles.workers,
-            self.roles.references,
-            self.roles.scorers,
-            t.generate_s,
-            t.score_s,
-            start_timeout=t.actor_start_s,
+            self.roles.by_role,
+            self.cfg.timeouts,
             prepare=self.weights.prepare,
             one_chunk_per_worker=bool(self.roles.hosts),
         )
 
     def _counts(self) -> dict[str, int]:
-        r = self.roles
-        return {"rollout": len(r.workers), "reference": len(r.references), "reward": len(r.scorers)}
+        return {name: len(pool) for name, pool in self.roles.by_role.items()}
 
     def close(self) -> None:
         self.log.close()
@@ -211,10 +205,9 @@ class Trainer:
 
     def apply_scaling(self) -> list[str]:
         targets = ray.get(self.control.targets.remote(), timeout=30)
-        pools = dict(zip(ROLES, self.roles.pools(), strict=True))
         events = []
         for role, want in targets.items():
-            added, removed = pools[role].resize(int(want))
+            added, removed = self.roles.by_role[role].resize(int(want))
             events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
         return events
 
@@ -312,18 +305,24 @@ class Trainer:
         """Abort the step when more than reward.max_failure_frac of its `total` samples' rewards failed,
         or more than rollout.environment.max_failure_frac of its episodes' environments failed."""
         for errors, frac, field, what, error in (
-            (reward_errors(parts), self.cfg.reward.max_failure_frac, "reward", "rewards", RewardFailureError),
+            (
+                reward_errors(parts),
+                self.cfg.reward.max_failure_frac,
+                "reward.max_failure_frac",
+                "rewards",
+                RewardFailureError,
+            ),
             (
                 env_errors(parts),
                 self.cfg.rollout.environment.max_failure_frac,
-                "rollout.environment",
+                "rollout.environment.max_failure_frac",
                 "episodes' environments",
                 EnvironmentFailureError,
             ),
         ):
             if len(errors) > frac * total:
                 raise error(
-                    f"step {step}: {len(errors)}/{total} {what} failed (> {field}.max_failure_frac="
+                    f"step {step}: {len(errors)}/{total} {what} failed (> {field}="
                     f"{frac}); first errors: {errors[:3]}"
                 )
 
@@ -419,7 +418,7 @@ class Trainer:
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:
-    post = {"reward": f"{m['rollout/reward_mean']:.3f}", "kl": f"{m.get('objective/kl', math.nan):.3f}"}
+    post = {"reward_mean": f"{m['rollout/reward_mean']:.3f}", "kl": f"{m.get('objective/kl', math.nan):.3f}"}
     if "rollout/reward_prob_mean" in m:
         post["p_pos"] = f"{m['rollout/reward_prob_mean']:.3f}"
     return post

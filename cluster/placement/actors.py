@@ -19,6 +19,7 @@ import ray
 from cluster.config.schema import RunConfig
 from cluster.placement.plan import PlacementPlan
 from cluster.placement.pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
+from cluster.roles.registry import LEARNER, REFERENCE, REWARD, ROLLOUT, SCALABLE, Place, Role
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -39,16 +40,29 @@ def actor_name(run_id: str, member: str) -> str:
 
 @dataclass
 class Roles:
-    workers: ActorPool
-    references: ActorPool
-    scorers: ActorPool
+    """A run's actors: a pool per scalable role (`cluster.roles.registry.SCALABLE`, keyed by name),
+    the learner's ranks, and the colocated hosts or environment actors where the config has them."""
+
+    by_role: dict[str, ActorPool]
     plan: PlacementPlan
     ranks: list[Any] = field(default_factory=list)
     hosts: list[Any] = field(default_factory=list)  # cluster.placement='colocated': one per learner rank
     environments: list[Any] = field(default_factory=list)  # rollout.environment.placement='actors'
 
+    @property
+    def workers(self) -> ActorPool:
+        return self.by_role[ROLLOUT.name]
+
+    @property
+    def references(self) -> ActorPool:
+        return self.by_role[REFERENCE.name]
+
+    @property
+    def scorers(self) -> ActorPool:
+        return self.by_role[REWARD.name]
+
     def pools(self) -> list[ActorPool]:
-        return [self.workers, self.references, self.scorers]
+        return list(self.by_role.values())
 
 
 def make_pools(
@@ -58,52 +72,28 @@ def make_pools(
     on_worker_start: Callable[[Any, str], None] | None = None,
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
-    from cluster.placement.role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
-    from cluster.weights.push import WEIGHTS_GROUP
-
-    ref, rew = cfg.reference, cfg.reward
-    temperature = cfg.rollout.sampling.temperature
-    wait = cfg.timeouts.actor_start_s
-
     hosts, environment = environment_actors(cfg, plan, run_id)
 
-    # pipeline.partial_rollout: weight calls get a concurrency group of their own, to run beside a generate call
-    worker_cls = (
-        ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(StreamingRolloutWorker)
-        if plan.rollout.config.interruptible
-        else ray.remote(StreamingRolloutWorker)
-    )
+    def pool(role: Role) -> ActorPool:
+        cls = remote_class(role, Place(0, plan.rollout.config, environment))
 
-    def worker(name: str, slot: int) -> Any:
-        return worker_cls.options(
-            name=actor_name(run_id, name), **plan.options("rollout", slot), **ACTOR_ENV
-        ).remote(cfg.model.policy_path, plan.rollout.config, slot, 0, environment)
+        def start(name: str, slot: int) -> Any:
+            opts = plan.options(role.name, slot)
+            return cls.options(name=actor_name(run_id, name), **opts, **ACTOR_ENV).remote(
+                *role.args(cfg, Place(slot, plan.rollout.config, environment))
+            )
 
-    def reference(name: str, slot: int) -> Any:
-        return (
-            ray.remote(StreamingReference)
-            .options(name=actor_name(run_id, name), **plan.options("reference", slot), **ACTOR_ENV)
-            .remote(cfg.reference_path, ref, temperature)
-        )
+        on_start = on_worker_start if role is ROLLOUT else None
+        release = functools.partial(plan.release, role.name)
+        return ActorPool(role.prefix, start, cfg.timeouts.actor_start_s, on_start, release=release)
 
-    def scorer(name: str, slot: int) -> Any:
-        return (
-            ray.remote(StreamingScorer)
-            .options(name=actor_name(run_id, name), **plan.options("reward", slot), **ACTOR_ENV)
-            .remote(rew, cfg.tokenizer_path)
-        )
+    return Roles({role.name: pool(role) for role in SCALABLE}, plan, environments=hosts)
 
-    def pool(role: str, start: Callable[[str, int], Any], on_start: Callable | None = None) -> ActorPool:
-        release = functools.partial(plan.release, role)
-        return ActorPool(plan.shapes[role].prefix, start, wait, on_start, release=release)
 
-    return Roles(
-        workers=pool("rollout", worker, on_worker_start),
-        references=pool("reference", reference),
-        scorers=pool("reward", scorer),
-        plan=plan,
-        environments=hosts,
-    )
+def remote_class(role: Role, place: Place) -> Any:
+    """`role`'s actor class as a Ray actor class, with the role's `ray.remote` options."""
+    opts = role.remote_options(place)
+    return ray.remote(**opts)(role.actor_class()) if opts else ray.remote(role.actor_class())
 
 
 def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tuple[list[Any], Any]:
@@ -120,26 +110,15 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
-    from cluster.placement.learner_actor import StreamingLearnerRank
-
-    lc = cfg.learner
-    wait = cfg.timeouts.actor_start_s
-    names = [f"{roles.plan.shapes['learner'].prefix}-{rank}" for rank in range(lc.num_ranks)]
+    cls = remote_class(LEARNER, Place(0))
+    names = [f"{LEARNER.prefix}-{rank}" for rank in range(LEARNER.count(cfg))]
     for rank, name in enumerate(names):
         roles.ranks.append(
-            ray.remote(StreamingLearnerRank)
-            .options(name=actor_name(run_id, name), **roles.plan.options("learner", rank), **ACTOR_ENV)
-            .remote(
-                rank,
-                lc.num_ranks,
-                cfg.model.policy_path,
-                lc,
-                cfg.run.seed,
-                pad_token_id,
-                cfg.rollout.sampling.temperature,
-            )
+            cls.options(
+                name=actor_name(run_id, name), **roles.plan.options(LEARNER.name, rank), **ACTOR_ENV
+            ).remote(*LEARNER.args(cfg, Place(rank, pad_token_id=pad_token_id)))
         )
-    form_learner(roles.ranks, names, wait)
+    form_learner(roles.ranks, names, cfg.timeouts.actor_start_s)
 
 
 def form_learner(ranks: list[Any], names: list[str], wait: float) -> None:
@@ -161,7 +140,6 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
 
     plan = PlacementPlan(cfg)
     plan.reserve()
-    prefixes = {role: shape.prefix for role, shape in plan.shapes.items()}
 
     def cannot_start(role: str) -> Callable[[str, int], Any]:
         def start(name: str, slot: int) -> Any:
@@ -174,23 +152,20 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
         return start
 
     wait = cfg.timeouts.actor_start_s
-    pools = [
-        ActorPool(prefixes[role], cannot_start(role), wait) for role in ("rollout", "reference", "reward")
-    ]
-    roles = Roles(*pools, plan)
+    roles = Roles({r.name: ActorPool(r.prefix, cannot_start(r.name), wait) for r in SCALABLE}, plan)
     roles.environments, environment = environment_actors(cfg, plan, run_id)
     try:
         for rank in range(cfg.learner.num_ranks):
             roles.hosts.append(
                 ray.remote(ColocatedHost)
                 .options(
-                    name=actor_name(run_id, f"{prefixes['learner']}-{rank}"),
+                    name=actor_name(run_id, f"{LEARNER.prefix}-{rank}"),
                     runtime_env={"env_vars": HOST_ENV},
-                    **plan.options("learner", rank),
+                    **plan.options(LEARNER.name, rank),
                 )
                 .remote(rank, cfg, plan.rollout.config, environment=environment)
             )
-        roles.ranks = [RoleView(h, "learner") for h in roles.hosts]
+        roles.ranks = [RoleView(h, LEARNER.name) for h in roles.hosts]
     except BaseException:
         stop_roles(roles)
         raise
@@ -201,12 +176,14 @@ def finish_colocated(cfg: RunConfig, roles: Roles) -> None:
     """Form the launched hosts' learner world and fill the pools with views of their roles."""
     from cluster.placement.colocated import RoleView
 
-    plan = roles.plan
-    names = [f"{plan.shapes['learner'].prefix}-{rank}" for rank in range(len(roles.hosts))]
+    names = [f"{LEARNER.prefix}-{rank}" for rank in range(len(roles.hosts))]
     form_learner(roles.ranks, names, cfg.timeouts.actor_start_s)
-    counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
-    for pool, role, count in zip(roles.pools(), ("rollout", "reference", "reward"), counts, strict=True):
-        pool.members = [Member(f"{pool.prefix}-{i}", RoleView(roles.hosts[i], role), i) for i in range(count)]
+    for role in SCALABLE:
+        pool = roles.by_role[role.name]
+        pool.members = [
+            Member(f"{pool.prefix}-{i}", RoleView(roles.hosts[i], role.name), i)
+            for i in range(role.count(cfg))
+        ]
 
 
 def start_roles(
@@ -227,11 +204,10 @@ def start_roles(
     plan.reserve()
     roles = make_pools(cfg, plan, run_id, on_worker_start)
     try:
-        counts = (cfg.rollout.num_workers, cfg.reference.num_replicas, cfg.reward.num_replicas)
-        launched = [pool.launch(n) for pool, n in zip(roles.pools(), counts, strict=True)]
+        launched = {r.name: roles.by_role[r.name].launch(r.count(cfg)) for r in SCALABLE}
         start_learner(cfg, roles, pad_token_id, run_id)
-        for pool, started in zip(roles.pools(), launched, strict=True):
-            pool.admit(started)
+        for name, started in launched.items():
+            roles.by_role[name].admit(started)
     except BaseException:
         stop_roles(roles)
         raise

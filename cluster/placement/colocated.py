@@ -8,7 +8,7 @@ They share the rank's devices and take turns, as the synchronous pipeline does a
 score, (rollout engine sleeps), train, (engine wakes), new weights. verl's hybrid engine and
 OpenRLHF's `--colocate_all_models` make the same trade.
 
-The roles are the classes the separate placement runs as actors (`cluster.placement.role_actors`: each role's
+The roles are the classes the separate placement runs as actors (`cluster.roles.actors`: each role's
 plain class with the adapters that keep samples out of the driver), built here as they are there.
 The host only runs each call with that role's torch thread count (one process has one thread
 setting; as the roles take turns, each may use the learner rank's threads), and moves a new version from the learner to its own worker in memory (`push_local`):
@@ -23,6 +23,7 @@ imports torch, transformers or DeepSpeed for them.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import ray
 
 from cluster.config.schema import RunConfig
+from cluster.roles.registry import BY_NAME, LEARNER, ROLES, ROLLOUT, SCALABLE, Place
 
 # The host's environment: quiet transformers, and one OpenMP/BLAS thread for whatever does not take
 # its thread count from torch (numpy's BLAS). Ray would set OMP_NUM_THREADS to the host's CPUs
@@ -45,12 +47,7 @@ HOST_ENV = {
 
 def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
     """The roles host `rank` holds besides its learner rank: a role's replica i lives on host i."""
-    counts = {
-        "rollout": cfg.rollout.num_workers,
-        "reference": cfg.reference.num_replicas,
-        "reward": cfg.reward.num_replicas,
-    }
-    return tuple(role for role, n in counts.items() if rank < n)
+    return tuple(role.name for role in SCALABLE if rank < role.count(cfg))
 
 
 class ColocatedHost:
@@ -68,9 +65,7 @@ class ColocatedHost:
         t0 = time.perf_counter()
         import torch
 
-        from cluster.placement.learner_actor import StreamingLearnerRank
-        from cluster.placement.role_actors import StreamingReference, StreamingRolloutWorker, StreamingScorer
-
+        classes = {role.name: role.actor_class() for role in ROLES}  # imports the roles' frameworks
         self.timings = {"import_s": time.perf_counter() - t0}
         self._torch = torch
         if pad_token_id is None:  # the driver's rule, on the same tokenizer (it loads it meanwhile)
@@ -79,35 +74,20 @@ class ColocatedHost:
             from cluster.pipeline.data import pad_token_id as pad_of
 
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
-        lc, temperature = cfg.learner, cfg.rollout.sampling.temperature
-        held = held_roles(cfg, rank)
+        place = Place(rank, worker_config, environment, pad_token_id)
         # The roles take turns, so each may use the threads the learner rank has (at least its own).
-        self.threads = {
-            "learner": lc.torch_threads,
-            "rollout": max(cfg.rollout.torch_threads, lc.torch_threads),
-            "reference": lc.torch_threads,  # the separate placement's reference and scorer use 1
-            "reward": lc.torch_threads,
+        self.threads = {role.name: role.host_threads(cfg) for role in ROLES}
+        self._builders = {
+            role.name: functools.partial(classes[role.name], *role.args(cfg, place)) for role in ROLES
         }
-        builders = {
-            "learner": lambda: StreamingLearnerRank(
-                rank, lc.num_ranks, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id, temperature
-            ),
-            "rollout": lambda: StreamingRolloutWorker(
-                cfg.model.policy_path, worker_config, rank, 0, environment
-            ),
-            "reference": lambda: StreamingReference(cfg.reference_path, cfg.reference, temperature),
-            "reward": lambda: StreamingScorer(cfg.reward, cfg.tokenizer_path),
-        }
-        self._builders = builders
         self.roles: dict[str, Any] = {}
-        # The rollout worker is built once the learner has joined its world (`call("learner",
-        # "setup")`): an engine that brings torch.distributed state of its own (vLLM's in-process
-        # worker initialises a default group of size 1 when none exists, and DeepSpeed would then
-        # adopt it, every rank training alone) must find the learner's world there first.
-        self._pending = tuple(role for role in held if role == "rollout")
-        for role in ("learner", *held):
-            if role not in self._pending:
-                self._build(role)
+        # Some roles are built once the learner has joined its world (`call(<learner>, "setup")`,
+        # `Role.after_learner_setup`).
+        held = held_roles(cfg, rank)
+        self._pending = tuple(name for name in held if BY_NAME[name].after_learner_setup)
+        for name in (LEARNER.name, *held):
+            if name not in self._pending:
+                self._build(name)
 
     def _build(self, role: str) -> None:
         t = time.perf_counter()
@@ -131,7 +111,7 @@ class ColocatedHost:
         self._torch.set_num_threads(self.threads[role])
         t = time.perf_counter()
         out = getattr(self.roles[role], method)(*args, **kwargs)
-        if role == "learner" and method == "setup":
+        if role == LEARNER.name and method == "setup":
             self.timings["learner_setup_s"] = time.perf_counter() - t
             pending, self._pending = self._pending, ()
             for held in pending:
@@ -147,27 +127,21 @@ class ColocatedHost:
         acknowledgement or None, rank 0's fingerprint or None, an object-store copy of the bundle
         when `share`, for workers on other hosts). `probe`: both sides score the probe sequences."""
         self.wake_rollout()
-        bundle = self.call("learner", "export_weights", describe, dtype, probe)
-        meta = self.call("learner", "export_fingerprint") if bundle is not None else None
+        bundle = self.call(LEARNER.name, "export_weights", describe, dtype, probe)
+        meta = self.call(LEARNER.name, "export_fingerprint") if bundle is not None else None
         ack = None
-        if bundle is not None and "rollout" in self.roles:
-            ack = self.call("rollout", "load_weights", bundle, version, probe)
+        if bundle is not None and ROLLOUT.name in self.roles:
+            ack = self.call(ROLLOUT.name, "load_weights", bundle, version, probe)
         shared = ray.put(bundle) if share and bundle is not None else None
         return ack, meta, shared
 
     def sleep_rollout(self) -> dict | None:
         """The rollout engine frees its memory for the learner step (a no-op at `rollout.sleep_level` 0)."""
-        return self.call("rollout", "sleep") if "rollout" in self.roles else None
+        return self.call(ROLLOUT.name, "sleep") if ROLLOUT.name in self.roles else None
 
     def wake_rollout(self) -> dict | None:
         """The rollout engine takes its memory back (before new weights are loaded; a no-op when awake)."""
-        return self.call("rollout", "wake_up") if "rollout" in self.roles else None
-
-
-# The roles' methods that return two objects (`@ray.method(num_returns=2)` in `cluster.placement.role_actors`:
-# a payload and a small fact about it, so the driver can read the fact alone). Named here because
-# the driver never imports the roles' module; tests/test_colocated.py checks the two agree.
-TWO_RETURNS = frozenset({"generate_chunk", "sample_logprobs", "export_split"})
+        return self.call(ROLLOUT.name, "wake_up") if ROLLOUT.name in self.roles else None
 
 
 @dataclass(frozen=True)
@@ -177,7 +151,8 @@ class _Method:
     name: str
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.host.call.options(num_returns=2) if self.name in TWO_RETURNS else self.host.call
+        two = self.name in BY_NAME[self.role].two_returns  # (fact, payload), as from the role's own actor
+        call = self.host.call.options(num_returns=2) if two else self.host.call
         return call.remote(self.role, self.name, *args, **kwargs)
 
 

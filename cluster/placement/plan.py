@@ -35,8 +35,8 @@ from cluster.config.schema import RunConfig
 from cluster.placement.packing import PackingUndecided, pack
 from cluster.placement.pools import ActorStartError, wait_until
 from cluster.placement.rollout_gpus import RolloutPlacement
+from cluster.roles.registry import LEARNER, ROLES, ROLLOUT
 
-ROLE_ORDER = ("learner", "rollout", "reference", "reward")  # bundle order in the plan's group
 _HIDDEN = ("memory", "object_store_memory")  # node resources no role asks for by name
 
 
@@ -63,27 +63,23 @@ class RoleShape:
 
 
 def role_shapes(cfg: RunConfig) -> dict[str, RoleShape]:
-    lc, r, ref, rew = cfg.learner, cfg.rollout, cfg.reference, cfg.reward
+    """Each role's actors as the config places them (`cluster.roles.registry`)."""
     if cfg.cluster.placement == "colocated":
         # One bundle per learner rank holds its host: the rank's devices, which the roles share, and
         # the CPUs of the rank plus those of the roles the busiest host (rank 0) holds.
-        cpus = lc.num_cpus_per_rank + r.num_cpus_per_worker + ref.num_cpus + rew.num_cpus
+        own = LEARNER.resources(cfg)
+        cpus = sum(role.resources(cfg).num_cpus for role in ROLES)
         return {
-            "learner": RoleShape("learner-rank", lc.num_ranks, cpus, lc.num_gpus_per_rank, lc.resources),
-            "rollout": RoleShape("rollout-worker", 0, 0.0, 0.0, {}),
-            "reference": RoleShape("reference", 0, 0.0, 0.0, {}),
-            "reward": RoleShape("reward-scorer", 0, 0.0, 0.0, {}),
+            role.name: RoleShape(role.prefix, LEARNER.count(cfg), cpus, own.num_gpus, own.custom)
+            if role is LEARNER
+            else RoleShape(role.prefix, 0, 0.0, 0.0, {})
+            for role in ROLES
         }
-    return {
-        "learner": RoleShape(
-            "learner-rank", lc.num_ranks, lc.num_cpus_per_rank, lc.num_gpus_per_rank, lc.resources
-        ),
-        "rollout": RoleShape(
-            "rollout-worker", r.num_workers, r.num_cpus_per_worker, r.num_gpus_per_worker, r.resources
-        ),
-        "reference": RoleShape("reference", ref.num_replicas, ref.num_cpus, ref.num_gpus, ref.resources),
-        "reward": RoleShape("reward-scorer", rew.num_replicas, rew.num_cpus, rew.num_gpus, rew.resources),
-    }
+    shapes = {}
+    for role in ROLES:
+        res = role.resources(cfg)
+        shapes[role.name] = RoleShape(role.prefix, role.count(cfg), res.num_cpus, res.num_gpus, res.custom)
+    return shapes
 
 
 def _fmt(amounts: dict[str, float]) -> str:
@@ -128,8 +124,8 @@ class PlacementPlan:
         self.bundles: list[dict[str, float]] = []
         self._free: dict[str, list[int]] = {}  # bundle indices no actor holds, per role
         self._held: dict[tuple[str, int], int] = {}
-        for role in ROLE_ORDER:
-            if role == "rollout" and self.rollout.tensor_parallel_on_gpus:
+        for role in (r.name for r in ROLES):  # the registry's order: the learner's ranks first
+            if self._own_groups(role):
                 continue  # a group of its own per worker
             shape = self.shapes[role]
             self._free[role] = list(range(len(self.bundles), len(self.bundles) + shape.count))
@@ -139,13 +135,17 @@ class PlacementPlan:
         """The bundles of each STRICT_PACK group (one per tensor-parallel worker slot) made with the plan."""
         if not self.rollout.tensor_parallel_on_gpus:
             return []
-        return [self.rollout.bundles() for _ in range(self.shapes["rollout"].count)]
+        return [self.rollout.bundles() for _ in range(self.shapes[ROLLOUT.name].count)]
+
+    def _own_groups(self, role: str) -> bool:
+        """Each actor of `role` has a STRICT_PACK group of its own (tensor-parallel vLLM on GPUs)."""
+        return role == ROLLOUT.name and self.rollout.tensor_parallel_on_gpus
 
     def asked(self) -> str:
         parts = []
-        for role in ROLE_ORDER:
+        for role in (r.name for r in ROLES):
             shape = self.shapes[role]
-            if role == "rollout" and self.rollout.tensor_parallel_on_gpus:
+            if self._own_groups(role):
                 one = " + ".join(_fmt(b) for b in self.rollout.bundles())
                 parts.append(f"{shape.count} x {shape.prefix} [{one} on one node]")
             else:
@@ -158,8 +158,8 @@ class PlacementPlan:
             f"cannot place the run's roles: {problem}\n"
             f"  asked for: {self.asked()}\n"
             f"  free/total resources per node:\n{nodes}\n"
-            "  lower the roles' num_cpus/num_gpus or counts, change their resources (learner.resources, "
-            "rollout.resources, reference.resources, reward.resources), or add nodes "
+            "  lower the roles' num_cpus/num_gpus or counts, change their resources "
+            f"({', '.join(f'{r.name}.resources' for r in ROLES)}), or add nodes "
             "(cluster.autoscaling: true where the cluster adds them itself)"
         )
 
@@ -194,7 +194,7 @@ class PlacementPlan:
     def options(self, role: str, slot: int) -> dict[str, Any]:
         """Ray actor options of `role`'s actor in `slot`: its slot's bundle, a free bundle of the
         role, or (beyond the plan) the role's resources scheduled by Ray directly."""
-        if role == "rollout" and self.rollout.tensor_parallel_on_gpus:
+        if self._own_groups(role):
             return self.rollout.options(slot)
         opts = self.shapes[role].actor_options()
         index = self.bundle_index(role, slot)

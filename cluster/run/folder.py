@@ -18,6 +18,7 @@ import ray
 
 from cluster.config.schema import RunConfig
 from cluster.config.sections import CHAT_TEMPLATE_KEYWORDS
+from cluster.roles.registry import ROLES
 
 PATH_FIELDS = (  # attribute paths from the run config
     ("run", "output_dir"),
@@ -27,8 +28,7 @@ PATH_FIELDS = (  # attribute paths from the run config
     ("data", "prompts_path"),  # a path, a glob or a list of them: each made absolute
     ("data", "chat_template"),
     ("eval", "prompts_path"),
-    ("reference", "model_path"),
-    ("reward", "model_path"),
+    *((role.name, name) for role in ROLES for name in role.path_fields),  # the roles' own model folders
 )
 KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_KEYWORDS}  # a path field's values that are no path
 

@@ -14,6 +14,8 @@ import logging
 import math
 from typing import Any
 
+from cluster.roles.registry import ROLES
+
 logger = logging.getLogger(__name__)
 
 # trainer metric key -> (gauge name, description); the gauge holds the latest step's value.
@@ -71,7 +73,7 @@ GAUGES: dict[str, tuple[str, str]] = {
 }
 
 # trainer timing key -> role tag of the busy-time gauge
-ROLE_BUSY: dict[str, str] = {"time/generate": "rollout", "time/score": "reward", "time/train": "learner"}
+ROLE_BUSY: dict[str, str] = {r.busy_metric: r.name for r in ROLES if r.busy_metric}
 
 # trainer per-step count -> (gauge name, description). The gauge holds the total since the driver
 # started, set every step: a healthy run shows 0 from its first step (a Ray Counter cannot be

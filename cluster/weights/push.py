@@ -147,7 +147,7 @@ def push_colocated(
         ack, meta, bundle = ray.get(refs)[0]
     except ray.exceptions.RayTaskError as err:
         raise WeightSyncError(
-            f"{names[0] if names else 'learner'} did not load v{version}: {err.cause!r}"
+            f"{names[0] if names else 'the host of learner rank 0'} did not load v{version}: {err.cause!r}"
         ) from err
     expected = expected_fingerprint(meta, version, dtype)
     if workers:

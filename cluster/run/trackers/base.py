@@ -53,12 +53,10 @@ class StepRow:
 
 
 class Sink(ABC):
-    """One tracker. `name` is its `run.loggers` entry; `module` the package it needs and `extra` the
-    pip extra that installs it; an `essential` sink's failure stops the run (the JSONL record)."""
+    """One tracker. `name` is its `run.loggers` entry (`registry.SINKS`, with the package it needs);
+    an `essential` sink's failure stops the run (the JSONL record)."""
 
     name: ClassVar[str]
-    module: ClassVar[str | None] = None
-    extra: ClassVar[str | None] = None
     essential: ClassVar[bool] = False
 
     @abstractmethod

@@ -26,8 +26,6 @@ MAX_METRICS = 1000  # metrics per log_batch call
 
 class MlflowSink(Sink):
     name = "mlflow"
-    module = "mlflow"
-    extra = "mlflow"
 
     def open(self, run: RunInfo) -> str | None:
         from mlflow import MlflowClient

@@ -1,18 +1,39 @@
-"""`run.loggers` names -> sink classes. A new tracker is one `Sink` subclass and one entry here."""
+"""`run.loggers` names -> sink classes. A new tracker is one `Sink` subclass and one entry here.
+
+Entries name their class as `module:Class` and import it only when a run opens its sinks, so the
+config's validation (which reads the names) imports no tracker's code: that would pull the metric
+libraries into every config check, and the telemetry sink's import of the roles' registry back
+into the config's own imports (tests/test_layout.py's cycle check).
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from dataclasses import dataclass
 
 from cluster.run.trackers.base import Sink
-from cluster.run.trackers.jsonl_sink import JsonlSink
-from cluster.run.trackers.mlflow_sink import MlflowSink
-from cluster.run.trackers.prometheus_sink import PrometheusSink
-from cluster.run.trackers.tensorboard_sink import TensorBoardSink
-from cluster.run.trackers.wandb_sink import WandbSink
 
-SINKS: dict[str, type[Sink]] = {
-    cls.name: cls for cls in (JsonlSink, TensorBoardSink, WandbSink, MlflowSink, PrometheusSink)
+
+@dataclass(frozen=True)
+class SinkEntry:
+    cls: str  # `module:Class` of the sink
+    package: str | None = None  # the package it needs, when not a dependency of the project
+    extra: str | None = None  # the pip extra that installs that package
+
+    def load(self) -> type[Sink]:
+        module, _, name = self.cls.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+SINKS: dict[str, SinkEntry] = {
+    "jsonl": SinkEntry("cluster.run.trackers.jsonl_sink:JsonlSink"),
+    "tensorboard": SinkEntry(
+        "cluster.run.trackers.tensorboard_sink:TensorBoardSink", "tensorboard", "tensorboard"
+    ),
+    "wandb": SinkEntry("cluster.run.trackers.wandb_sink:WandbSink", "wandb", "wandb"),
+    "mlflow": SinkEntry("cluster.run.trackers.mlflow_sink:MlflowSink", "mlflow", "mlflow"),
+    "prometheus": SinkEntry("cluster.run.trackers.prometheus_sink:PrometheusSink"),
 }
 
 
@@ -20,7 +41,7 @@ def missing_packages(names: list[str]) -> list[str]:
     """One line per named sink whose package does not import here: what to install."""
     out = []
     for name in names:
-        cls = SINKS[name]
-        if cls.module and importlib.util.find_spec(cls.module) is None:
-            out.append(f"{name!r} needs the {cls.module} package: pip install 'rayppo[{cls.extra}]'")
+        entry = SINKS[name]
+        if entry.package and importlib.util.find_spec(entry.package) is None:
+            out.append(f"{name!r} needs the {entry.package} package: pip install 'rayppo[{entry.extra}]'")
     return out

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 class RunLogger:
     def __init__(self, names: list[str]) -> None:
-        self.sinks: list[Sink] = [SINKS[name]() for name in names]
+        self.sinks: list[Sink] = [SINKS[name].load()() for name in names]
         self.ids: dict[str, str] = {}  # tracker run ids by sink name, kept in checkpoints
         self.dropped: dict[str, str] = {}  # sink name -> the error that dropped it
         self.opened = False

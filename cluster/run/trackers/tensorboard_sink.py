@@ -18,8 +18,6 @@ TEXT_SUFFIXES = (".json", ".yaml", ".txt")
 
 class TensorBoardSink(Sink):
     name = "tensorboard"
-    module = "tensorboard"
-    extra = "tensorboard"
 
     def open(self, run: RunInfo) -> str | None:
         from torch.utils.tensorboard import SummaryWriter

@@ -19,8 +19,6 @@ from cluster.run.trackers.base import RunInfo, Sink, StepRow
 
 class WandbSink(Sink):
     name = "wandb"
-    module = "wandb"
-    extra = "wandb"
 
     def open(self, run: RunInfo) -> str | None:
         import wandb

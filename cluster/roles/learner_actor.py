@@ -1,5 +1,5 @@
 """The learner rank's actor class: `LearnerRank` with the streaming adapters of cluster/ (see
-`cluster.placement.role_actors` for the other roles' and the rule: samples travel as object
+`cluster.roles.actors` for the other roles' and the rule: samples travel as object
 references, never through the driver). Its own module because it imports DeepSpeed, which no other
 role's process needs."""
 

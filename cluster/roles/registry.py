@@ -1,0 +1,221 @@
+"""The run's roles, each described once: the learner, the rollout workers, the reference and the reward.
+
+A `Role` says what the rest of cluster/ needs to know of one role: its config section and the name
+`cluster.scale` takes (`name`), its actors' names, class and constructor arguments, how many the
+config starts and what each holds, the torch threads it takes inside a colocated host, and, for the
+roles the rollout collector drives, its `Work`: the call a chunk makes on it, the deadline that call
+gets and where its answer is filed on the chunk. Placement (the plan, the pools, the colocated hosts),
+control and scaling, the collector and the async stream loop loop over `ROLES` and name no role
+themselves (tests/test_layout.py checks that no module of cluster/ but this one spells a role's name).
+
+The actor classes are named as `module:Class` and imported only where an actor is built, so the
+driver, which reads this registry, never imports torch, transformers or DeepSpeed for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config.schema import RunConfig
+from cluster.pipeline.chunks import Chunk, prompt_facts
+from cluster.weights.push import WEIGHTS_GROUP
+
+
+@dataclass(frozen=True)
+class Place:
+    """What building one actor of a role needs besides the run config."""
+
+    slot: int  # the actor's slot (a learner rank's number, a worker's index)
+    worker_config: Any = None  # the rollout workers' section as placed (`RolloutPlacement.config`)
+    environment: Any = None  # the `RemoteEnvironment` of rollout.environment.placement='actors', or None
+    pad_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What each actor of a role holds (the separate placement's bundle)."""
+
+    num_cpus: float
+    num_gpus: float
+    custom: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Work:
+    """A role the rollout collector hands chunks to.
+
+    `send(handle, chunk)` makes the call and returns (what the driver waits on and reads, the payload
+    it keeps for other actors or None); `file(chunk, value, kept)` puts the answer on the chunk.
+    `reads` is what the call needs: the chunk's prompts, or the samples generated from them (then it
+    runs once the chunk is generated); `on_eval`: held-out chunks make this call too."""
+
+    kind: str  # the call kind (`Call.kind`, a chunk's `attempts` key)
+    timeout: str  # the field of the `timeouts` section that is the call's deadline
+    send: Callable[[Any, Chunk], tuple[Any, Any]]
+    file: Callable[[Chunk, Any, Any], None]
+    reads: str = "samples"  # "prompts" | "samples"
+    on_eval: bool = True
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # its config section, and the name scaling takes
+    prefix: str  # its actors' names: <prefix>-<slot>
+    actor: str  # `module:Class` of its actor (imported where the actor runs)
+    count: Callable[[RunConfig], int]  # how many the config starts
+    resources: Callable[[RunConfig], Resources]
+    args: Callable[[RunConfig, Place], tuple]  # the actor class's constructor arguments
+    host_threads: Callable[[RunConfig], int]  # its torch threads inside a colocated host
+    work: Work | None = None  # None: the collector does not drive it (the learner)
+    scalable: bool = False  # its count may change while the run trains (separate placement)
+    two_returns: frozenset[str] = frozenset()  # its methods that return (small fact, payload)
+    after_learner_setup: bool = False  # a colocated host builds it once the learner's world exists
+    busy_metric: str | None = None  # the step's timing that is this role's busy time (telemetry)
+    path_fields: tuple[str, ...] = ()  # fields of its section that name files or folders
+    remote_options: Callable[[Place], dict[str, Any]] = lambda place: {}  # `ray.remote(...)` options
+
+    def actor_class(self) -> type:
+        module, _, name = self.actor.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------- the collector's calls
+
+
+def _send_generate(handle: Any, chunk: Chunk) -> tuple[Any, Any]:
+    ps = chunk.prompts
+    return handle.generate_chunk.remote(
+        [p.index for p in ps],
+        [p.ids for p in ps],
+        chunk.seed,
+        chunk.sampling,
+        [p.text for p in ps],
+        [p.meta for p in ps],
+    )
+
+
+def _file_generate(chunk: Chunk, facts: Any, samples: Any) -> None:
+    chunk.facts, chunk.samples_ref = facts, samples
+
+
+def _send_reference(handle: Any, chunk: Chunk) -> tuple[Any, Any]:
+    return handle.sample_logprobs.remote(chunk.samples_ref)  # (count, logprobs)
+
+
+def _file_reference(chunk: Chunk, _count: Any, logprobs: Any) -> None:
+    chunk.ref_logprobs_ref = logprobs
+
+
+def _send_reward(handle: Any, chunk: Chunk) -> tuple[Any, Any]:
+    return handle.score_samples.remote(chunk.samples_ref, prompt_facts(chunk.prompts)), None
+
+
+def _file_reward(chunk: Chunk, scores: Any, _kept: Any) -> None:
+    chunk.scores = scores
+
+
+# ---------------------------------------------------------------------- the roles
+
+LEARNER = Role(
+    name="learner",
+    prefix="learner-rank",
+    actor="cluster.roles.learner_actor:StreamingLearnerRank",
+    count=lambda c: c.learner.num_ranks,
+    resources=lambda c: Resources(
+        c.learner.num_cpus_per_rank, c.learner.num_gpus_per_rank, c.learner.resources
+    ),
+    args=lambda c, p: (
+        p.slot,
+        c.learner.num_ranks,
+        c.model.policy_path,
+        c.learner,
+        c.run.seed,
+        p.pad_token_id,
+        c.rollout.sampling.temperature,
+    ),
+    host_threads=lambda c: c.learner.torch_threads,
+    two_returns=frozenset({"export_split"}),
+    busy_metric="time/train",
+)
+
+ROLLOUT = Role(
+    name="rollout",
+    prefix="rollout-worker",
+    actor="cluster.roles.actors:StreamingRolloutWorker",
+    count=lambda c: c.rollout.num_workers,
+    resources=lambda c: Resources(
+        c.rollout.num_cpus_per_worker, c.rollout.num_gpus_per_worker, c.rollout.resources
+    ),
+    args=lambda c, p: (c.model.policy_path, p.worker_config, p.slot, 0, p.environment),
+    # the roles of a host take turns, so the worker may use the threads its learner rank has
+    host_threads=lambda c: max(c.rollout.torch_threads, c.learner.torch_threads),
+    work=Work("generate", "generate_s", _send_generate, _file_generate, reads="prompts"),
+    scalable=True,
+    two_returns=frozenset({"generate_chunk"}),
+    # an engine that brings torch.distributed state of its own (vLLM's in-process worker makes a
+    # default group of size 1 when none exists, which DeepSpeed would then adopt) must find the
+    # learner's world there first
+    after_learner_setup=True,
+    busy_metric="time/generate",
+    # pipeline.partial_rollout: weight calls get a concurrency group of their own, to run beside a generate call
+    remote_options=lambda p: (
+        {"concurrency_groups": {WEIGHTS_GROUP: 1}} if p.worker_config.interruptible else {}
+    ),
+)
+
+REFERENCE = Role(
+    name="reference",
+    prefix="reference",
+    actor="cluster.roles.actors:StreamingReference",
+    count=lambda c: c.reference.num_replicas,
+    resources=lambda c: Resources(c.reference.num_cpus, c.reference.num_gpus, c.reference.resources),
+    args=lambda c, p: (c.reference_path, c.reference, c.rollout.sampling.temperature),
+    host_threads=lambda c: c.learner.torch_threads,  # the separate placement's reference uses 1
+    work=Work("reference", "score_s", _send_reference, _file_reference, on_eval=False),
+    scalable=True,
+    two_returns=frozenset({"sample_logprobs"}),
+    path_fields=("model_path",),
+)
+
+REWARD = Role(
+    name="reward",
+    prefix="reward-scorer",
+    actor="cluster.roles.actors:StreamingScorer",
+    count=lambda c: c.reward.num_replicas,
+    resources=lambda c: Resources(c.reward.num_cpus, c.reward.num_gpus, c.reward.resources),
+    args=lambda c, p: (c.reward, c.tokenizer_path),
+    host_threads=lambda c: c.learner.torch_threads,
+    work=Work("reward", "score_s", _send_reward, _file_reward),
+    scalable=True,
+    busy_metric="time/score",
+    path_fields=("model_path",),
+)
+
+ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD)  # also the bundle order of the plan
+BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
+SCALABLE: tuple[Role, ...] = tuple(r for r in ROLES if r.scalable)  # the pools' roles, in this order
+WORK: dict[str, Work] = {r.work.kind: r.work for r in ROLES if r.work is not None}
+TWO_RETURNS: frozenset[str] = frozenset().union(*(r.two_returns for r in ROLES))
+
+
+def role_of_kind(kind: str) -> Role:
+    """The role that answers calls of `kind`."""
+    return next(r for r in ROLES if r.work is not None and r.work.kind == kind)
+
+
+def generate_kind() -> str:
+    """The kind of the call that starts a chunk (it reads the prompts)."""
+    return next(w.kind for w in WORK.values() if w.reads == "prompts")
+
+
+def scoring_kinds(train: bool) -> tuple[str, ...]:
+    """The calls a generated chunk makes next: every role that reads samples, or (held-out chunks,
+    `train` False) those that also run on evaluation."""
+    return tuple(w.kind for w in WORK.values() if w.reads == "samples" and (train or w.on_eval))
+
+
+def scalable_names() -> tuple[str, ...]:
+    return tuple(r.name for r in SCALABLE)
