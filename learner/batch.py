@@ -117,12 +117,19 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
             torch.zeros(0, dtype=torch.long),
             torch.zeros(0, dtype=torch.bool),
         )
+    with_ref = [t.ref_logprobs is not None for t in trajectories]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError(
+            f"trajectories {[i for i, w in enumerate(with_ref) if not w]} carry no reference logprobs but "
+            f"{sum(with_ref)} others do: a shard's reference comes from one place"
+        )
     for i, t in enumerate(trajectories):
         r = len(t.response_ids)
-        if len(t.behaviour_logprobs) != r or len(t.ref_logprobs) != r:
+        ref = len(t.ref_logprobs) if t.ref_logprobs is not None else r
+        if len(t.behaviour_logprobs) != r or ref != r:
             raise ValueError(
                 f"trajectory {i}: {r} response tokens but {len(t.behaviour_logprobs)} behaviour and "
-                f"{len(t.ref_logprobs)} reference logprobs"
+                f"{ref} reference logprobs"
             )
     ids, attn, p_lens, mask = pack_sequences(
         [t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories], pad_id
@@ -131,7 +138,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     scores = torch.tensor([float(t.score) for t in trajectories], dtype=torch.float32)
     tokens = TokenFields(
         behaviour_logprobs=_pad_rows([t.behaviour_logprobs for t in trajectories], R),
-        ref_logprobs=_pad_rows([t.ref_logprobs for t in trajectories], R),
+        ref_logprobs=_pad_rows([t.ref_logprobs for t in trajectories], R) if all(with_ref) else None,
     )
     if any(t.action_mask is not None for t in trajectories):
         for i, t in enumerate(trajectories):

@@ -373,6 +373,14 @@ class LearnerConfig(_Strict):
     lora: LoRAConfig = Field(
         default_factory=LoRAConfig, description="LoRA adapters on the policy (rank 0 = off)."
     )
+    reference_from_base: bool = Field(
+        False,
+        description=(
+            "The reference logprobs are computed here, from the policy's base weights with the LoRA adapters off "
+            "(one more no-grad forward per micro-batch), instead of arriving with the trajectories: no second "
+            "copy of the model. Needs lora.rank > 0. Set by the cluster from reference.source."
+        ),
+    )
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models)."
@@ -490,6 +498,11 @@ class LearnerConfig(_Strict):
                 f"learner.warmup_steps={self.warmup_steps} must be less than learner.lr_schedule_steps={steps}: "
                 f"learner.lr_schedule={self.lr_schedule!r} decays after the warm-up (a shorter warm-up, or "
                 "lr_schedule: constant)"
+            )
+        if self.reference_from_base and self.lora.rank == 0:
+            raise ValueError(
+                "learner.reference_from_base needs learner.lora.rank > 0: without adapters the learner's weights "
+                "are the trained policy, not the frozen reference"
             )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(

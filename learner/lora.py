@@ -15,7 +15,9 @@ PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +128,27 @@ def lora_layers(model: nn.Module) -> list[LoraLayerInfo]:
 
 def has_lora(model: nn.Module) -> bool:
     return bool(lora_layers(model))
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Inside, `model` computes its base weights alone: every LoRA layer skips its adapter and every
+    `modules_to_save` copy gives way to the original module (PEFT's own `enable_adapters`, as
+    `PeftModel.disable_adapter` does; it also clears and then restores the adapters' requires_grad).
+    The frozen reference of a LoRA run whose reference is the initial policy (learner.reference_from_base)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    toggled = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+    if not toggled:
+        raise ValueError("the model has no LoRA adapters to turn off (learner.lora.rank is 0)")
+    for m in toggled:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in toggled:
+            m.enable_adapters(True)
 
 
 def merge_weight(

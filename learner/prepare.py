@@ -33,6 +33,7 @@ from learner.critic import (
     value_clip_radius,
 )
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
+from learner.lora import adapters_off
 from learner.losses import off_policy_weights
 
 
@@ -42,7 +43,9 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
     and `[B]` values of the state after each row's last token (the bootstrap of a truncated response).
 
     Values are 0 when the estimator has no critic; the bootstrap values are only computed (one more
-    output position) with truncation='bootstrap'."""
+    output position) with truncation='bootstrap'. With learner.reference_from_base each micro-batch
+    also gets a second forward with the LoRA adapters off: the reference logprobs, filled into
+    `batch.tokens.ref_logprobs` (the frozen initial policy is the base weights the adapters sit on)."""
     micro = micro_batch_rows(batch, torch.arange(len(batch)), config)
     n = int(all_reduce([len(micro)], "max", device)[0])
     critic = needs_critic(config.advantage)
@@ -50,16 +53,39 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
     B, R = batch.mask.shape
     old_lp = torch.zeros((B, R), dtype=torch.float32)
     values = torch.zeros((B, R + extra), dtype=torch.float32)
+    from_base = config.reference_from_base
+    ref_lp = torch.zeros((B, R), dtype=torch.float32) if from_base else None
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
             lp, v, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
             r = mb.mask.shape[1]
             old_lp[micro[i], :r] = lp[:, :r].cpu()
+            if from_base:
+                with adapters_off(engine.module):
+                    base, _, _ = forward_scores(engine, mb.to(device), temperature, 0, config.pack_sequences)
+                ref_lp[micro[i], :r] = base[:, :r].cpu()
             if critic:
                 values[micro[i], : r + extra] = v.cpu()
-        else:
+        else:  # as many forwards as the other ranks (ZeRO-3 gathers parameters in each)
             forward_scores(engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences)
+            if from_base:
+                with adapters_off(engine.module):
+                    forward_scores(
+                        engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences
+                    )
+    if from_base:
+        if len(batch) and batch.tokens.ref_logprobs is not None:
+            raise ValueError(
+                "learner.reference_from_base computes the reference logprobs here, but the trajectories carry "
+                "their own: the reference comes from one place"
+            )
+        batch.tokens.ref_logprobs = ref_lp
+    elif batch.tokens.ref_logprobs is None:
+        raise ValueError(
+            "the trajectories carry no reference logprobs: a reference role computes them, or "
+            "learner.reference_from_base (LoRA) computes them here"
+        )
     lengths = batch.response_lens
     boot = values.gather(1, lengths.clamp(max=R + extra - 1).unsqueeze(1)).squeeze(1) if extra else None
     return old_lp, values[:, :R], boot

@@ -15,7 +15,9 @@ class Trajectory:
     prompt_ids: np.ndarray  # int64 [p]
     response_ids: np.ndarray  # int64 [r]
     behaviour_logprobs: np.ndarray  # float32 [r], from the generator
-    ref_logprobs: np.ndarray  # float32 [r], from the frozen reference
+    # float32 [r], from the frozen reference; None where the learner computes them itself from the
+    # policy's base weights with the LoRA adapters off (learner.reference_from_base)
+    ref_logprobs: np.ndarray | None
     score: float  # sequence-level reward, placed on the last response token
     policy_version: int = 0
     group: int = -1  # samples of one prompt share an id (>= 0); -1 = a group of its own

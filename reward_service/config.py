@@ -270,6 +270,16 @@ class ReferenceConfig(_Strict):
     model_path: str | None = Field(
         None, description="Frozen reference policy; defaults to the initial policy."
     )
+    source: Literal["auto", "actors", "policy_base"] = Field(
+        "auto",
+        description=(
+            "Where the reference logprobs come from. 'actors': reference actors, each with its own copy of the "
+            "model (num_replicas of them). 'policy_base': the learner ranks compute them from the policy's base "
+            "weights with the LoRA adapters off (one more no-grad forward per micro-batch), so no second copy of "
+            "the model exists; needs learner.lora.rank > 0 and no reference.model_path. 'auto': 'policy_base' "
+            "when both hold, else 'actors'."
+        ),
+    )
     num_replicas: int = Field(1, ge=1, description="Reference policy actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reference actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reference actor.")

@@ -132,3 +132,46 @@ def test_lora_ppo_step_engine_ack_checkpoint_and_final(ray_local, tiny_policy_di
         torch.testing.assert_close(
             adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0
         )
+
+
+def test_the_reference_from_the_base_weights_equals_a_separate_reference(ray_local, tiny_policy_dir):
+    """learner.reference_from_base (reference.source='policy_base'): trajectories carry no reference
+    logprobs and the learner computes them from its base weights with the LoRA adapters off. Two ZeRO-3
+    ranks doing so take the same steps as one ZeRO-2 rank handed a separate reference's logprobs
+    (`ReferencePolicy` on the initial model, as the reference actors compute them): at step 1, where
+    the adapters' B is still 0, and at step 2, after they moved, where the KL to the reference is > 0."""
+    import dataclasses
+
+    from reward_service.config import ReferenceConfig
+    from reward_service.reference import ReferencePolicy
+
+    ray = ray_local
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    lr = 3e-2  # adapters that move: the second step's KL to the base is well above float noise
+    z3 = _config(
+        zero_stage=3,
+        lora=lora,
+        lr=lr,
+        reference_from_base=True,
+        deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    )
+    z2 = _config(zero_stage=2, lora=lora, lr=lr)
+    reference = ReferencePolicy(str(tiny_policy_dir), ReferenceConfig(), temperature=0.8)
+
+    def with_reference(batch):
+        lps = reference.logprobs([t.prompt_ids for t in batch], [t.response_ids for t in batch])
+        return [dataclasses.replace(t, ref_logprobs=lp) for t, lp in zip(batch, lps, strict=True)]
+
+    def without_reference(batch):
+        return [dataclasses.replace(t, ref_logprobs=None) for t in batch]
+
+    with learner_group(ray, 2, tiny_policy_dir, z3) as two, learner_group(ray, 1, tiny_policy_dir, z2) as one:
+        for step, seed in enumerate((11, 12), start=1):
+            batch = _trajectories(8, seed=seed)
+            m2 = _train(ray, two, [without_reference(batch[:4]), without_reference(batch[4:])])
+            m1 = _train(ray, one, [with_reference(batch)])
+            for key in ("objective/kl", "returns/mean", "loss/policy", "loss/value"):
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (step, key)
+            if step == 2:
+                assert m1["objective/kl"] > 1e-3  # the adapters moved the policy off its base
+        _assert_same_weights(_export(ray, two)[0], _export(ray, one)[0], atol=2e-5)

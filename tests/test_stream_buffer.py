@@ -181,7 +181,13 @@ def test_a_lost_chunk_starts_a_new_round():
     c = buf.next_chunk(version=0)
     _finish(buf, c, 0)
     c.lost()
-    assert c.round == 1 and c.facts is None and c.samples_ref is None and c.scores is None and not c.scored
+    assert (
+        c.round == 1
+        and c.facts is None
+        and c.samples_ref is None
+        and c.scores is None
+        and c.ref_logprobs_ref is None
+    )
 
 
 # ---------------------------------------------------------------------- dynamic sampling

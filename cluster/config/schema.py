@@ -93,6 +93,7 @@ class RunConfig(_Strict):
         self._overlong()
         self._loss_norm_tokens()
         self._lr_schedule()
+        self._reference_source()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
         if corrects and self.learner.off_policy == "auto":
@@ -193,6 +194,29 @@ class RunConfig(_Strict):
                 f"x {le.num_minibatches}): learner.lr_schedule={le.lr_schedule!r} decays after the warm-up"
             )
         le.lr_schedule_steps = total
+
+    def _reference_source(self) -> None:
+        """reference.source resolved ('auto'), checked, and handed to the learner (reference_from_base)."""
+        ref, lora = self.reference, self.learner.lora.rank
+        if ref.source == "auto":
+            ref.source = "policy_base" if lora > 0 and ref.model_path is None else "actors"
+        if ref.source == "policy_base":
+            if lora == 0:
+                raise ValueError(
+                    "reference.source='policy_base' is the policy's base weights with the LoRA adapters off: it "
+                    "needs learner.lora.rank > 0 (or reference.source='actors')"
+                )
+            if ref.model_path is not None:
+                raise ValueError(
+                    f"reference.source='policy_base' uses the policy's own base weights, but reference.model_path="
+                    f"{ref.model_path!r} names another model: set reference.source='actors'"
+                )
+        if self.learner.reference_from_base and ref.source != "policy_base":
+            raise ValueError(
+                "learner.reference_from_base is set by the cluster from reference.source: set "
+                "reference.source='policy_base' instead"
+            )
+        self.learner.reference_from_base = ref.source == "policy_base"
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:

@@ -34,7 +34,7 @@ from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.learner_step import LearnerStep
 from cluster.pipeline.stream_buffer import StreamBuffer, Taken
 from cluster.pipeline.trainer import Trainer
-from cluster.roles.registry import SCALABLE, scoring_kinds
+from cluster.roles.registry import running
 from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
 
@@ -133,7 +133,7 @@ class AsyncTrainer(Trainer):
         draining: a removed member takes no new work and leaves when its calls are done."""
         targets = ray.get(self.control.targets.remote(), timeout=30)
         events = []
-        for role in SCALABLE:
+        for role in running(self.cfg):
             pool, kind = self.roles.by_role[role.name], role.work.kind
             live = [m for m in pool.members if m.name not in self.collector.draining]
             want = int(targets[role.name])
@@ -194,12 +194,12 @@ class AsyncTrainer(Trainer):
         if chunk is None:
             return None
         if call.kind == "generate":
-            for kind in scoring_kinds(train=not chunk.eval):
+            for kind in c.after_generate(train=not chunk.eval):
                 c.submit(c.tracker, kind, chunk)
         if chunk.eval:
             if chunk.scores is not None:
                 self._eval_chunk_scored(chunk)
-        elif chunk.scored:
+        elif c.complete(chunk):
             self.buffer.add_scored(chunk)
         return None
 

@@ -117,10 +117,6 @@ class Chunk:
     def version(self) -> int:
         return min(f.version for f in self.facts) if self.facts else -1
 
-    @property
-    def scored(self) -> bool:
-        return self.facts is not None and self.scores is not None and self.ref_logprobs_ref is not None
-
 
 # A learner batch, as both pipelines hand it over: (chunk, sample positions) in chunk order.
 Parts = list[tuple[Chunk, list[int]]]

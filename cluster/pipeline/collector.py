@@ -26,7 +26,7 @@ from cluster.pipeline.calls import Call, CallTracker
 from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
 from cluster.pipeline.data import Prompt
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
-from cluster.roles.registry import WORK, role_of_kind, scoring_kinds
+from cluster.roles.registry import WORK, generate_kind, role_of_kind, scoring_kinds
 
 
 class RolloutError(RuntimeError):
@@ -56,9 +56,11 @@ class RolloutCollector:
     ) -> None:
         """`by_role`: the run's pools by role name; `timeouts`: the config's `timeouts` section (each
         role's `Work.timeout` names its call's deadline there; actor_start_s bounds a start)."""
-        # the pool and the deadline of each kind of call (`cluster.roles.registry.WORK`)
-        self.pools = {kind: by_role[role_of_kind(kind).name] for kind in WORK}
-        self.timeouts = {kind: float(getattr(timeouts, work.timeout)) for kind, work in WORK.items()}
+        # the pool and the deadline of each kind of call the run's roles answer (`cluster.roles.registry.WORK`)
+        self.pools = {
+            kind: by_role[role_of_kind(kind).name] for kind in WORK if role_of_kind(kind).name in by_role
+        }
+        self.timeouts = {kind: float(getattr(timeouts, WORK[kind].timeout)) for kind in self.pools}
         # Colocated roles take turns in one process, where smaller chunks overlap nothing and only
         # add per-call and per-token overhead: the batch is then split evenly over the workers.
         self.one_chunk_per_worker = one_chunk_per_worker
@@ -67,6 +69,17 @@ class RolloutCollector:
         self.prepare = prepare
 
     # ------------------------------------------------------------------ submission
+
+    def after_generate(self, train: bool) -> tuple[str, ...]:
+        """The calls a generated chunk makes next in this run: every running role that reads samples,
+        or (held-out chunks, `train` False) those that also score evaluation."""
+        return tuple(kind for kind in scoring_kinds(train) if kind in self.pools)
+
+    def complete(self, chunk: Chunk, train: bool = True) -> bool:
+        """`chunk` holds every answer it needs: its samples' facts and each `after_generate` call's."""
+        return WORK[generate_kind()].filed(chunk) and all(
+            WORK[k].filed(chunk) for k in self.after_generate(train)
+        )
 
     def pick(self, kind: str) -> Member:
         """The member of `kind`'s pool that gets the next piece of work (round-robin)."""
@@ -260,7 +273,7 @@ class RolloutCollector:
         """Generate `chunks`, scoring each as soon as it lands, until all are scored; faults are
         counted on `batch`. Returns the seconds until the last chunk was generated."""
         t0 = time.perf_counter()
-        scoring = scoring_kinds(train=reference)
+        scoring = self.after_generate(train=reference)
         tracker = CallTracker()
         for c in chunks:
             self.submit(tracker, "generate", c)
@@ -276,12 +289,7 @@ class RolloutCollector:
                     continue
                 for kind in scoring:
                     self.submit(tracker, kind, chunk)
-                waiting = sum(
-                    1
-                    for c in chunks
-                    if c.facts is not None
-                    and (c.scores is None or (reference and c.ref_logprobs_ref is None))
-                )
+                waiting = sum(1 for c in chunks if c.facts is not None and not self.complete(c, reference))
                 batch.queue_depth = max(batch.queue_depth, waiting)
                 if t_gen is None and all(c.facts is not None for c in chunks):
                     t_gen = time.perf_counter() - t0

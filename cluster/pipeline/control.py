@@ -45,6 +45,11 @@ class RunControl:
             raise ValueError(self._fixed)
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
+        if role not in self._targets:
+            raise ValueError(
+                f"this run has no {role} actors to scale (e.g. reference.source='policy_base': the learner "
+                f"ranks compute it); it scales {', '.join(self._targets)}"
+            )
         if int(count) < 1:
             raise ValueError(f"{role}: at least 1 actor is needed (got {count})")
         self._targets[role] = int(count)

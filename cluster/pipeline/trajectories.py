@@ -33,10 +33,13 @@ def to_trajectory(
     )
 
 
-def part_trajectories(part: RankPart, samples: list, ref_logprobs: list) -> list[Trajectory]:
+def part_trajectories(part: RankPart, samples: list, ref_logprobs: list | None) -> list[Trajectory]:
     """The trajectories of one learner part (`cluster.pipeline.groups.shard_parts`), given its chunk's
-    samples and reference logprobs (the objects its references name)."""
+    samples and reference logprobs (the objects its references name; None where the learner computes
+    the reference itself, learner.reference_from_base)."""
     return [
-        to_trajectory(samples[j], ref_logprobs[j], score, group, part.turn_rewards)
+        to_trajectory(
+            samples[j], None if ref_logprobs is None else ref_logprobs[j], score, group, part.turn_rewards
+        )
         for j, score, group in part.picks
     ]

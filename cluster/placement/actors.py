@@ -19,7 +19,7 @@ import ray
 from cluster.config.schema import RunConfig
 from cluster.placement.plan import PlacementPlan
 from cluster.placement.pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
-from cluster.roles.registry import LEARNER, REFERENCE, REWARD, ROLLOUT, SCALABLE, Place, Role
+from cluster.roles.registry import LEARNER, REFERENCE, REWARD, ROLLOUT, Place, Role, running
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -40,7 +40,7 @@ def actor_name(run_id: str, member: str) -> str:
 
 @dataclass
 class Roles:
-    """A run's actors: a pool per scalable role (`cluster.roles.registry.SCALABLE`, keyed by name),
+    """A run's actors: a pool per scalable role the run runs (`cluster.roles.registry.running`, by name),
     the learner's ranks, and the colocated hosts or environment actors where the config has them."""
 
     by_role: dict[str, ActorPool]
@@ -87,7 +87,7 @@ def make_pools(
         release = functools.partial(plan.release, role.name)
         return ActorPool(role.prefix, start, cfg.timeouts.actor_start_s, on_start, release=release)
 
-    return Roles({role.name: pool(role) for role in SCALABLE}, plan, environments=hosts)
+    return Roles({role.name: pool(role) for role in running(cfg)}, plan, environments=hosts)
 
 
 def remote_class(role: Role, place: Place) -> Any:
@@ -152,7 +152,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
         return start
 
     wait = cfg.timeouts.actor_start_s
-    roles = Roles({r.name: ActorPool(r.prefix, cannot_start(r.name), wait) for r in SCALABLE}, plan)
+    roles = Roles({r.name: ActorPool(r.prefix, cannot_start(r.name), wait) for r in running(cfg)}, plan)
     roles.environments, environment = environment_actors(cfg, plan, run_id)
     try:
         for rank in range(cfg.learner.num_ranks):
@@ -178,7 +178,7 @@ def finish_colocated(cfg: RunConfig, roles: Roles) -> None:
 
     names = [f"{LEARNER.prefix}-{rank}" for rank in range(len(roles.hosts))]
     form_learner(roles.ranks, names, cfg.timeouts.actor_start_s)
-    for role in SCALABLE:
+    for role in running(cfg):
         pool = roles.by_role[role.name]
         pool.members = [
             Member(f"{pool.prefix}-{i}", RoleView(roles.hosts[i], role.name), i)
@@ -204,7 +204,7 @@ def start_roles(
     plan.reserve()
     roles = make_pools(cfg, plan, run_id, on_worker_start)
     try:
-        launched = {r.name: roles.by_role[r.name].launch(r.count(cfg)) for r in SCALABLE}
+        launched = {r.name: roles.by_role[r.name].launch(r.count(cfg)) for r in running(cfg)}
         start_learner(cfg, roles, pad_token_id, run_id)
         for name, started in launched.items():
             roles.by_role[name].admit(started)

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from cluster.config.schema import RunConfig
-from cluster.roles.registry import BY_NAME, LEARNER, ROLES, ROLLOUT, SCALABLE, Place
+from cluster.roles.registry import BY_NAME, LEARNER, ROLES, ROLLOUT, Place, running
 
 # The host's environment: quiet transformers, and one OpenMP/BLAS thread for whatever does not take
 # its thread count from torch (numpy's BLAS). Ray would set OMP_NUM_THREADS to the host's CPUs
@@ -47,7 +47,7 @@ HOST_ENV = {
 
 def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
     """The roles host `rank` holds besides its learner rank: a role's replica i lives on host i."""
-    return tuple(role.name for role in SCALABLE if rank < role.count(cfg))
+    return tuple(role.name for role in running(cfg) if rank < role.count(cfg))
 
 
 class ColocatedHost:

@@ -35,7 +35,7 @@ from cluster.config.schema import RunConfig
 from cluster.placement.packing import PackingUndecided, pack
 from cluster.placement.pools import ActorStartError, wait_until
 from cluster.placement.rollout_gpus import RolloutPlacement
-from cluster.roles.registry import LEARNER, ROLES, ROLLOUT
+from cluster.roles.registry import LEARNER, ROLES, ROLLOUT, placed_count
 
 _HIDDEN = ("memory", "object_store_memory")  # node resources no role asks for by name
 
@@ -68,7 +68,7 @@ def role_shapes(cfg: RunConfig) -> dict[str, RoleShape]:
         # One bundle per learner rank holds its host: the rank's devices, which the roles share, and
         # the CPUs of the rank plus those of the roles the busiest host (rank 0) holds.
         own = LEARNER.resources(cfg)
-        cpus = sum(role.resources(cfg).num_cpus for role in ROLES)
+        cpus = sum(role.resources(cfg).num_cpus for role in ROLES if role.runs(cfg))
         return {
             role.name: RoleShape(role.prefix, LEARNER.count(cfg), cpus, own.num_gpus, own.custom)
             if role is LEARNER
@@ -78,7 +78,9 @@ def role_shapes(cfg: RunConfig) -> dict[str, RoleShape]:
     shapes = {}
     for role in ROLES:
         res = role.resources(cfg)
-        shapes[role.name] = RoleShape(role.prefix, role.count(cfg), res.num_cpus, res.num_gpus, res.custom)
+        shapes[role.name] = RoleShape(
+            role.prefix, placed_count(role, cfg), res.num_cpus, res.num_gpus, res.custom
+        )
     return shapes
 
 

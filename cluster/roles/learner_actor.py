@@ -34,12 +34,14 @@ class StreamingLearnerRank(LearnerRank):
         those prompts and give the rest of the batch back."""
         trajectories, lost = [], []
         for k, part in enumerate(parts):
+            # no reference object where the learner computes the reference (learner.reference_from_base)
+            refs = [part.samples_ref] + ([part.ref_logprobs_ref] if part.ref_logprobs_ref is not None else [])
             try:
-                samples, ref_lps = ray.get([part.samples_ref, part.ref_logprobs_ref])
+                samples, *ref_lps = ray.get(refs)
             except LOST_OBJECT_ERRORS:
                 lost.append(k)
                 continue
-            trajectories += part_trajectories(part, samples, ref_lps)
+            trajectories += part_trajectories(part, samples, ref_lps[0] if ref_lps else None)
         if self.any_rank(bool(lost)):
             return {"lost_parts": lost}
         return self.train_step(trajectories)

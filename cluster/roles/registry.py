@@ -56,6 +56,7 @@ class Work:
     timeout: str  # the field of the `timeouts` section that is the call's deadline
     send: Callable[[Any, Chunk], tuple[Any, Any]]
     file: Callable[[Chunk, Any, Any], None]
+    filed: Callable[[Chunk], bool]  # whether the chunk holds this call's answer
     reads: str = "samples"  # "prompts" | "samples"
     on_eval: bool = True
 
@@ -76,6 +77,7 @@ class Role:
     busy_metric: str | None = None  # the step's timing that is this role's busy time (telemetry)
     path_fields: tuple[str, ...] = ()  # fields of its section that name files or folders
     remote_options: Callable[[Place], dict[str, Any]] = lambda place: {}  # `ray.remote(...)` options
+    runs: Callable[[RunConfig], bool] = lambda c: True  # False: this run starts none of its actors
 
     def actor_class(self) -> type:
         module, _, name = self.actor.partition(":")
@@ -152,7 +154,14 @@ ROLLOUT = Role(
     args=lambda c, p: (c.model.policy_path, p.worker_config, p.slot, 0, p.environment),
     # the roles of a host take turns, so the worker may use the threads its learner rank has
     host_threads=lambda c: max(c.rollout.torch_threads, c.learner.torch_threads),
-    work=Work("generate", "generate_s", _send_generate, _file_generate, reads="prompts"),
+    work=Work(
+        "generate",
+        "generate_s",
+        _send_generate,
+        _file_generate,
+        lambda ch: ch.facts is not None,
+        reads="prompts",
+    ),
     scalable=True,
     two_returns=frozenset({"generate_chunk"}),
     # an engine that brings torch.distributed state of its own (vLLM's in-process worker makes a
@@ -174,10 +183,19 @@ REFERENCE = Role(
     resources=lambda c: Resources(c.reference.num_cpus, c.reference.num_gpus, c.reference.resources),
     args=lambda c, p: (c.reference_path, c.reference, c.rollout.sampling.temperature),
     host_threads=lambda c: c.learner.torch_threads,  # the separate placement's reference uses 1
-    work=Work("reference", "score_s", _send_reference, _file_reference, on_eval=False),
+    work=Work(
+        "reference",
+        "score_s",
+        _send_reference,
+        _file_reference,
+        lambda ch: ch.ref_logprobs_ref is not None,
+        on_eval=False,
+    ),
     scalable=True,
     two_returns=frozenset({"sample_logprobs"}),
     path_fields=("model_path",),
+    # reference.source='policy_base': the learner ranks compute it (the base weights, LoRA adapters off)
+    runs=lambda c: c.reference.source == "actors",
 )
 
 REWARD = Role(
@@ -188,7 +206,7 @@ REWARD = Role(
     resources=lambda c: Resources(c.reward.num_cpus, c.reward.num_gpus, c.reward.resources),
     args=lambda c, p: (c.reward, c.tokenizer_path),
     host_threads=lambda c: c.learner.torch_threads,
-    work=Work("reward", "score_s", _send_reward, _file_reward),
+    work=Work("reward", "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
@@ -199,6 +217,16 @@ BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
 SCALABLE: tuple[Role, ...] = tuple(r for r in ROLES if r.scalable)  # the pools' roles, in this order
 WORK: dict[str, Work] = {r.work.kind: r.work for r in ROLES if r.work is not None}
 TWO_RETURNS: frozenset[str] = frozenset().union(*(r.two_returns for r in ROLES))
+
+
+def running(cfg: RunConfig) -> tuple[Role, ...]:
+    """The scalable roles this run starts actors for (a pool each), in the registry's order."""
+    return tuple(r for r in SCALABLE if r.runs(cfg))
+
+
+def placed_count(role: Role, cfg: RunConfig) -> int:
+    """How many actors of `role` the config starts (0 for a role this run does not run)."""
+    return role.count(cfg) if role.runs(cfg) else 0
 
 
 def role_of_kind(kind: str) -> Role:
