@@ -1,0 +1,66 @@
+"""The roles' registry (`cluster.roles.registry`) against the parts it describes: each role's
+constructor arguments fit its actor class, its resources and counts are the config's, and the
+collector's calls follow the roles a run runs (no reference call where the learner computes it)."""
+
+from __future__ import annotations
+
+import inspect
+
+from cluster.config.schema import build_config
+from cluster.pipeline.collector import RolloutCollector
+from cluster.placement.plan import role_shapes
+from cluster.roles.registry import ROLES, SCALABLE, WORK, Place, generate_kind, running, scoring_kinds
+
+BASE = {
+    "model": {"policy_path": "p"},
+    "data": {"prompts_path": "prompts.jsonl"},
+    "reward": {"model_path": "r"},
+}
+
+
+def _cfg(**sections):
+    tree = {k: dict(v) for k, v in BASE.items()}
+    for key, value in sections.items():
+        tree.setdefault(key, {}).update(value)
+    return build_config(tree)
+
+
+def test_each_roles_arguments_bind_to_its_actor_classs_constructor():
+    cfg = _cfg()
+    for role in ROLES:
+        place = Place(1, cfg.rollout, None, 0)
+        inspect.signature(role.actor_class()).bind(*role.args(cfg, place))  # raises on a mismatch
+
+
+def test_counts_and_resources_are_the_configs_and_the_plan_reads_them():
+    cfg = _cfg(
+        rollout={"num_workers": 3, "num_cpus_per_worker": 0.5, "resources": {"gen": 1.0}},
+        reference={"num_replicas": 2, "num_gpus": 0.5},
+        learner={"num_ranks": 2},
+        data={"prompts_per_step": 8},
+    )
+    counts = {r.name: r.count(cfg) for r in ROLES}
+    assert counts == {"learner": 2, "rollout": 3, "reference": 2, "reward": 1}
+    shapes = role_shapes(cfg)
+    assert [shapes[r.name].prefix for r in ROLES] == [r.prefix for r in ROLES]
+    assert {name: s.count for name, s in shapes.items()} == counts
+    assert shapes["rollout"].bundle() == {"CPU": 0.5, "gen": 1.0}
+    assert shapes["reference"].bundle() == {"CPU": 0.25, "GPU": 0.5}
+    assert [r.name for r in SCALABLE] == ["rollout", "reference", "reward"]
+
+
+def test_the_collector_calls_only_the_roles_the_run_runs():
+    generate = generate_kind()
+    assert generate == "generate" and WORK[generate].reads == "prompts"
+    assert scoring_kinds(train=True) == ("reference", "reward")
+    assert scoring_kinds(train=False) == ("reward",)  # held-out chunks need no reference
+    for lora, with_reference in ((0, True), (4, False)):
+        cfg = _cfg(learner={"lora": {"rank": lora}})
+        names = [r.name for r in running(cfg)]
+        assert ("reference" in names) == with_reference
+        assert (role_shapes(cfg)["reference"].count == 1) == with_reference
+        collector = RolloutCollector({name: object() for name in names}, cfg.timeouts)
+        assert collector.after_generate(train=True) == (("reference",) if with_reference else ()) + (
+            "reward",
+        )
+        assert set(collector.timeouts) == {generate, *collector.after_generate(train=True)}
