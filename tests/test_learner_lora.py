@@ -169,3 +169,27 @@ def test_cluster_export_merges_a_lora_checkpoints_adapters(tiny_policy_dir):
         assert torch.equal(exported[name], merged[name]), name
     with pytest.raises(ExportError, match="only in the checkpoint"):
         policy_from_weights(str(tiny_policy_dir), LoRAConfig(), state)  # the run's lora section is needed
+
+
+def test_adapters_off_is_the_base_model_and_turns_back_on(tiny_policy_dir):
+    """learner.reference_from_base's forward: inside `adapters_off` the LoRA model (adapters moved, a
+    `modules_to_save` copy retrained) computes the base model's logits; after it, its own again, with
+    the same parameters trainable as before."""
+    from learner.lora import adapters_off
+
+    model = _trained(tiny_policy_dir, LoRAConfig(rank=4, alpha=8.0, modules_to_save=["ln_f"])).eval()
+    trainable = {n for n, p in model.policy.named_parameters() if p.requires_grad}
+    assert any(".modules_to_save." in n for n in trainable)
+    ids = torch.tensor([[5, 9, 11, 7, 20, 4]])
+    with torch.no_grad():
+        adapted = model.policy(input_ids=ids).logits
+        with adapters_off(model.policy):
+            off = model.policy(input_ids=ids).logits
+        again = model.policy(input_ids=ids).logits
+        base = _hf(tiny_policy_dir)(input_ids=ids).logits
+    torch.testing.assert_close(off, base, atol=1e-5, rtol=0)
+    assert (adapted - base).abs().max() > 1e-2  # the adapters do change the policy
+    assert torch.equal(again, adapted)
+    assert {n for n, p in model.policy.named_parameters() if p.requires_grad} == trainable
+    with pytest.raises(ValueError, match="no LoRA adapters"), adapters_off(_hf(tiny_policy_dir)):
+        pass
