@@ -4,11 +4,12 @@
 weights) and measures, each side in a fresh process on one torch thread, on the same 8 x 128 tokens:
 
 - **actors**: a reference actor's process (`reward_service.reference.ReferencePolicy`, float32, the
-  default `reference.dtype`): its resident memory after loading and its peak while scoring, and the
-  seconds per scoring call. This is what `policy_base` removes, per reference replica.
+  default `reference.dtype`): its resident memory once it has scored (every weight page touched), the
+  transient memory of one scoring call above that, and its seconds. `policy_base` removes this
+  process, per reference replica.
 - **policy_base**: the learner's LoRA model (`learner.model.PolicyWithValueHead`, rank 16, all-linear):
-  the extra peak memory and seconds of the one more no-grad forward with the adapters off
-  (`learner.lora.adapters_off`) that replaces the reference's.
+  the transient memory and seconds of the one more no-grad forward with the adapters off
+  (`learner.lora.adapters_off`) that replaces the reference's call; nothing stays resident.
 
 The bare interpreter with torch and transformers imported is measured too, so the model's own share of
 the reference process is visible.
@@ -16,11 +17,13 @@ the reference process is visible.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,8 +40,25 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+@contextlib.contextmanager
+def _peak_over(out: dict, key: str):
+    """`out[key]`: the most resident memory above the level at entry while the block runs (sampled
+    every 2 ms by a thread: `ru_maxrss` would be the process's all-time peak, loading included)."""
+    start, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        out[key] = max(0, max(peak[0], _rss()) - start) / MIB
 
 
 def _tokens(vocab: int):
@@ -52,27 +72,30 @@ def side_bare(_path: str) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    return {"rss_mib": _rss() / MIB, "peak_mib": _peak() / MIB}
+    return {"rss_mib": _rss() / MIB}
 
 
 def side_actors(path: str) -> dict:
+    """A reference actor's memory once it has scored (its weights touched), and one scoring call."""
     import numpy as np
 
     from reward_service.config import ReferenceConfig
     from reward_service.reference import ReferencePolicy
 
     ref = ReferencePolicy(path, ReferenceConfig(), temperature=1.0)
-    loaded = _rss()
     ids = _tokens(ref.model.config.get_text_config().vocab_size).numpy()
     prompts = [np.asarray(r[:PROMPT]) for r in ids]
     responses = [np.asarray(r[PROMPT:]) for r in ids]
-    ref.logprobs(prompts, responses)  # warm-up
+    ref.logprobs(prompts, responses)  # warm-up: every weight page is resident from here on
+    out = {"rss_mib": _rss() / MIB}
     t0 = time.perf_counter()
-    ref.logprobs(prompts, responses)
-    return {"rss_mib": loaded / MIB, "peak_mib": _peak() / MIB, "seconds": time.perf_counter() - t0}
+    with _peak_over(out, "call_peak_mib"):
+        ref.logprobs(prompts, responses)
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def side_policy_base(path: str) -> dict:
+    """The learner's LoRA model: the adapters-off forward that replaces the reference actor's."""
     import torch
 
     from learner.config import LoRAConfig
@@ -87,39 +110,44 @@ def side_policy_base(path: str) -> dict:
     prompt = torch.full((BATCH,), PROMPT)
     R = LENGTH - PROMPT
     targets = response_tokens(ids, prompt, R)  # logprobs of the tokens only, as the learner scores
+    out: dict = {}
     with torch.no_grad():
         model(ids, mask, prompt, R, targets=targets)  # the proximal pass the learner makes anyway
-        before, t0 = _peak(), time.perf_counter()
-        with adapters_off(model.policy):
+        out["rss_mib"] = _rss() / MIB
+        t0 = time.perf_counter()
+        with _peak_over(out, "call_peak_mib"), adapters_off(model.policy):
             model(ids, mask, prompt, R, targets=targets)
-        seconds = time.perf_counter() - t0
-    return {"rss_mib": _rss() / MIB, "extra_peak_mib": (_peak() - before) / MIB, "seconds": seconds}
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 SIDES = {"bare": side_bare, "actors": side_actors, "policy_base": side_policy_base}
 
 
-def main(names: list[str]) -> None:
-    from scale_models import SIZES, build_model
+def _child(*args: str) -> dict:
+    """Run this file with `args` in a fresh process on one thread; its last printed JSON line."""
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, check=True, env=env
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+def main(names: list[str]) -> None:
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             folder = str(Path(tmp) / name)
-            build_model(folder, SIZES[name])
+            _child("--build", name, folder)  # built in a process of its own: the sides start small
             for side in SIDES:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--side", side, folder],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-                )
-                row = json.loads(out.stdout.strip().splitlines()[-1])
-                print(json.dumps({"model": name, "side": side, **row}), flush=True)
+                print(json.dumps({"model": name, "side": side, **_child("--side", side, folder)}), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--side"]:
+    if sys.argv[1:2] == ["--build"]:
+        from scale_models import SIZES, build_model
+
+        build_model(sys.argv[3], SIZES[sys.argv[2]])
+        print("{}")
+    elif sys.argv[1:2] == ["--side"]:
         import torch
 
         torch.set_num_threads(1)
