@@ -105,8 +105,19 @@ class VLLMWeightLoader:
 
     def rayppo_load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Load named tensors (HF names, the engine's dtype) through the worker's own `reload_weights`."""
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=self._rayppo_recorded(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
+
+    def _rayppo_recorded(self, named):
+        """`named` as it passes into vLLM's loader, each tensor's digest sample kept once all have passed
+        (`rayppo_weights_digest` reads them where the module no longer holds the weights)."""
+        from rollout_workers.weights import digest_sample
+
+        seen = {}
+        for name, tensor in named:
+            seen[name] = (tuple(tensor.shape), digest_sample(tensor, None))
+            yield name, tensor
+        self.rayppo_loaded = seen
 
     def rayppo_join_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str
@@ -134,18 +145,30 @@ class VLLMWeightLoader:
                     return {"refused": str(err)}
                 loading = True
                 tensors = stream.tensors(torch_dtype(dtype))
-                self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
+                self.reload_weights(
+                    weights_iterator=self._rayppo_recorded(tensors), is_checkpoint_format=True
+                )  # type: ignore[attr-defined]
                 stream.check_tied(tied)
                 return {"version": stream.version, "digest": stream.digest(), "count": len(stream.shapes)}
         except WeightGroupError as err:  # as facts: vLLM's mp executor would turn it into a RuntimeError
             return {"group_error": str(err), "partial": loading}
 
     def rayppo_weights_digest(self) -> str:
-        """`sampled_digest` of this worker's parameters under vLLM's own names (fused, sharded and, on
-        CPU, with the Linear weights repacked out of the module: what is left of them is hashed)."""
-        from rollout_workers.weights import sampled_digest
+        """`sampled_digest` of this worker's parameters under vLLM's own names (fused and sharded).
 
-        return sampled_digest(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        vLLM's CPU build repacks the Linear weights out of the module after loading, leaving an empty
+        parameter: a digest of the module alone would not move when only those change (a LoRA run's
+        merged weights), and a load that changed them would look stale. Where a parameter is empty, the
+        digest also covers the tensors the last load handed vLLM's own loader in this process (a load
+        that never reached the worker leaves it as it was; whether the loader applied them is the probe's
+        to show)."""
+        from rollout_workers.weights import combine_digest, sampled_digest
+
+        params = list(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        held = sampled_digest(params)
+        if all(p.numel() for _, p in params):
+            return held
+        return f"{held}+loaded:{combine_digest(getattr(self, 'rayppo_loaded', {}))}"
 
 
 def bundle_bytes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:

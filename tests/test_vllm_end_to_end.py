@@ -120,3 +120,36 @@ def test_two_colocated_ranks_train_on_the_whole_batch_beside_vllm(ray_local, dem
     assert lengths["vllm", "colocated"] == lengths["vllm", "separate"], lengths
     for got, hf in zip(tokens["vllm", "colocated"], tokens["hf", "colocated"], strict=True):
         assert 0.75 < got / hf < 1.33, tokens
+
+
+def test_a_lora_run_reaches_vllm_as_merged_weights(ray_local, demo_assets, tmp_path):
+    """`learner.lora` with the vLLM engine (issue 37's merged path): every push of the merged weights is
+    acknowledged by vLLM's probe logprobs, the reference is the learner's base weights (no reference
+    actor), and the base-only bundle, what a dropped adapter looks like, is refused."""
+    from demo_run import SMALL_STEPS
+
+    from cluster.weights.push import WeightSyncError, bundle_facts
+
+    steps = 3
+    sets = {"rollout.engine": "vllm", "learner.lora.rank": 4, "learner.lora.alpha": 16, "learner.lr": 3e-3}
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **SMALL_STEPS, **sets))
+    assert cfg.reference.source == "policy_base"
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        trainer.setup()
+        assert sorted(trainer.roles.by_role) == ["reward", "rollout"]
+        ranks, workers = trainer.roles.ranks, trainer.roles.workers.handles
+        export = [r.export_weights.remote(bundle_facts("float32"), "float32") for r in ranks]
+        base = ray.get(export, timeout=120)[0]  # the adapters' B starts at 0: the merged base model
+        rows = [trainer.iteration() for _ in range(steps)]
+        assert ray.get(workers[0].version.remote(), timeout=60) == steps
+        ray.get([r.export_weights.remote(bundle_facts("float32"), "float32") for r in ranks], timeout=120)
+        expected = expected_fingerprint(ray.get(ranks[0].export_fingerprint.remote()), steps + 1, "float32")
+        ack = ray.get(workers[0].load_weights.remote(base, steps + 1), timeout=300)
+        with pytest.raises(WeightSyncError, match="differs"):
+            verify_ack("rollout-worker-0", ack, steps + 1, expected)
+    finally:
+        trainer.close()
+    assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["rollout/logprob_gap"] < 1e-3 for r in rows)  # vLLM samples with the merged weights
+    assert abs(rows[-1]["objective/kl"]) > 1e-6  # the adapters moved the policy off its base
