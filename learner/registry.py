@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import importlib
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,7 @@ class Registry(Generic[P]):
 
     def function(self, name: str) -> Callable:
         """The part's function, imported on first use."""
-        return _resolve(self[name].function)
+        return resolve(self[name].function)
 
     def describe(self) -> str:
         """The allowed values with their one-line summaries (the config reference's text)."""
@@ -87,7 +87,8 @@ class Registry(Generic[P]):
 
 
 @functools.cache
-def _resolve(target: str) -> Callable:
+def resolve(target: str) -> Any:
+    """The object a `module:attr` string names, imported on first use."""
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 

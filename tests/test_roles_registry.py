@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import inspect
 
+from test_config import tree
+
 from cluster.config.schema import build_config
 from cluster.pipeline.collector import RolloutCollector
 from cluster.placement.plan import role_shapes
 from cluster.roles.registry import ROLES, SCALABLE, WORK, Place, generate_kind, running, scoring_kinds
 
-BASE = {
-    "model": {"policy_path": "p"},
-    "data": {"prompts_path": "prompts.jsonl"},
-    "reward": {"model_path": "r"},
-}
-
 
 def _cfg(**sections):
-    tree = {k: dict(v) for k, v in BASE.items()}
-    for key, value in sections.items():
-        tree.setdefault(key, {}).update(value)
-    return build_config(tree)
+    return build_config(tree(**sections))  # test_config's minimal run config, with `sections` merged in
 
 
 def test_each_roles_arguments_bind_to_its_actor_classs_constructor():

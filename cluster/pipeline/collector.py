@@ -26,7 +26,7 @@ from cluster.pipeline.calls import Call, CallTracker
 from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
 from cluster.pipeline.data import Prompt
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
-from cluster.roles.registry import WORK, generate_kind, role_of_kind, scoring_kinds
+from cluster.roles.registry import ROLES, WORK, generate_kind, scoring_kinds
 
 
 class RolloutError(RuntimeError):
@@ -57,9 +57,7 @@ class RolloutCollector:
         """`by_role`: the run's pools by role name; `timeouts`: the config's `timeouts` section (each
         role's `Work.timeout` names its call's deadline there; actor_start_s bounds a start)."""
         # the pool and the deadline of each kind of call the run's roles answer (`cluster.roles.registry.WORK`)
-        self.pools = {
-            kind: by_role[role_of_kind(kind).name] for kind in WORK if role_of_kind(kind).name in by_role
-        }
+        self.pools = {r.work.kind: by_role[r.name] for r in ROLES if r.work is not None and r.name in by_role}
         self.timeouts = {kind: float(getattr(timeouts, WORK[kind].timeout)) for kind in self.pools}
         # Colocated roles take turns in one process, where smaller chunks overlap nothing and only
         # add per-call and per-token overhead: the batch is then split evenly over the workers.

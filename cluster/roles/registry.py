@@ -14,7 +14,6 @@ driver, which reads this registry, never imports torch, transformers or DeepSpee
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Chunk, prompt_facts
 from cluster.weights.push import WEIGHTS_GROUP
+from learner.registry import resolve
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,7 @@ class Role:
     runs: Callable[[RunConfig], bool] = lambda c: True  # False: this run starts none of its actors
 
     def actor_class(self) -> type:
-        module, _, name = self.actor.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(self.actor)
 
 
 # ---------------------------------------------------------------------- the collector's calls
@@ -216,7 +215,6 @@ ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD)  # also the bund
 BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
 SCALABLE: tuple[Role, ...] = tuple(r for r in ROLES if r.scalable)  # the pools' roles, in this order
 WORK: dict[str, Work] = {r.work.kind: r.work for r in ROLES if r.work is not None}
-TWO_RETURNS: frozenset[str] = frozenset().union(*(r.two_returns for r in ROLES))
 
 
 def running(cfg: RunConfig) -> tuple[Role, ...]:
@@ -227,11 +225,6 @@ def running(cfg: RunConfig) -> tuple[Role, ...]:
 def placed_count(role: Role, cfg: RunConfig) -> int:
     """How many actors of `role` the config starts (0 for a role this run does not run)."""
     return role.count(cfg) if role.runs(cfg) else 0
-
-
-def role_of_kind(kind: str) -> Role:
-    """The role that answers calls of `kind`."""
-    return next(r for r in ROLES if r.work is not None and r.work.kind == kind)
 
 
 def generate_kind() -> str:

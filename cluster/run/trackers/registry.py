@@ -8,11 +8,11 @@ into the config's own imports (tests/test_layout.py's cycle check).
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from dataclasses import dataclass
 
 from cluster.run.trackers.base import Sink
+from learner.registry import resolve
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,7 @@ class SinkEntry:
     extra: str | None = None  # the pip extra that installs that package
 
     def load(self) -> type[Sink]:
-        module, _, name = self.cls.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return resolve(self.cls)
 
 
 SINKS: dict[str, SinkEntry] = {
