@@ -381,6 +381,14 @@ class LearnerConfig(_Strict):
             "copy of the model. Needs lora.rank > 0. Set by the cluster from reference.source."
         ),
     )
+    export_adapter: bool = Field(
+        False,
+        description=(
+            "Weight exports for the engines hold the LoRA adapter alone (learner.lora.adapter_bundle: megabytes, "
+            "not the model) instead of the merged weights. Needs lora.rank > 0. Set by the cluster from "
+            "rollout.lora_sync."
+        ),
+    )
     value_head_std: float = Field(0.0, ge=0.0, description="Init std of the value head weights (0 = zeros).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (large models)."
@@ -503,6 +511,11 @@ class LearnerConfig(_Strict):
             raise ValueError(
                 "learner.reference_from_base needs learner.lora.rank > 0: without adapters the learner's weights "
                 "are the trained policy, not the frozen reference"
+            )
+        if self.export_adapter and self.lora.rank == 0:
+            raise ValueError(
+                "learner.export_adapter needs learner.lora.rank > 0: without adapters there is no adapter to "
+                "export (rollout.lora_sync='merged')"
             )
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(

@@ -9,8 +9,9 @@ changes them: a targeted `<module>.weight` becomes `<module>.base_layer.weight`,
 Exports are merged: `merged_cpu_state_dict` streams the model bucket by bucket (ZeRO-3 gathers each
 bucket, as learner.gather does) and writes each targeted weight as `merge_weight(W, A, B, s)` under
 the base model's own name, so engines load full weights exactly as without LoRA and their digest /
-probe acknowledgement sees the adapter. `adapter_state` and `save_adapter` write the adapter alone in
-PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
+probe acknowledgement sees the adapter. `adapter_bundle` is the adapter alone as the engines take it
+(`rollout.lora_sync: adapter`); `adapter_state` and `save_adapter` write it in PEFT's format
+(`adapter_config.json`, `adapter_model.safetensors`).
 """
 
 from __future__ import annotations
@@ -232,6 +233,45 @@ def merged_cpu_state_dict(
                     copies[name] = copy
     order = [hf_name(n) for n in state if hf_name(n) is not None]
     return {name: copies[name] for name in order} if keep else None
+
+
+def adapter_bundle(
+    model: nn.Module, bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The adapter alone, as an engine applies it (`rollout.lora_sync: adapter`): for each adapted module
+    `<module>.lora_A` [r, in] and `<module>.lora_B` [out, r] with the scale alpha/r folded into B (so
+    the engine's layer computes W x + B A x whatever alpha was: `rollout_workers.adapter`), and every
+    `modules_to_save` copy under the base model's names. Module names are the base model's (no PEFT
+    prefix). CPU copies gathered bucket by bucket (ZeRO-3), floating tensors cast to `dtype` after the
+    scale; None where `keep` is False."""
+    layers = {layer.name: layer for layer in lora_layers(model)}
+    if not layers:
+        raise ValueError("the policy has no LoRA adapters to export (learner.lora.rank is 0)")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    state = cpu_state_dict(trainable, bucket_bytes, keep)
+    if state is None:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        module, part = _adapter_part(name)
+        if part is None:
+            out[hf_name(name)] = t  # a modules_to_save copy, trained whole
+            continue
+        if part == "lora_B":
+            t = t.float() * layers[module].scale
+        out[f"{module}.{part}"] = t
+    if dtype is not None:
+        out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+    return out
+
+
+def _adapter_part(name: str) -> tuple[str, str | None]:
+    """(module, 'lora_A' | 'lora_B') of an adapter parameter's name; (name, None) for any other."""
+    for part in ("lora_A", "lora_B"):
+        suffix = f".{part}.{ADAPTER}.weight"
+        if name.endswith(suffix):
+            return name[: -len(suffix)], part
+    return name, None
 
 
 def adapter_file_name(name: str) -> str:

@@ -29,7 +29,7 @@ from learner.deepspeed_setup import (
     resolve_backend,
 )
 from learner.gather import cpu_state_dict
-from learner.lora import adapter_state, has_lora, merged_cpu_state_dict, save_adapter
+from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_state_dict, save_adapter
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import check_packing_exact, probe_sequences, right_padded
@@ -167,7 +167,9 @@ class LearnerRank:
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
         time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
-        (learner.lora.merged_cpu_state_dict): the bundle has the base model's names. Tied weights stay one shared tensor. Rank 0 also records what a
+        (learner.lora.merged_cpu_state_dict): the bundle has the base model's names; with
+        `learner.export_adapter` the bundle is the adapter alone (learner.lora.adapter_bundle). Tied
+        weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
         on the fixed probe when `probe` (a forward of every rank; None otherwise) and, when `describe`
         is given, the facts `describe(bundle)` returns (the cluster's: checksum and digest at the
@@ -177,7 +179,8 @@ class LearnerRank:
         t0 = time.perf_counter()
         scored = self._probe_logprobs() if probe else None
         t1 = time.perf_counter()
-        out = merged_cpu_state_dict(
+        export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
+        out = export(
             engine.module.policy,
             self._bucket_bytes,
             keep=self.rank == 0,

