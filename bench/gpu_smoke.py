@@ -20,7 +20,11 @@ weights, built on the spot):
    tokens/s, peak GPU memory and the first step's importance ratio; with `--lora-rank R` it trains
    LoRA adapters (`learner.lora`, alpha 2R, all-linear) and exports the merged weights;
 5. weights: the learner's export (bf16) is loaded into the engine, whose digest must equal the
-   bundle's, and the engine's probe logprobs are compared with the learner's.
+   bundle's, and the engine's probe logprobs are compared with the learner's;
+6. adapter weights (with `--lora-rank`): the learner exports the adapter alone
+   (`rollout.lora_sync='adapter'`), a second engine on the base weights applies it; its bytes against
+   the merged bundle's, its adapter digest, and its probe logprobs against the learner's and the
+   merged engine's.
 
 What it does not cover: Ray, more than one learner rank (one GPU cannot hold an NCCL group of two),
 vLLM, and the collective weight push over NCCL. Every section prints one table row; `--out` also
@@ -72,6 +76,7 @@ class Shared:
     samples: list = field(default_factory=list)  # (prompt ids, GenerationOutput)
     teacher_logprobs: list = field(default_factory=list)
     learner: object = None
+    merged_bytes: int = 0  # of the full (merged) bundle the weights section pushed
 
 
 def gpu_memory() -> dict:
@@ -294,6 +299,7 @@ def weights(args, s: Shared, row: Row) -> None:
     probe = s.engine.probe_logprobs(probe_sequences(s.engine.vocab_size))
     gap = gaps(probe, s.learner.export_fingerprint()["probe"])
     nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    s.merged_bytes = nbytes
     row.facts = {
         "bundle_mib": round(nbytes / 2**20, 1),
         "export_s": round(export_s, 2),
@@ -309,6 +315,53 @@ def weights(args, s: Shared, row: Row) -> None:
         row.status, row.note = "FAIL", "the engine's probe logprobs disagree with the learner's"
 
 
+def adapter_weights(args, s: Shared, row: Row) -> None:
+    """rollout.lora_sync='adapter': the learner exports the adapter alone, a second engine (the base
+    weights) applies it; bytes and seconds against the merged push of the section before."""
+    if not args.lora_rank:
+        row.status, row.note = "skipped", "needs --lora-rank (a LoRA learner)"
+        return
+    from learner.sequences import probe_sequences
+    from rollout_workers.config import RolloutConfig
+    from rollout_workers.hf_engine import HFEngine
+    from rollout_workers.weights import sampled_digest, torch_dtype
+
+    engine = HFEngine(s.model, RolloutConfig(dtype=args.engine_dtype, torch_threads=args.threads))
+    s.learner.config.export_adapter = True  # what the cluster sets from rollout.lora_sync='adapter'
+    try:
+        t0 = time.perf_counter()
+        state = s.learner.export_weights(dtype=args.engine_dtype)
+        export_s = time.perf_counter() - t0
+    finally:
+        s.learner.config.export_adapter = False
+    t0 = time.perf_counter()
+    engine.load_adapter(state)
+    sync()
+    load_s = time.perf_counter() - t0
+    matches = engine.adapter_digest() == sampled_digest(state.items(), torch_dtype(args.engine_dtype))
+    sequences = probe_sequences(engine.vocab_size)
+    probe = engine.probe_logprobs(sequences)
+    gap = gaps(probe, s.learner.export_fingerprint()["probe"])
+    merged_gap = gaps(probe, s.engine.probe_logprobs(sequences))
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    merged = s.merged_bytes or float("nan")
+    row.facts = {
+        "bundle_mib": round(nbytes / 2**20, 2),
+        "of_merged_bundle": round(nbytes / merged, 4),
+        "export_s": round(export_s, 2),
+        "load_s": round(load_s, 3),
+        "digest_matches": matches,
+        "probe_gap_max": round(gap["max"], 4),
+        "vs_merged_engine_max": round(merged_gap["max"], 4),
+        **{k: round(v, 2) for k, v in s.learner.export_fingerprint()["timings"].items()},
+    }
+    del engine
+    if not matches:
+        row.status, row.note = "FAIL", "the engine's adapter digest differs from the bundle's after the load"
+    elif not gap["max"] <= (0.1 if args.engine_dtype != "float32" else 1e-3):
+        row.status, row.note = "FAIL", "the engine's probe logprobs disagree with the learner's"
+
+
 SECTIONS = [
     ("build", build),
     ("generate", generate),
@@ -316,12 +369,14 @@ SECTIONS = [
     ("sleep/wake", sleep_wake),
     ("learner", learner_steps),
     ("weights", weights),
+    ("adapter weights", adapter_weights),
 ]
 NEEDS = {
     "generate": "build",
     "behaviour logprobs": "generate",
     "sleep/wake": "generate",
     "learner": "behaviour logprobs",
+    "adapter weights": "weights",
 }
 
 

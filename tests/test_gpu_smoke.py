@@ -1,6 +1,6 @@
 """Keeps bench/gpu_smoke.py working between the rare days a GPU is lent: the whole script runs here on
-the CPU (gloo, float32, the tiny Qwen2 shape) in its own process, without Ray, and every section must
-pass its own checks (digest after the load, same tokens after sleep/wake, finite training metrics).
+the CPU (gloo, float32, the tiny Qwen2 shape, a LoRA learner) in its own process, without Ray, and every
+section must pass its own checks (digest after the load, same tokens after sleep/wake, finite training metrics).
 
 Numbers are not checked: they are the script's report, recorded in docs/benchmarks.md ("GPU smoke")
 with the card they came from.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--lora-rank", "4", "--out", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -32,9 +32,20 @@ def test_gpu_smoke_runs_every_section_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_smoke.json").read_text())
     rows = {r["section"]: r for r in report["rows"]}
-    assert list(rows) == ["build", "generate", "behaviour logprobs", "sleep/wake", "learner", "weights"]
+    assert list(rows) == [
+        "build",
+        "generate",
+        "behaviour logprobs",
+        "sleep/wake",
+        "learner",
+        "weights",
+        "adapter weights",
+    ]
     assert {r["status"] for r in rows.values()} == {"ok"}, rows
     assert rows["weights"]["facts"]["digest_matches"] and rows["weights"]["facts"]["digest_changed"]
+    adapter = rows["adapter weights"]["facts"]  # float32 on CPU: applied adapter = merged weights
+    assert adapter["digest_matches"] and adapter["vs_merged_engine_max"] < 1e-3
+    assert 0 < adapter["of_merged_bundle"] < 0.2
     assert rows["sleep/wake"]["facts"]["same_tokens"]
     # float32 engine and float32 teacher read the same weights: the sampled tokens' logprobs agree
     assert rows["behaviour logprobs"]["facts"]["vs_fp32_max"] < 1e-3
