@@ -8,12 +8,17 @@ W x + B A x: PEFT's LoRA layers injected into the model in place (`peft.inject_a
 r, alpha r so the scale is 1, no dropout), the same layers the learner trains with. The first load
 injects them; every later load must name the same modules and rank, and only copies tensors.
 
+vLLM applies adapters with its own LoRA support, which loads a PEFT folder (`write_peft_folder`).
+
 `held()` reads the adapter back from the layers under the bundle's names, so the acknowledgement's
 digest of what the engine holds equals the bundle's after a load, and differs when an adapter was
 dropped or an older one kept.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,6 +64,81 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def check_bundle(
+    model: nn.Module, state: dict[str, torch.Tensor], modules: list[str], rank: int
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The bundle split (`split_bundle`) after checking it fits `model` (a meta-device skeleton will do)
+    and, once an adapter was loaded (`modules` non-empty), has its modules and `rank`; ValueError
+    naming the keys otherwise."""
+    pairs, whole = split_bundle(state)
+    ranks = sorted({int(p["lora_A"].shape[0]) for p in pairs.values()})
+    if len(ranks) != 1:
+        raise ValueError(f"adapter bundle: its lora_A tensors have different ranks {ranks}")
+    r = ranks[0]
+    named = dict(model.named_modules())
+    missing = sorted(m for m in pairs if m not in named)
+    if missing:
+        raise ValueError(f"adapter bundle names modules the model does not have: {_head(missing)}")
+    not_linear = sorted(m for m in pairs if linear_shape(named[m]) is None)
+    if not_linear:
+        raise ValueError(f"adapter bundle adapts modules that are not linear: {_head(not_linear)}")
+    bad = []
+    for m, p in sorted(pairs.items()):
+        fan_in, fan_out = linear_shape(named[m])
+        want = {"lora_A": (r, fan_in), "lora_B": (fan_out, r)}
+        bad += [f"{m}.{k}: {tuple(p[k].shape)} != {want[k]}" for k in PARTS if tuple(p[k].shape) != want[k]]
+    if bad:
+        raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
+    if modules and (sorted(pairs) != modules or r != rank):
+        raise ValueError(
+            f"adapter bundle: rank {r} on {len(pairs)} modules, but this engine's adapter has rank "
+            f"{rank} on {len(modules)} modules (an adapter's shape is fixed for a run)"
+        )
+    own = model.state_dict()
+    unknown = sorted(n for n in whole if n not in own)
+    if unknown:
+        raise ValueError(f"adapter bundle holds tensors the model does not have: {_head(unknown)}")
+    bad = [
+        f"{n}: {tuple(t.shape)} != {tuple(own[n].shape)}" for n, t in whole.items() if t.shape != own[n].shape
+    ]
+    if bad:
+        raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
+    return pairs, whole
+
+
+def write_peft_folder(
+    path: Path, pairs: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, base: str
+) -> None:
+    """The adapter of `pairs` (scale folded into B) as a PEFT folder, the format vLLM's LoRA loads:
+    `adapter_config.json` (rank r, alpha r: scale 1) and `adapter_model.safetensors` with PEFT's keys
+    (`base_model.model.<module>.lora_A.weight`)."""
+    from safetensors.torch import save_file
+
+    rank = int(next(iter(pairs.values()))["lora_A"].shape[0])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({m.rpartition(".")[2] for m in pairs}),
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+    }
+    tensors = {
+        f"base_model.model.{m}.{part}.weight": p[part].detach().to("cpu", dtype).contiguous()
+        for m, p in pairs.items()
+        for part in PARTS
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
 class AdapterSlots:
     """The adapter layers of one engine's model: injected at the first load, filled at every load."""
 
@@ -72,45 +152,8 @@ class AdapterSlots:
     def check(
         self, state: dict[str, torch.Tensor]
     ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """The bundle split (`split_bundle`) after checking it fits the model; ValueError naming the keys."""
-        pairs, whole = split_bundle(state)
-        ranks = sorted({int(p["lora_A"].shape[0]) for p in pairs.values()})
-        if len(ranks) != 1:
-            raise ValueError(f"adapter bundle: its lora_A tensors have different ranks {ranks}")
-        r = ranks[0]
-        named = dict(self.model.named_modules())
-        missing = sorted(m for m in pairs if m not in named)
-        if missing:
-            raise ValueError(f"adapter bundle names modules the model does not have: {_head(missing)}")
-        not_linear = sorted(m for m in pairs if linear_shape(named[m]) is None)
-        if not_linear:
-            raise ValueError(f"adapter bundle adapts modules that are not linear: {_head(not_linear)}")
-        bad = []
-        for m, p in sorted(pairs.items()):
-            fan_in, fan_out = linear_shape(named[m])
-            want = {"lora_A": (r, fan_in), "lora_B": (fan_out, r)}
-            bad += [
-                f"{m}.{k}: {tuple(p[k].shape)} != {want[k]}" for k in PARTS if tuple(p[k].shape) != want[k]
-            ]
-        if bad:
-            raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
-        if self.modules and (sorted(pairs) != self.modules or r != self.rank):
-            raise ValueError(
-                f"adapter bundle: rank {r} on {len(pairs)} modules, but this engine's adapter has rank "
-                f"{self.rank} on {len(self.modules)} modules (an adapter's shape is fixed for a run)"
-            )
-        own = self.model.state_dict()
-        unknown = sorted(n for n in whole if n not in own)
-        if unknown:
-            raise ValueError(f"adapter bundle holds tensors the model does not have: {_head(unknown)}")
-        bad = [
-            f"{n}: {tuple(t.shape)} != {tuple(own[n].shape)}"
-            for n, t in whole.items()
-            if t.shape != own[n].shape
-        ]
-        if bad:
-            raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
-        return pairs, whole
+        """The bundle split (`split_bundle`) after checking it fits the model (`check_bundle`)."""
+        return check_bundle(self.model, state, self.modules, self.rank)
 
     @torch.no_grad()
     def load(self, pairs: dict[str, dict[str, torch.Tensor]], whole: dict[str, torch.Tensor]) -> None:

@@ -58,6 +58,12 @@ class VLLMConfig(_Strict):
         description="Skip CUDA graphs / torch.compile. None: True on CPU (compiling adds ~40 s of "
         "start-up there), False on GPU.",
     )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="The largest LoRA rank the engine reserves room for (rollout.lora_sync='adapter'; rounded up to "
+        "a size vLLM accepts: 1, 8, 16, 32, 64, ...). None: learner.lora.rank, set by the cluster.",
+    )
     in_process: bool | None = Field(
         None,
         description="Run vLLM's engine core inside the worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0). "

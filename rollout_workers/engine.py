@@ -144,13 +144,18 @@ class RolloutEngine(ABC):
         self._load_adapter(state)
         self._unknown_weights = None
 
+    # Whether `adapter_digest` names tensors as the adapter bundles do (then it equals the bundle's
+    # `sampled_digest` after a load); else it is only comparable with the engine's own earlier digests.
+    adapter_names_match: bool = True
+
     def adapter_digest(self) -> str:
-        """`sampled_digest` of the adapter as the engine holds it, under the bundle's names and at the
-        engine dtype: equal to the bundle's after `load_adapter`."""
+        """`sampled_digest` of the adapter as the engine holds it, at the engine dtype; under the bundle's
+        names (equal to the bundle's after `load_adapter`) where `adapter_names_match`."""
         return sampled_digest(self._held_adapter().items(), self.dtype)
 
-    def adapter_checksum(self) -> str:
-        """`state_checksum` of the adapter held (equal to `state_checksum(bundle, self.dtype)` after a load)."""
+    def adapter_checksum(self) -> str | None:
+        """`state_checksum` of the adapter held (equal to `state_checksum(bundle, self.dtype)` after a load);
+        None for an engine that cannot read it back under the bundle's names."""
         return state_checksum(self._held_adapter(), self.dtype)
 
     # Processes that join the learner's weight group for this engine (`join_weight_group`): the

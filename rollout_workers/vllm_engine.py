@@ -27,6 +27,11 @@
   running sequence, but then no token after the swap has the new weights' logprobs.
 - Acknowledgement: vLLM's fused parameters cannot be read back under HF names, so there is no
   checksum; a swap is acknowledged by `probe_logprobs` (`prompt_logprobs`), what the engine computes.
+- LoRA adapters (`rollout.lora_sync: adapter`, `rollout_workers.vllm_lora`): the engine is built with
+  vLLM's LoRA support; each pushed adapter is written as a PEFT folder and added under a new id
+  (`LLMEngine.add_lora`), and every generate and probe request names it. A new id per version keeps
+  vLLM from reusing the older adapter's weights or prefix-cache blocks (both are keyed by it). The
+  acknowledgement's digest covers the adapters vLLM's workers hold (`rayppo_adapter_digest`).
 - Seeds: each prompt gets its own seed derived from (seed, prompt position); vLLM gives the k-th of
   the n samples seed + k.
 - Sleep (contract in `RolloutEngine`): with `rollout.sleep_level > 0` the engine is built with
@@ -54,6 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollout_workers.adapter import check_bundle
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import (
     GenerationOutput,
@@ -63,6 +69,7 @@ from rollout_workers.engine import (
     finish_reason,
     read_special_ids,
 )
+from rollout_workers.vllm_lora import LoRASlot, lora_rank_room
 from rollout_workers.vllm_stepped import SteppedRun
 from rollout_workers.vllm_worker_extension import VLLMWeightLoader
 from rollout_workers.weight_receiver import WeightGroupError
@@ -180,6 +187,10 @@ class VLLMEngine(RolloutEngine):
         )
         tp = self._tp = v.tensor_parallel_size
         kwargs: dict[str, Any] = {}
+        self._skeleton = skeleton  # meta tensors: checks adapter bundles against the model's modules
+        self._lora = LoRASlot(config.lora_sync == "adapter")
+        if self._lora.enabled:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_room(v.max_lora_rank))
         if kv_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.max_model_len is not None:
@@ -219,7 +230,9 @@ class VLLMEngine(RolloutEngine):
             self._params(sampling, stops, n=sampling.n, max_tokens=limit, seed=derive_seed(seed, i))
             for i, limit in enumerate(limits)
         ]
-        results = self._llm.generate(self._requests(prompts), params, use_tqdm=False)
+        results = self._llm.generate(
+            self._requests(prompts), params, use_tqdm=False, lora_request=self._lora_request
+        )
         return [[self._convert(c, stops) for c in sorted(r.outputs, key=lambda c: c.index)] for r in results]
 
     def _params(self, sampling: SamplingConfig, stops: frozenset[int], **request: Any) -> Any:
@@ -246,7 +259,9 @@ class VLLMEngine(RolloutEngine):
     ) -> list[list[GenerationOutput]]:
         """`_generate` stepping vLLM's engine itself (`SteppedRun`), letting due weights in between steps."""
         params = functools.partial(self._params, sampling, stops)
-        run = SteppedRun(params, self._llm.llm_engine, prompts, sampling.n, seed, stops, limits)
+        run = SteppedRun(
+            params, self._llm.llm_engine, prompts, sampling.n, seed, stops, limits, lambda: self._lora_request
+        )
         try:
             run.until_done(interrupt)
         except BaseException:  # leave no request behind for the next call's engine loop to run
@@ -267,7 +282,9 @@ class VLLMEngine(RolloutEngine):
         params = self._vllm.SamplingParams(
             max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0
         )
-        results = self._llm.generate(self._requests(sequences), params, use_tqdm=False)
+        results = self._llm.generate(
+            self._requests(sequences), params, use_tqdm=False, lora_request=self._lora_request
+        )
         out = []
         for seq, r in zip(sequences, results, strict=True):
             steps = r.prompt_logprobs  # [None, {token: Logprob} for positions 1..L-1]
@@ -288,6 +305,43 @@ class VLLMEngine(RolloutEngine):
         if any(c != len(state) for c in counts):
             raise RuntimeError(f"vLLM workers read {counts} of the bundle's {len(state)} tensors")
         self._llm.reset_prefix_cache()
+
+    @property
+    def _lora_request(self) -> Any:
+        return self._lora.request
+
+    def _load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        """The adapter as a PEFT folder handed to vLLM's LoRA support under a new id (its own cache keys
+        prefixes by adapter, so no KV of the older one is reused); the older adapter is removed."""
+        slot = self._lora
+        if not slot.enabled:
+            raise NotImplementedError(
+                "this vLLM engine was built without LoRA support: rollout.lora_sync='adapter' builds it with it"
+            )
+        pairs, whole = check_bundle(self._skeleton, state, slot.modules, slot.rank)
+        if whole:
+            raise ValueError(
+                f"vLLM's LoRA applies lora_A / lora_B only, and the adapter bundle also holds modules trained "
+                f"whole ({sorted(whole)[:4]}): learner.lora.modules_to_save needs rollout.lora_sync='merged' "
+                "with the vLLM engine"
+            )
+        request = slot.write(pairs, self.dtype, self._path)
+        self._unknown_weights = "an adapter load failed part-way"
+        if not self._llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not add the LoRA adapter {request.lora_name}")
+        previous = slot.use(request, pairs)
+        if previous is not None:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)  # False: its LRU cache dropped it already
+            slot.remove(previous)
+        self._llm.reset_prefix_cache()
+
+    adapter_names_match = False  # vLLM packs the adapters' tensors (qkv, gate_up): compare only with itself
+
+    def adapter_digest(self) -> str:
+        return "|".join(self._llm.collective_rpc("rayppo_adapter_digest"))  # one per tensor-parallel rank
+
+    def adapter_checksum(self) -> None:
+        return None
 
     @property
     def weight_receivers(self) -> int:

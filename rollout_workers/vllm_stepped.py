@@ -23,13 +23,22 @@ class SteppedRun:
     `derive_seed(seed, i, k, swaps)`."""
 
     def __init__(
-        self, params: Callable[..., Any], engine: Any, prompts, n: int, seed: int, stops, limits
+        self,
+        params: Callable[..., Any],
+        engine: Any,
+        prompts,
+        n: int,
+        seed: int,
+        stops,
+        limits,
+        lora: Callable[[], Any] = lambda: None,
     ) -> None:
         """`params(n=, max_tokens=, seed=, output_kind=)`: the SamplingParams of one request
-        (`VLLMEngine._params` with the call's sampling and stop tokens)."""
+        (`VLLMEngine._params` with the call's sampling and stop tokens); `lora()`: the LoRA request of the
+        adapter the engine holds when a request is added (a continuation after a swap takes the new one)."""
         from vllm.sampling_params import RequestOutputKind
 
-        self.params, self.engine, self.prompts = params, engine, prompts
+        self.params, self.engine, self.prompts, self.lora = params, engine, prompts, lora
         self.seed, self.stops, self.limits, self.delta = seed, stops, limits, RequestOutputKind.DELTA
         self.keys = [(i, k) for i in range(len(prompts)) for k in range(n)]
         self.ids: dict = {key: [] for key in self.keys}
@@ -47,7 +56,9 @@ class SteppedRun:
             n=1, max_tokens=self.limits[i] - len(self.ids[key]), seed=seed, output_kind=self.delta
         )
         prompt = [int(t) for t in self.prompts[i]] + self.ids[key]
-        self.engine.add_request(self._rid(key), {"prompt_token_ids": prompt}, params)
+        self.engine.add_request(
+            self._rid(key), {"prompt_token_ids": prompt}, params, lora_request=self.lora()
+        )
 
     def until_done(self, interrupt: Interrupt) -> None:
         if interrupt.due():  # at the call's start nothing is computed yet: swap, then add the requests

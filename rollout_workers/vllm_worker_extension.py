@@ -86,3 +86,20 @@ class VLLMWeightLoader:
         if all(p.numel() for _, p in params):
             return held
         return f"{held}+loaded:{combine_digest(getattr(self, 'rayppo_loaded', {}))}"
+
+    def rayppo_adapter_digest(self) -> str:
+        """`sampled_digest` of the LoRA adapters this worker holds, under vLLM's names with each adapter's
+        id (vLLM packs q/k/v and gate/up into one module: comparable only with this engine's own earlier
+        digests). Reads the worker's LoRA manager, a vLLM internal (`_adapter_manager`)."""
+        from rollout_workers.weights import sampled_digest
+
+        manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        named = []
+        for lora_id, lora in sorted(manager.list_adapters().items()):
+            for module, weights in sorted(lora.loras.items()):
+                for part in ("lora_a", "lora_b"):
+                    tensors = getattr(weights, part)
+                    for i, t in enumerate(tensors if isinstance(tensors, list) else [tensors]):
+                        if t is not None:
+                            named.append((f"{lora_id}:{module}.{part}.{i}", t))
+        return sampled_digest(named)

@@ -230,7 +230,7 @@ class RolloutWorker:
         marks = [time.perf_counter()]
         # what the engine holds: its adapter (rollout.lora_sync='adapter', named as the bundles), else its weights
         digest = engine.adapter_digest if self._adapter else engine.weights_digest
-        names_match = self._adapter or engine.digest_names_match
+        names_match = engine.adapter_names_match if self._adapter else engine.digest_names_match
         before = None if names_match else digest()
         previous, self._last_received = self._last_received, None  # until this load succeeds
         marks.append(time.perf_counter())

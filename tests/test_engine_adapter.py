@@ -151,8 +151,17 @@ def test_bad_adapter_bundles_name_their_keys_and_change_nothing(tiny_policy_dir)
 def test_lora_sync_config_errors_name_the_field():
     with pytest.raises(ValidationError, match="needs rollout.weight_sync='object_store'"):
         RolloutConfig(lora_sync="adapter", weight_sync="collective")
-    with pytest.raises(ValidationError, match=r"rollout.engine='vllm' takes the merged weights"):
-        RolloutConfig(engine="vllm", lora_sync="adapter")
     with pytest.raises(ValidationError, match="lora_sync"):
         RolloutConfig(lora_sync="adapters")
     assert LoRAConfig(rank=4).rank == 4
+
+
+def test_every_engine_that_says_it_applies_adapters_implements_the_hooks():
+    """The registry's `adapters` flag (what the config allows with lora_sync='adapter') is the truth."""
+    from learner.registry import resolve
+    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.engines import ENGINES
+
+    for engine in ENGINES:
+        cls = resolve(engine.function)
+        assert (cls._load_adapter is not RolloutEngine._load_adapter) == engine.adapters, engine.name

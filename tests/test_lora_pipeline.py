@@ -101,7 +101,8 @@ def test_reference_source_errors_name_the_fields(demo_assets):
             "rollout.lora_sync=adapter",
             "learner.lora.rank=4",
             "rollout.engine=vllm",
-        ): "takes the merged weights",
+            "rollout.vllm.max_lora_rank=2",
+        ): "max_lora_rank=2 is below learner.lora.rank=4",
     }
     for sets, needle in cases.items():
         with pytest.raises(ConfigError, match=needle):

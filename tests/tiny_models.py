@@ -106,8 +106,9 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def build_causal_lm(out: Path, family: str, seed: int = 0) -> Path:
-    """A 2-layer causal LM of `family` (a key of FAMILIES) with the word-level tokenizer, saved to `out`."""
+def build_causal_lm(out: Path, family: str, seed: int = 0, **fields) -> Path:
+    """A 2-layer causal LM of `family` (a key of FAMILIES) with the word-level tokenizer, saved to `out`;
+    `fields` override config fields (e.g. hidden_size=128 for head_dim 32, what vLLM's CPU attention needs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
@@ -120,7 +121,7 @@ def build_causal_lm(out: Path, family: str, seed: int = 0) -> Path:
     }
     if family != "gpt2":
         common.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
-    config = AutoConfig.for_model(family, **common, **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**common, **FAMILIES[family], **fields})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)

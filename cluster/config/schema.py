@@ -233,6 +233,13 @@ class RunConfig(_Strict):
                 "(or rollout.lora_sync='merged')"
             )
         le.export_adapter = ro.lora_sync == "adapter"
+        if le.export_adapter and ro.vllm.max_lora_rank is None:
+            ro.vllm.max_lora_rank = le.lora.rank
+        elif le.export_adapter and ro.vllm.max_lora_rank < le.lora.rank:
+            raise ValueError(
+                f"rollout.vllm.max_lora_rank={ro.vllm.max_lora_rank} is below learner.lora.rank={le.lora.rank}: "
+                "leave it unset (null) or raise it"
+            )
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:
