@@ -59,7 +59,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout_workers.adapter import check_bundle
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import (
     GenerationOutput,
@@ -195,21 +194,29 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.max_model_len is not None:
             kwargs["max_model_len"] = int(self.max_model_len)
-        self._llm = self._vllm.LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=config.dtype,
-            tensor_parallel_size=tp,
-            gpu_memory_utilization=v.gpu_memory_utilization,
-            enforce_eager=eager,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # sampling comes from SamplingConfig only, never the checkpoint
-            worker_extension_cls=f"{VLLMWeightLoader.__module__}.{VLLMWeightLoader.__name__}",
-            distributed_executor_backend=executor_backend(tp, self.on_cpu, in_process),
-            enable_sleep_mode=self._sleep_mode,
-            enable_prefix_caching=True,  # multi-turn episodes continue from their ids: earlier turns hit the cache
-            **kwargs,
-        )
+        try:
+            self._llm = self._vllm.LLM(
+                model=model_path,
+                tokenizer=model_path,
+                dtype=config.dtype,
+                tensor_parallel_size=tp,
+                gpu_memory_utilization=v.gpu_memory_utilization,
+                enforce_eager=eager,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # sampling comes from SamplingConfig only, never the checkpoint
+                worker_extension_cls=f"{VLLMWeightLoader.__module__}.{VLLMWeightLoader.__name__}",
+                distributed_executor_backend=executor_backend(tp, self.on_cpu, in_process),
+                enable_sleep_mode=self._sleep_mode,
+                enable_prefix_caching=True,  # multi-turn episodes continue from their ids: earlier turns hit the cache
+                **kwargs,
+            )
+        except ValueError as err:  # e.g. 'GPT2LMHeadModel does not support LoRA yet.'
+            if self._lora.enabled and "LoRA" in str(err):
+                raise ValueError(
+                    f"{err} rollout.lora_sync='adapter' needs a model vLLM applies LoRA adapters to: set "
+                    "rollout.lora_sync='merged' (vLLM loads the merged weights of any model)"
+                ) from err
+            raise
 
     def _requests(self, prompts: list[np.ndarray]) -> list[dict]:
         return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
@@ -314,18 +321,7 @@ class VLLMEngine(RolloutEngine):
         """The adapter as a PEFT folder handed to vLLM's LoRA support under a new id (its own cache keys
         prefixes by adapter, so no KV of the older one is reused); the older adapter is removed."""
         slot = self._lora
-        if not slot.enabled:
-            raise NotImplementedError(
-                "this vLLM engine was built without LoRA support: rollout.lora_sync='adapter' builds it with it"
-            )
-        pairs, whole = check_bundle(self._skeleton, state, slot.modules, slot.rank)
-        if whole:
-            raise ValueError(
-                f"vLLM's LoRA applies lora_A / lora_B only, and the adapter bundle also holds modules trained "
-                f"whole ({sorted(whole)[:4]}): learner.lora.modules_to_save needs rollout.lora_sync='merged' "
-                "with the vLLM engine"
-            )
-        request = slot.write(pairs, self.dtype, self._path)
+        request, pairs = slot.prepare(self._skeleton, state, self.dtype, self._path)
         self._unknown_weights = "an adapter load failed part-way"
         if not self._llm.llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM did not add the LoRA adapter {request.lora_name}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rollout_workers.adapter import write_peft_folder
+from rollout_workers.adapter import check_bundle, write_peft_folder
 
 # The ranks vLLM reserves LoRA buffers for (vllm.config.lora.MaxLoRARanks in vLLM 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -48,7 +48,25 @@ class LoRASlot:
         self._next_id = 1
         self._dir: Path | None = None
 
-    def write(self, pairs: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, base: str) -> Any:
+    def prepare(
+        self, skeleton: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, base: str
+    ) -> tuple[Any, dict[str, dict[str, torch.Tensor]]]:
+        """Check an adapter bundle against the model (`skeleton`, meta tensors) and the adapter held, write
+        it as a PEFT folder of its own; the new request naming it, and the bundle's pairs."""
+        if not self.enabled:
+            raise NotImplementedError(
+                "this vLLM engine was built without LoRA support: rollout.lora_sync='adapter' builds it with it"
+            )
+        pairs, whole = check_bundle(skeleton, state, self.modules, self.rank)
+        if whole:
+            raise ValueError(
+                f"vLLM's LoRA applies lora_A / lora_B only, and the adapter bundle also holds modules trained "
+                f"whole ({sorted(whole)[:4]}): learner.lora.modules_to_save needs rollout.lora_sync='merged' "
+                "with the vLLM engine"
+            )
+        return self._write(pairs, dtype, base), pairs
+
+    def _write(self, pairs: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype, base: str) -> Any:
         """The adapter written as a PEFT folder of its own, and the new request naming it."""
         if self._dir is None:
             shm = Path("/dev/shm")

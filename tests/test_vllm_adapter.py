@@ -104,3 +104,13 @@ def test_vllm_applies_the_adapter_and_refuses_a_stale_one(tmp_path):
     with pytest.raises(ValueError, match="modules_to_save needs rollout.lora_sync='merged'"):
         engine.load_adapter({**b2, "model.norm.weight": torch.ones(128)})
     verify_ack("vllm", worker.fingerprint(), 3, expected_fingerprint({**m2, "digest": None}, 3, "float32"))
+
+
+def test_a_model_vllm_has_no_lora_for_names_the_field(tmp_path):
+    """GPT-2 (the demos' model) has no LoRA in vLLM: building the engine for adapters says what to set."""
+    from tiny_models import build_policy
+
+    gpt2 = build_policy(tmp_path / "gpt2", n_embd=64)
+    config = RolloutConfig(engine="vllm", lora_sync="adapter", vllm=VLLMConfig(max_lora_rank=4))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel does not support LoRA.*rollout.lora_sync='merged'"):
+        RolloutWorker(str(gpt2), config)
