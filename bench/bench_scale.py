@@ -9,7 +9,7 @@ special ids, tests/tiny_models.py: nothing is downloaded) into `--models` (runs/
 reuse them. A build runs in a Ray task of its own, so its memory never shows in the driver.
 
 Per size, with fresh actors (all killed before the next size, so memory does not add up):
-  learner  2 `LearnerRank` actors (ZeRO-3, float32, gloo on CPU) run one `train_step` on `--samples`
+  learner  2 `LearnerRank` actors (ZeRO-3, float32, gloo on CPU; LoRA adapters with `--lora-rank`) run one `train_step` on `--samples`
            trajectories of `--prompt-tokens` + `--response-tokens` (half per rank). RSS at rest (before
            the step) and the step's peak over it, per rank.
   push     learner rank 0 -> one `RolloutWorker` at a time (hf, then vLLM with its CPU defaults; rollout
@@ -18,7 +18,7 @@ Per size, with fresh actors (all killed before the next size, so memory does not
            `--reps` pushes: seconds is the median `SyncResult.seconds` (export with the digest, and the
            probe on rank 0 in `--probe on` rows -> transfer -> load -> acknowledged and verified, by
            digests alone in `--probe off` rows, a version off `rollout.probe_every`'s cadence); bytes are the bundle at the rollout
-           dtype (unique tensors: tied weights once); GB/s = bytes / seconds; memcpy = that over this
+           dtype (unique tensors: tied weights once; the adapter's with `--lora-sync adapter`); GB/s = bytes / seconds; memcpy = that over this
            machine's copy bandwidth at the actors' thread count. Peak RSS over the RSS before the push of
            the worker and of learner rank 0: the largest over the timed pushes.
   driver   this process's peak RSS over the size (and over its RSS when the size started), the peak PSS
@@ -81,6 +81,20 @@ def main() -> int:
         help="pushes that score the probe on both sides (on: every push, rollout.probe_every=1) and pushes "
         "off its cadence (off: digests only); both by default, each its own rows",
     )
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="learner.lora.rank (alpha 2 x rank, all-linear): the learner trains adapters; 0: full fine-tuning",
+    )
+    ap.add_argument(
+        "--lora-sync",
+        nargs="+",
+        default=["merged"],
+        choices=["merged", "adapter"],
+        help="with --lora-rank: what pushes carry (rollout.lora_sync), each its own rows; 'adapter' rows take "
+        "the object store path only",
+    )
     ap.add_argument("--reps", type=int, default=None, help="timed pushes per row (after one warm-up)")
     ap.add_argument("--samples", type=int, default=None, help="trajectories in the learner step (both ranks)")
     ap.add_argument("--prompt-tokens", type=int, default=None)
@@ -108,6 +122,8 @@ def main() -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.sizes = args.sizes or (SMOKE if args.smoke else FULL)
+    if not args.lora_rank:
+        args.lora_sync = ["merged"]
     if args.wait_idle is None:
         args.wait_idle = 0.0 if args.smoke else 120.0
 
@@ -157,7 +173,13 @@ def main() -> int:
             f"torch/OMP threads per actor: {args.threads}. Memory-copy bandwidth per size, just before it (the "
             f"machine is shared: it moves), torch copy_ between two {args.memcpy_mib} MiB buffers, median of 5, "
             f"bytes copied per second; 'of memcpy' is against the {args.threads}-thread figure (as each actor). "
-            f"Learner: 2 ranks ZeRO-3 float32 gloo, micro-batch {args.micro_batch}, one step on {args.samples} x "
+            f"Learner: 2 ranks ZeRO-3 float32 gloo, micro-batch {args.micro_batch}, "
+            + (
+                f"LoRA rank {args.lora_rank} (alpha {2 * args.lora_rank}, all-linear), "
+                if args.lora_rank
+                else ""
+            )
+            + f"one step on {args.samples} x "
             f"({args.prompt_tokens} + {args.response_tokens}) tokens. Push: median of {args.reps} after 1 warm-up, "
             f"rollout dtype {args.dtype}, collective bucket {args.bucket_mb:g} MiB; "
             + ("engines one at a time." if args.serial_engines else "both engines' workers alive throughout.")

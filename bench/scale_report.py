@@ -19,7 +19,8 @@ STAGES = [
 
 
 def _probe(row: dict) -> str:
-    return "every push" if row.get("probe", True) else "digests only"
+    probe = "every push" if row.get("probe", True) else "digests only"
+    return f"{probe}, {row['lora_sync']}" if row.get("lora_sync") else probe
 
 
 def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
@@ -51,11 +52,11 @@ def print_size(name: str, facts: dict, rows: list[dict], args) -> None:
         for r in pushes:
             if "error" in r:
                 print(
-                    f"| {r['path']} | {r['engine']} | {_probe(r)} | {nbytes / 1e6:.1f} | FAILED: {r['error'][:120]} |||||"
+                    f"| {r['path']} | {r['engine']} | {_probe(r)} | {r['bytes'] / 1e6:.1f} | FAILED: {r['error'][:120]} |||||"
                 )
                 continue
             print(
-                f"| {r['path']} | {r['engine']} | {_probe(r)} | {nbytes / 1e6:.1f} | {r['seconds']:.3f} | {r['first_s']:.3f} | "
+                f"| {r['path']} | {r['engine']} | {_probe(r)} | {r['bytes'] / 1e6:.2f} | {r['seconds']:.3f} | {r['first_s']:.3f} | "
                 f"{r['gb_per_s']:.3f} | {r['memcpy_fraction']:.1%} | {r['worker_peak_over_before_mib']:.0f} | "
                 f"{r['learner0_peak_over_rest_mib']:.0f} |"
             )

@@ -34,6 +34,12 @@ def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int
     ]
 
 
+def worker_key(engine: str, lora_sync: str) -> str:
+    """A rollout worker's name in a size's actors and samplers: its engine, and `/adapter` for one
+    built to apply adapters (rollout.lora_sync='adapter')."""
+    return engine if lora_sync == "merged" else f"{engine}/{lora_sync}"
+
+
 def pid_of(actor, timeout: float) -> int:
     import ray
 
@@ -74,11 +80,13 @@ class Size:
         import ray
         from machine import PeakRSS
 
-        from learner.config import LearnerConfig
+        from learner.config import LearnerConfig, LoRAConfig
         from learner.rank import LearnerRank
 
         a = self.args
+        lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank) if a.lora_rank else LoRAConfig()
         cfg = LearnerConfig(
+            lora=lora,
             zero_stage=3,
             dtype="float32",
             backend="gloo",
@@ -96,7 +104,7 @@ class Size:
         for r, rank in enumerate(self.ranks):
             self.samplers[f"rank{r}"] = PeakRSS(pid_of(rank, a.timeout))
 
-    def start_worker(self, engine: str) -> None:
+    def start_worker(self, engine: str, lora_sync: str = "merged") -> None:
         import ray
         from machine import PeakRSS
 
@@ -107,17 +115,39 @@ class Size:
         # vLLM's KV cache on CPU is 0.25 GiB by default: max_model_len as the cluster sets it (prompt +
         # response), not the model's own limit (131072 positions for Qwen2-0.5B would not fit).
         vllm = VLLMConfig(max_model_len=a.prompt_tokens + a.response_tokens)
-        cfg = RolloutConfig(engine=engine, dtype=a.dtype, torch_threads=a.threads, vllm=vllm)
+        if lora_sync == "adapter":
+            vllm.max_lora_rank = a.lora_rank
+        cfg = RolloutConfig(
+            engine=engine, dtype=a.dtype, torch_threads=a.threads, vllm=vllm, lora_sync=lora_sync
+        )
         t0 = time.perf_counter()
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5).remote(self.policy, cfg)
         ray.get(worker.ping.remote(), timeout=a.timeout)
-        self.start_s[engine] = time.perf_counter() - t0
-        self.workers[engine] = worker
-        self.samplers[engine] = PeakRSS(pid_of(worker, a.timeout))
+        key = worker_key(engine, lora_sync)
+        self.start_s[key] = time.perf_counter() - t0
+        self.workers[key] = worker
+        self.samplers[key] = PeakRSS(pid_of(worker, a.timeout))
 
-    def stop_worker(self, engine: str) -> None:
-        self.samplers.pop(engine).close()
-        stop_actors([self.workers.pop(engine)], [], self.args.timeout)
+    def stop_worker(self, key: str) -> None:
+        self.samplers.pop(key).close()
+        stop_actors([self.workers.pop(key)], [], self.args.timeout)
+
+    def export_adapters(self, on: bool) -> int:
+        """Make the learner ranks export the adapter alone (learner.export_adapter, what the cluster sets
+        from rollout.lora_sync='adapter') or the merged weights; returns the adapter's bytes at the
+        rollout dtype (ZeRO-3's full sizes)."""
+        import ray
+        from scale_models import DTYPE_BYTES
+
+        def flip(rank, value: bool) -> int:
+            rank.config.export_adapter = value
+            policy = rank.engine.module.policy
+            return sum(
+                getattr(p, "ds_numel", p.numel()) for n, p in policy.named_parameters() if ".lora_" in n
+            )
+
+        counts = ray.get([r.__ray_call__.remote(flip, on) for r in self.ranks], timeout=self.args.timeout)
+        return counts[0] * DTYPE_BYTES[self.args.dtype]
 
     def learner_step(self) -> list[dict]:
         import ray
@@ -148,15 +178,20 @@ class Size:
             for r, s in enumerate(samplers)
         ]
 
-    def push_row(self, engine: str, path: str, version: int, probe: bool) -> tuple[dict, int]:
-        """One (engine, path, probe) row: a warm-up push and `reps` timed ones; returns it and the last
-        version. `probe`: both sides score the probe sequences (else the push checks digests only)."""
+    def push_row(
+        self, engine: str, path: str, version: int, probe: bool, lora_sync: str = "merged"
+    ) -> tuple[dict, int]:
+        """One (engine, path, probe, lora_sync) row: a warm-up push and `reps` timed ones; returns it and
+        the last version. `probe`: both sides score the probe sequences (else the push checks digests
+        only); `lora_sync='adapter'`: the learner exports the adapter alone."""
         from cluster.weights.collective import CollectiveWeightSync
         from cluster.weights.push import push_weights
 
         a = self.args
-        worker, wsamp, lsamp = self.workers[engine], self.samplers[engine], self.samplers["rank0"]
-        nbytes = self.facts["bundle_bytes"][a.dtype]
+        key = worker_key(engine, lora_sync)
+        worker, wsamp, lsamp = self.workers[key], self.samplers[key], self.samplers["rank0"]
+        adapter_bytes = self.export_adapters(lora_sync == "adapter") if a.lora_rank else 0
+        nbytes = adapter_bytes if lora_sync == "adapter" else self.facts["bundle_bytes"][a.dtype]
         sync = CollectiveWeightSync(a.bucket_mb) if path == "collective" else None
         row = {
             "size": self.name,
@@ -165,6 +200,7 @@ class Size:
             "engine": engine,
             "dtype": a.dtype,
             "probe": probe,
+            "lora_sync": lora_sync if a.lora_rank else None,
         }
         row["bytes"] = nbytes
         seconds, wext, lext, stages = [], [], [], []
@@ -219,14 +255,15 @@ class Size:
                 rows += self.learner_step()
             version = 0
             for engine in a.engines:
-                if a.serial_engines:
-                    self.start_worker(engine)
-                for path in a.paths:
-                    for probe in a.probe:
-                        row, version = self.push_row(engine, path, version, probe == "on")
-                        rows.append(row)
-                if a.serial_engines:
-                    self.stop_worker(engine)
+                for sync in a.lora_sync:
+                    if a.serial_engines or sync != "merged":
+                        self.start_worker(engine, sync)
+                    for path in a.paths if sync == "merged" else ["object_store"]:
+                        for probe in a.probe:
+                            row, version = self.push_row(engine, path, version, probe == "on", sync)
+                            rows.append(row)
+                    if a.serial_engines or sync != "merged":
+                        self.stop_worker(worker_key(engine, sync))
         finally:
             for s in self.samplers.values():
                 s.close()
