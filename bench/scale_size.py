@@ -178,6 +178,20 @@ class Size:
             for r, s in enumerate(samplers)
         ]
 
+    def failed_row(self, engine: str, path: str, lora_sync: str, error: str) -> dict:
+        """The row of a push that could not run (its worker did not start)."""
+        return {
+            "size": self.name,
+            "kind": "push",
+            "path": path,
+            "engine": engine,
+            "dtype": self.args.dtype,
+            "probe": True,
+            "lora_sync": lora_sync if self.args.lora_rank else None,
+            "bytes": 0,
+            "error": error,
+        }
+
     def push_row(
         self, engine: str, path: str, version: int, probe: bool, lora_sync: str = "merged"
     ) -> tuple[dict, int]:
@@ -257,7 +271,12 @@ class Size:
             for engine in a.engines:
                 for sync in a.lora_sync:
                     if a.serial_engines or sync != "merged":
-                        self.start_worker(engine, sync)
+                        try:
+                            self.start_worker(engine, sync)
+                        except Exception as err:  # e.g. vLLM has no LoRA for the model: the row says so
+                            why = f"{type(err).__name__}: {str(err)[-300:]}"
+                            rows.append(self.failed_row(engine, "object_store", sync, why))
+                            continue
                     for path in a.paths if sync == "merged" else ["object_store"]:
                         for probe in a.probe:
                             row, version = self.push_row(engine, path, version, probe == "on", sync)

@@ -20,7 +20,7 @@ ADAPTER = {"rollout.lora_sync": "adapter"}  # pushes carry the adapter alone; th
 PIPELINES = {
     "sync": ADAPTER,
     "async": {"pipeline.mode": "async", "pipeline.max_staleness": 1, "learner.off_policy": "tis", **ADAPTER},
-    "colocated": {"cluster.placement": "colocated"},  # the host builds no reference; merged pushes
+    "colocated": {"cluster.placement": "colocated", **ADAPTER},  # the host builds no reference
 }
 
 
