@@ -77,6 +77,7 @@ class Shared:
     teacher_logprobs: list = field(default_factory=list)
     learner: object = None
     merged_bytes: int = 0  # of the full (merged) bundle the weights section pushed
+    merged_probe: list = field(default_factory=list)  # the engine's probe logprobs after that push
 
 
 def gpu_memory() -> dict:
@@ -278,41 +279,56 @@ def learner_steps(args, s: Shared, row: Row) -> None:
         row.status, row.note = "FAIL", "a non-finite training metric"
 
 
+def push(args, s: Shared, engine, adapter: bool = False) -> tuple[dict, list, int, str | None]:
+    """Export from the learner (the adapter alone with `adapter`: what the cluster sets from
+    rollout.lora_sync='adapter'), load it into `engine`, time both, and check the engine's digest
+    against the bundle's and its probe logprobs against the learner's. Returns the facts, the engine's
+    probe logprobs, the bundle's bytes and why the push failed (None: it passed)."""
+    from learner.sequences import probe_sequences
+    from rollout_workers.weights import sampled_digest, torch_dtype
+
+    s.learner.config.export_adapter = adapter
+    try:
+        t0 = time.perf_counter()
+        state = s.learner.export_weights(dtype=args.engine_dtype)
+        export_s = time.perf_counter() - t0
+    finally:
+        s.learner.config.export_adapter = False
+    t0 = time.perf_counter()
+    (engine.load_adapter if adapter else engine.load_weights)(state)
+    sync()
+    load_s = time.perf_counter() - t0
+    held = engine.adapter_digest() if adapter else engine.weights_digest()
+    matches = held == sampled_digest(state.items(), torch_dtype(args.engine_dtype))
+    probe = engine.probe_logprobs(probe_sequences(engine.vocab_size))
+    fingerprint = s.learner.export_fingerprint()
+    gap = gaps(probe, fingerprint["probe"])
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    facts = {
+        "bundle_mib": round(nbytes / 2**20, 2),
+        "export_s": round(export_s, 2),
+        "load_s": round(load_s, 3),
+        "digest_matches": matches,
+        "probe_gap_max": round(gap["max"], 4),
+        **{k: round(v, 2) for k, v in fingerprint["timings"].items()},
+    }
+    why = None
+    if not matches:
+        why = "the engine's digest differs from the bundle's after the load"
+    elif not gap["max"] <= (0.1 if args.engine_dtype != "float32" else 1e-3):
+        why = "the engine's probe logprobs disagree with the learner's"
+    return facts, probe, nbytes, why
+
+
 def weights(args, s: Shared, row: Row) -> None:
     if s.learner is None:
         row.status, row.note = "skipped", "no learner (its section did not run)"
         return
-    from rollout_workers.weights import sampled_digest, torch_dtype
-
-    held = s.engine.weights_digest()
-    t0 = time.perf_counter()
-    state = s.learner.export_weights(dtype=args.engine_dtype)
-    export_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    s.engine.load_weights(state)
-    sync()
-    load_s = time.perf_counter() - t0
-    bundle = sampled_digest(state.items(), torch_dtype(args.engine_dtype))
-    loaded = s.engine.weights_digest()
-    from learner.sequences import probe_sequences
-
-    probe = s.engine.probe_logprobs(probe_sequences(s.engine.vocab_size))
-    gap = gaps(probe, s.learner.export_fingerprint()["probe"])
-    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
-    s.merged_bytes = nbytes
-    row.facts = {
-        "bundle_mib": round(nbytes / 2**20, 1),
-        "export_s": round(export_s, 2),
-        "load_s": round(load_s, 3),
-        "digest_matches": loaded == bundle,
-        "digest_changed": loaded != held,
-        "probe_gap_max": round(gap["max"], 4),
-        **{k: round(v, 2) for k, v in s.learner.export_fingerprint()["timings"].items()},
-    }
-    if loaded != bundle:
-        row.status, row.note = "FAIL", "the engine's digest differs from the bundle's after the load"
-    elif not gap["max"] <= (0.1 if args.engine_dtype != "float32" else 1e-3):
-        row.status, row.note = "FAIL", "the engine's probe logprobs disagree with the learner's"
+    before = s.engine.weights_digest()
+    row.facts, s.merged_probe, s.merged_bytes, why = push(args, s, s.engine)
+    row.facts["digest_changed"] = s.engine.weights_digest() != before
+    if why:
+        row.status, row.note = "FAIL", why
 
 
 def adapter_weights(args, s: Shared, row: Row) -> None:
@@ -321,45 +337,16 @@ def adapter_weights(args, s: Shared, row: Row) -> None:
     if not args.lora_rank:
         row.status, row.note = "skipped", "needs --lora-rank (a LoRA learner)"
         return
-    from learner.sequences import probe_sequences
     from rollout_workers.config import RolloutConfig
     from rollout_workers.hf_engine import HFEngine
-    from rollout_workers.weights import sampled_digest, torch_dtype
 
     engine = HFEngine(s.model, RolloutConfig(dtype=args.engine_dtype, torch_threads=args.threads))
-    s.learner.config.export_adapter = True  # what the cluster sets from rollout.lora_sync='adapter'
-    try:
-        t0 = time.perf_counter()
-        state = s.learner.export_weights(dtype=args.engine_dtype)
-        export_s = time.perf_counter() - t0
-    finally:
-        s.learner.config.export_adapter = False
-    t0 = time.perf_counter()
-    engine.load_adapter(state)
-    sync()
-    load_s = time.perf_counter() - t0
-    matches = engine.adapter_digest() == sampled_digest(state.items(), torch_dtype(args.engine_dtype))
-    sequences = probe_sequences(engine.vocab_size)
-    probe = engine.probe_logprobs(sequences)
-    gap = gaps(probe, s.learner.export_fingerprint()["probe"])
-    merged_gap = gaps(probe, s.engine.probe_logprobs(sequences))
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    merged = s.merged_bytes or float("nan")
-    row.facts = {
-        "bundle_mib": round(nbytes / 2**20, 2),
-        "of_merged_bundle": round(nbytes / merged, 4),
-        "export_s": round(export_s, 2),
-        "load_s": round(load_s, 3),
-        "digest_matches": matches,
-        "probe_gap_max": round(gap["max"], 4),
-        "vs_merged_engine_max": round(merged_gap["max"], 4),
-        **{k: round(v, 2) for k, v in s.learner.export_fingerprint()["timings"].items()},
-    }
+    row.facts, probe, nbytes, why = push(args, s, engine, adapter=True)
     del engine
-    if not matches:
-        row.status, row.note = "FAIL", "the engine's adapter digest differs from the bundle's after the load"
-    elif not gap["max"] <= (0.1 if args.engine_dtype != "float32" else 1e-3):
-        row.status, row.note = "FAIL", "the engine's probe logprobs disagree with the learner's"
+    row.facts["of_merged_bundle"] = round(nbytes / (s.merged_bytes or float("nan")), 4)
+    row.facts["vs_merged_engine_max"] = round(gaps(probe, s.merged_probe)["max"], 4)
+    if why:
+        row.status, row.note = "FAIL", why
 
 
 SECTIONS = [

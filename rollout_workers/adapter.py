@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollout_workers.weights import listed
+
 ADAPTER = "default"  # PEFT's adapter name inside the engine's model
 PARTS = ("lora_A", "lora_B")
 
@@ -42,13 +44,18 @@ def split_bundle(
             whole[name] = t
     half = sorted(m for m, p in pairs.items() if len(p) != 2)
     if half:
-        raise ValueError(f"adapter bundle: {_head(half)} have lora_A or lora_B but not both")
+        raise ValueError(f"adapter bundle: {listed(half)} have lora_A or lora_B but not both")
     if not pairs:
         raise ValueError(
             "adapter bundle holds no '<module>.lora_A' / '<module>.lora_B' tensors: a full weight bundle? "
             "(rollout.lora_sync='adapter' loads the learner's adapter export; 'merged' loads full weights)"
         )
     return pairs, whole
+
+
+def bundle_rank(pairs: dict[str, dict[str, torch.Tensor]]) -> int:
+    """The rank r of a checked bundle's adapter (its lora_A tensors are [r, in])."""
+    return int(next(iter(pairs.values()))["lora_A"].shape[0])
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -78,17 +85,17 @@ def check_bundle(
     named = dict(model.named_modules())
     missing = sorted(m for m in pairs if m not in named)
     if missing:
-        raise ValueError(f"adapter bundle names modules the model does not have: {_head(missing)}")
+        raise ValueError(f"adapter bundle names modules the model does not have: {listed(missing)}")
     not_linear = sorted(m for m in pairs if linear_shape(named[m]) is None)
     if not_linear:
-        raise ValueError(f"adapter bundle adapts modules that are not linear: {_head(not_linear)}")
+        raise ValueError(f"adapter bundle adapts modules that are not linear: {listed(not_linear)}")
     bad = []
     for m, p in sorted(pairs.items()):
         fan_in, fan_out = linear_shape(named[m])
         want = {"lora_A": (r, fan_in), "lora_B": (fan_out, r)}
         bad += [f"{m}.{k}: {tuple(p[k].shape)} != {want[k]}" for k in PARTS if tuple(p[k].shape) != want[k]]
     if bad:
-        raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
+        raise ValueError(f"adapter bundle: shapes do not fit the model: {listed(bad)}")
     if modules and (sorted(pairs) != modules or r != rank):
         raise ValueError(
             f"adapter bundle: rank {r} on {len(pairs)} modules, but this engine's adapter has rank "
@@ -97,12 +104,12 @@ def check_bundle(
     own = model.state_dict()
     unknown = sorted(n for n in whole if n not in own)
     if unknown:
-        raise ValueError(f"adapter bundle holds tensors the model does not have: {_head(unknown)}")
+        raise ValueError(f"adapter bundle holds tensors the model does not have: {listed(unknown)}")
     bad = [
         f"{n}: {tuple(t.shape)} != {tuple(own[n].shape)}" for n, t in whole.items() if t.shape != own[n].shape
     ]
     if bad:
-        raise ValueError(f"adapter bundle: shapes do not fit the model: {_head(bad)}")
+        raise ValueError(f"adapter bundle: shapes do not fit the model: {listed(bad)}")
     return pairs, whole
 
 
@@ -114,7 +121,7 @@ def write_peft_folder(
     (`base_model.model.<module>.lora_A.weight`)."""
     from safetensors.torch import save_file
 
-    rank = int(next(iter(pairs.values()))["lora_A"].shape[0])
+    rank = bundle_rank(pairs)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -159,7 +166,7 @@ class AdapterSlots:
     def load(self, pairs: dict[str, dict[str, torch.Tensor]], whole: dict[str, torch.Tensor]) -> None:
         """Inject the layers (first load) and copy the checked bundle into them."""
         if not self.modules:
-            self._inject(sorted(pairs), int(next(iter(pairs.values()))["lora_A"].shape[0]))
+            self._inject(sorted(pairs), bundle_rank(pairs))
         for m, p in pairs.items():
             layer = self.model.get_submodule(m)
             for part in PARTS:
@@ -196,7 +203,3 @@ class AdapterSlots:
         own = self.model.state_dict()
         out.update({n: own[n] for n in self.whole})
         return out
-
-
-def _head(items: list[str], n: int = 6) -> str:
-    return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")

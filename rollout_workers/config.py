@@ -204,8 +204,8 @@ class RolloutConfig(_Strict):
         description="With learner.lora: what a weight push carries. 'merged': the full weights with the adapter "
         "merged in (W + B A alpha/r), loaded as without LoRA (every engine). 'adapter': the adapter alone "
         "(lora_A, lora_B and modules_to_save: megabytes, not the model); the engine keeps its base weights and "
-        "applies it (hf through PEFT; vLLM: not on its CPU build, see docs/lora.md). Needs "
-        "weight_sync='object_store'.",
+        "applies it (hf through PEFT; vLLM through its own LoRA support, for models it has LoRA for and without "
+        "modules_to_save: docs/lora.md). Needs weight_sync='object_store'.",
     )
     weight_bucket_mb: float = Field(
         64.0,

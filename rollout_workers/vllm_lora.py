@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rollout_workers.adapter import check_bundle, write_peft_folder
+from rollout_workers.adapter import bundle_rank, check_bundle, write_peft_folder
 
 # The ranks vLLM reserves LoRA buffers for (vllm.config.lora.MaxLoRARanks in vLLM 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -83,7 +83,7 @@ class LoRASlot:
         """Make `request` (added to vLLM) the one every request names; returns the one it replaces."""
         previous, self.request = self.request, request
         self.modules = sorted(pairs)
-        self.rank = int(next(iter(pairs.values()))["lora_A"].shape[0])
+        self.rank = bundle_rank(pairs)
         return previous
 
     def remove(self, request: Any) -> None:

@@ -61,7 +61,7 @@ def check_state_keys(
     if missing or unknown:
         raise KeyError(
             f"weight bundle does not match the {what}: "
-            f"{len(missing)} missing key(s) {_head(missing)}, {len(unknown)} unknown key(s) {_head(unknown)}"
+            f"{len(missing)} missing key(s) {listed(missing)}, {len(unknown)} unknown key(s) {listed(unknown)}"
         )
     bad = [
         f"{k}: bundle {tuple(state[k].shape)} vs {what} {tuple(shape)}"
@@ -69,7 +69,7 @@ def check_state_keys(
         if k in state and tuple(state[k].shape) != tuple(shape)
     ]
     if bad:
-        raise ValueError(f"weight bundle shapes do not match the {what}: {_head(bad)}")
+        raise ValueError(f"weight bundle shapes do not match the {what}: {listed(bad)}")
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -93,7 +93,8 @@ def check_tied_copies(state: Mapping[str, torch.Tensor], groups: list[list[str]]
                 )
 
 
-def _head(items: list[str], n: int = 8) -> str:
+def listed(items: list[str], n: int = 8) -> str:
+    """The first `n` of `items` for an error message, and how many more there are."""
     return str(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 

@@ -38,6 +38,18 @@ def _meta(policy, bundle) -> dict:
     return {"probe": _probe(policy), "dtype": "float32", **describe_bundle(bundle, "float32", BIG)}
 
 
+def _two_adapters(path, cfg: LoRAConfig = LORA):
+    """The first of two LoRA policies of the model at `path` (the second's adapters are the first's times
+    -1.5), both adapter bundles and what learner rank 0 records for a push of each (`_meta`)."""
+    first, second = _trained(path, cfg).policy, _trained(path, cfg).policy
+    with torch.no_grad():
+        for p in second.parameters():
+            if p.requires_grad:
+                p.mul_(-1.5)
+    b1, b2 = (adapter_bundle(m, BIG, keep=True) for m in (first, second))
+    return first, b1, b2, _meta(first, b1), _meta(second, b2)
+
+
 def test_an_adapter_computes_what_the_merged_weights_compute(tiny_policy_dir):
     """The bundle is lora_A / lora_B (alpha/r folded into B) under the base model's module names, a few
     percent of the full weights; an engine that applies it and one that loads the merged weights give
@@ -77,14 +89,7 @@ def test_a_dropped_stale_or_unapplied_adapter_is_refused(tiny_policy_dir):
     with the adapter switched off passes the digest and fails on the probe."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    first = _trained(tiny_policy_dir).policy
-    second = _trained(tiny_policy_dir).policy
-    with torch.no_grad():
-        for p in second.parameters():
-            if p.requires_grad:
-                p.mul_(-1.5)
-    b1, b2 = (adapter_bundle(m, BIG, keep=True) for m in (first, second))
-    m1, m2 = _meta(first, b1), _meta(second, b2)
+    _, b1, b2, m1, m2 = _two_adapters(tiny_policy_dir)
 
     worker = RolloutWorker(str(tiny_policy_dir), ADAPTER)
     verify_ack("w", worker.load_weights(b1, 1), 1, expected_fingerprint(m1, 1, "float32"))

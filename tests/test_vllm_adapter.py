@@ -14,13 +14,12 @@ import importlib.util
 import pytest
 import torch
 from engine_contract_shared import hf_model, teacher_forced_gap
-from test_engine_adapter import BIG, _meta
-from test_learner_lora import _trained
+from test_engine_adapter import BIG, _two_adapters
 from tiny_models import build_causal_lm
 
 from cluster.weights.push import WeightSyncError, expected_fingerprint, verify_ack
 from learner.config import LoRAConfig
-from learner.lora import adapter_bundle, merged_cpu_state_dict
+from learner.lora import merged_cpu_state_dict
 from rollout_workers.config import RolloutConfig, SamplingConfig, VLLMConfig
 from rollout_workers.worker import RolloutWorker
 
@@ -68,13 +67,7 @@ def _logprobs(path: str, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 def test_vllm_applies_the_adapter_and_refuses_a_stale_one(tmp_path):
     qwen = build_causal_lm(tmp_path / "qwen2", "qwen2", hidden_size=128, intermediate_size=256)
-    first, second = _trained(qwen, LORA).policy, _trained(qwen, LORA).policy
-    with torch.no_grad():
-        for p in second.parameters():
-            if p.requires_grad:
-                p.mul_(-1.5)
-    b1, b2 = (adapter_bundle(m, BIG, keep=True) for m in (first, second))
-    m1, m2 = _meta(first, b1), _meta(second, b2)
+    first, b1, b2, m1, m2 = _two_adapters(qwen, LORA)
     config = RolloutConfig(engine="vllm", lora_sync="adapter", vllm=VLLMConfig(max_lora_rank=LORA.rank))
     worker = RolloutWorker(str(qwen), config)
 
