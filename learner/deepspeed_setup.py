@@ -6,6 +6,11 @@ LOCAL_SIZE equals the world size each rank also maps a 69 MB `/dev/shm/deepspeed
 file that nothing deletes. The op only serves `inference_all_reduce` (tensor-parallel inference), which
 a ZeRO learner never calls, so `disable_shm_allreduce` marks it incompatible before the backend starts
 (no env var or config key exists for this) and `remove_shm_buffers` deletes this rank's file anyway.
+
+Start-up cost: importing DeepSpeed imports MLflow whenever it is installed (its autotuner's optional
+tracking), about 1.1 s of CPU in every rank for a feature a learner never uses; `import_deepspeed`
+hides MLflow for the length of that one import, so the rank starts without it and MLflow stays
+importable afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import copy
 import glob
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -108,6 +114,20 @@ def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.opti
     )
 
 
+def import_deepspeed():
+    """`import deepspeed`, without the MLflow import its autotuner makes (see module doc)."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # makes `import mlflow` raise ImportError, which DeepSpeed catches
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def disable_shm_allreduce() -> None:
     """Keep DeepSpeed from building and mapping its shared-memory allreduce op (see module doc)."""
     import deepspeed
@@ -158,7 +178,7 @@ def init_distributed(
 
     Under Ray each rank sees only its own GPU(s), so the local device index is always 0.
     """
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     os.environ.update(
         MASTER_ADDR=str(master_addr),

@@ -8,7 +8,7 @@ learner step, the weight push); a stall is a call that keeps its actor busy far 
 timeout, so the run must find it by its deadline and replace the actor. Learner ranks are not
 attacked: a dead learner rank ends the run resumably by design (tests/test_operations.py).
 
-Bounded in time: each run trains 16 steps of 8 prompts; every wait is on an event with a generous
+Bounded in time: each run trains 12 steps of 8 prompts; every wait is on an event with a generous
 limit, and the run's own timeouts are what end a stall.
 """
 
@@ -31,7 +31,7 @@ from cluster.pipeline.data import PromptStream
 
 pytestmark = pytest.mark.slow
 
-STEPS, PROMPTS_PER_STEP = 16, 8
+STEPS, PROMPTS_PER_STEP = 12, 8
 EVENTS = 6  # faults per run
 STALL_S = 600.0  # far past every timeout below: only a replacement ends it
 ROLES = ("workers", "references", "scorers")
@@ -136,9 +136,9 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
         # A stall is found only by its deadline, so these set most of the test's time. A chunk here is
         # 2 prompts of the tiny demo model (well under a second; a few on a loaded 2-core machine) and
         # a push of its weights is about as fast; a spurious time-out only replaces one more actor.
-        "timeouts.generate_s": 10,
-        "timeouts.score_s": 10,
-        "timeouts.weight_sync_s": 20,
+        "timeouts.generate_s": 6,
+        "timeouts.score_s": 6,
+        "timeouts.weight_sync_s": 12,
     }
     if mode.startswith("async"):
         extra.update({"pipeline.mode": "async", "pipeline.max_staleness": 1, "learner.off_policy": "tis"})
@@ -176,7 +176,7 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
     )
     assert trainer.progress.trained_prompts + collections.Counter(outstanding) == drawn, why
     assert len(outstanding) <= (cfg.pipeline.max_staleness + 1) * PROMPTS_PER_STEP, why
-    if mode == "sync":  # one epoch of 20 x 8 prompts, each trained once
+    if mode == "sync":  # one epoch of STEPS x 8 prompts, each trained once
         assert trainer.progress.trained_prompts == collections.Counter(
             {p.index: 1 for p in trainer.prompts}
         ), why

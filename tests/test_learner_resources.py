@@ -117,3 +117,26 @@ def test_a_learner_rank_refuses_a_world_that_is_not_its_own():
     assert "REFUSED learner rank 1 of 2: torch.distributed has rank 0 of a world of 1" in done.stdout, (
         done.stdout[-2000:]
     )
+
+
+def test_a_rank_starts_without_importing_mlflow_and_mlflow_still_imports_after():
+    """DeepSpeed's autotuner imports MLflow when it is installed (about 1 s of CPU per rank);
+    `init_distributed` imports DeepSpeed without it, and MLflow stays importable in that process.
+    In a child process, for a fresh sys.modules and torch.distributed state."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from learner.deepspeed_setup import free_port, init_distributed\n"
+        "init_distributed(0, 1, '127.0.0.1', free_port(), 'gloo', 30)\n"
+        "print('AFTER-INIT', 'deepspeed' in sys.modules, 'mlflow' in sys.modules)\n"
+        "import mlflow\n"
+        "print('MLFLOW', bool(mlflow.__version__))\n"
+        "dist.destroy_process_group()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "AFTER-INIT True False" in done.stdout and "MLFLOW True" in done.stdout, done.stdout[-2000:]

@@ -278,12 +278,12 @@ def test_a_plan_no_node_layout_can_hold_fails_at_once_naming_free_resources(
 
     # Where nodes may join (cluster.autoscaling) the plan waits for them, up to actor_start_s,
     # then fails the same way and takes its pending group back.
-    waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 20}
+    waiting = {**plan, "cluster.autoscaling": True, "timeouts.actor_start_s": 5}
     log = tmp_path / "waiting.log"
     proc = start_run(cluster, tmp_path / "waiting", log, small_demo(demo_assets, tmp_path, 1, **waiting))
     out = finish(proc, log)
     assert proc.returncode == 1, out[-4000:]
-    assert "not placed within 20s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
+    assert "not placed within 5s (timeouts.actor_start_s)" in out and out.count("CPU 1/1") == 3
     groups = cluster.global_state.placement_group_table()
     assert groups and {g["state"] for g in groups.values()} == {"REMOVED"}
 
