@@ -9,6 +9,7 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.ya
 # Steps of 8 prompts in chunks of 4 (the demo's are 64 in chunks of 32): for the tests that check how a
 # run behaves (faults, stops, versions, metrics), not how much it learns.
 SMALL_STEPS = {"data.prompts_per_step": 8, "rollout.chunk_size": 4, "learner.micro_batch_size": 8}
+SYNC_DEMO_STEPS = 3  # conftest's `sync_demo_rows`: the sync pipeline's steps other paths are compared with
 
 
 def demo_overrides(assets, steps: int, **extra) -> list[str]:

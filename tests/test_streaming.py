@@ -45,19 +45,16 @@ def _run(cfg, run_dir, steps):
         trainer.close()
 
 
-@pytest.fixture(scope="module")
-def sync_rows(ray_local, demo_assets, tmp_path_factory):
-    """The sync pipeline's 3 steps, run once for both weight-sync paths that must reproduce them."""
-    return _run(cfg_for(demo_assets, 3), tmp_path_factory.mktemp("sync") / "run", 3)
-
-
 @pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
-def test_async_with_zero_staleness_reproduces_sync(ray_local, demo_assets, tmp_path, sync_rows, weight_sync):
-    """Also the collective path in async mode: each step's weights broadcast between chunks must be
+def test_async_with_zero_staleness_reproduces_sync(
+    ray_local, demo_assets, tmp_path, sync_demo_rows, weight_sync
+):
+    """Against the sync pipeline's 3 steps (conftest's `sync_demo_rows`, one run for the session).
+    Also the collective path in async mode: each step's weights broadcast between chunks must be
     exactly what the object-store path of the sync pipeline loads (the same metrics follow)."""
     extra = {"pipeline.mode": "async", "pipeline.max_staleness": 0, "rollout.weight_sync": weight_sync}
     streamed = _run(cfg_for(demo_assets, 3, **extra), tmp_path / "async", 3)
-    for want, got in zip(sync_rows, streamed, strict=True):
+    for want, got in zip(sync_demo_rows, streamed, strict=True):
         assert got["staleness/max"] == 0.0
         for key in COMPARED:
             # Same prompts, chunks, seeds, weights and trajectory order: equal up to float noise.

@@ -22,15 +22,14 @@ import sys
 
 import pytest
 import ray
-from demo_run import CONFIG, SMALL_STEPS, demo_overrides
+from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
 
 pytestmark = pytest.mark.slow
 
 LEARNER_KEYS = ["loss/policy", "loss/value", "loss/entropy", "params/grad_norm", "params/approx_kl"]
-STEPS = 3
+STEPS = SYNC_DEMO_STEPS
 
 
 class OneProcessLoop:
@@ -127,15 +126,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sync_pipeline_equals_the_one_process_loop(ray_local, demo_assets, tmp_path):
+def test_sync_pipeline_equals_the_one_process_loop(ray_local, demo_assets, sync_demo_rows):
+    """The pipeline's side is conftest's `sync_demo_rows` (this config, run once for the session)."""
     cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **SMALL_STEPS))
     assert cfg.pipeline.mode == "sync"  # the default
-    trainer = make_trainer(cfg, tmp_path / "run")
-    try:
-        trainer.setup()
-        pipeline = [trainer.iteration() for _ in range(STEPS)]
-    finally:
-        trainer.close()
+    pipeline = sync_demo_rows
     # tests/ is not importable on Ray's workers: the loop's class travels by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     loop = ray.remote(num_cpus=1)(OneProcessLoop).remote(cfg)
