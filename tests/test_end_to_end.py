@@ -46,12 +46,20 @@ REQUIRED = [
 ]
 
 
-@pytest.mark.parametrize("zero_stage,steps", [(2, 6), (3, 6)])
-def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, steps):
-    cfg = load_config(
-        CONFIG,
-        demo_overrides(demo_assets, steps, **{"learner.num_ranks": 2, "learner.zero_stage": zero_stage}),
-    )
+@pytest.mark.parametrize(
+    "zero_stage,steps,placement", [(2, 6, "separate"), (3, 6, "colocated")], ids=["2-separate", "3-colocated"]
+)
+def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, steps, placement):
+    """Two ranks with a process per role (ZeRO-2), and two colocated hosts, each holding a rank and a
+    worker (ZeRO-3): the workers hold the learner's exact weights after every step."""
+    sets = {"learner.num_ranks": 2, "learner.zero_stage": zero_stage, "cluster.placement": placement}
+    if placement == "colocated":  # one worker per host
+        sets |= {
+            "rollout.num_workers": 2,
+            "learner.num_cpus_per_rank": 0.5,
+            "rollout.num_cpus_per_worker": 0.25,
+        }
+    cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()

@@ -1,5 +1,5 @@
-"""Multi-turn episodes through the whole pipeline on a real local Ray (separate placement, the demo's
-models): sync and async mode, episodes whose environment fails dropped and counted (never scored),
+"""Multi-turn episodes through the whole pipeline on a real local Ray (the demo's models; the sync runs
+in the demo's colocated placement, the async ones separate): sync and async mode, episodes whose environment fails dropped and counted (never scored),
 the failure bound, and exactly-once over a resume mid-stream in async mode."""
 
 from __future__ import annotations
@@ -60,7 +60,11 @@ def test_sync_trains_on_episodes_and_drops_failed_ones(ray_local, demo_assets, t
 
 
 def test_too_many_environment_failures_stop_the_run(ray_local, demo_assets, tmp_path):
-    sets = {"rollout.environment.kwargs": "{fail_every: 1}", "rollout.environment.max_failure_frac": 0.2}
+    sets = {
+        "rollout.environment.kwargs": "{fail_every: 1}",
+        "rollout.environment.max_failure_frac": 0.2,
+        "cluster.placement": "colocated",  # the bound is the driver's rule, whatever the placement
+    }
     trainer = make_trainer(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
     try:
         trainer.setup()
