@@ -102,8 +102,12 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
     try:
         trainer.setup()
         trainer.iteration()
-        # Step 2: a rollout worker is killed while chunks are queued on it.
+        # Step 2: a rollout worker is killed while chunks are queued on it. It is busy first (calls
+        # of one caller run in order), so step 2 cannot end before the kill whatever the machine's
+        # speed: its chunks wait behind the busy call until the kill (or, were the kill to come
+        # before the step's first dispatch, they find it dead); both are its replacement in step 2.
         victim = trainer.roles.workers.handles[0]
+        victim.__ray_call__.remote(lambda self: time.sleep(120))
         threading.Timer(0.2, lambda: ray.kill(victim, no_restart=True)).start()
         m2 = trainer.iteration()
         # Step 3: a worker is stuck (busy far past timeouts.generate_s) and the reference dies.
