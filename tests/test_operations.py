@@ -98,10 +98,25 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
             "timeouts.generate_s": 6,
         },
     )
+
+    def die_at_the_next_load(worker) -> None:  # run in a rollout worker's process (shipped by value)
+        """From now on this worker's process exits as it swaps in a weight bundle: lost mid-push. Set on
+        the actor's own class: Ray's wrapper class holds its own copy of each method."""
+        import os
+
+        type(worker)._swap = lambda *args, **kwargs: os._exit(1)
+
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         trainer.setup()
-        trainer.iteration()
+        # Step 1: a rollout worker dies inside the push of v1 (its process exits as it loads the
+        # bundle): the push names it lost and the run replaces it; the replacement loads v1 before it
+        # samples. By construction, not by timing: the worker dies in that call whatever the speed.
+        ray.get(trainer.roles.workers.handles[0].__ray_call__.remote(die_at_the_next_load), timeout=60)
+        m1 = trainer.iteration()
+        assert m1["faults/actor_replacements"] == 1
+        assert trainer.roles.workers.names[0].endswith(".r1")
+        assert ray.get(trainer.roles.workers.handles[0].version.remote(), timeout=60) == 1
         # Step 2: a rollout worker is killed while chunks are queued on it. It is busy first (calls
         # of one caller run in order), so step 2 cannot end before the kill whatever the machine's
         # speed: its chunks wait behind the busy call until the kill (or, were the kill to come
