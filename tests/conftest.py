@@ -76,18 +76,12 @@ def sync_demo_rows(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
     """The sync pipeline's first 3 steps of the small demo (tests/demo_run.SMALL_STEPS), run once per
     session for every test that compares another path with it: the one-process loop
     (test_sync_regression.py) and async mode at eta = 0 (test_streaming.py)."""
-    from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides
+    from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides, train_rows
 
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
 
     cfg = load_config(CONFIG, demo_overrides(demo_assets, SYNC_DEMO_STEPS, **SMALL_STEPS))
-    trainer = make_trainer(cfg, tmp_path_factory.mktemp("sync_demo") / "run")
-    try:
-        trainer.setup()
-        return [trainer.iteration() for _ in range(SYNC_DEMO_STEPS)]
-    finally:
-        trainer.close()
+    return train_rows(cfg, tmp_path_factory.mktemp("sync_demo") / "run", SYNC_DEMO_STEPS)
 
 
 # One marker per area, so a change is checked in minutes: `make test AREA=learner` (or

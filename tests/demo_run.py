@@ -33,6 +33,18 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
     return [f"{k}={'null' if v is None else v}" for k, v in sets.items()]
 
 
+def train_rows(cfg, run_dir: Path, steps: int) -> list[dict]:
+    """Set up a run of `cfg` in `run_dir`, train `steps` steps, close it; the steps' metrics rows."""
+    from cluster.pipeline.async_trainer import make_trainer
+
+    trainer = make_trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        return [trainer.iteration() for _ in range(steps)]
+    finally:
+        trainer.close()
+
+
 def prompt_file(assets, folder: Path, n: int) -> Path:
     """The first `n` demo prompts as a file of their own (one epoch = n prompts)."""
     rows = assets.prompts.read_text().splitlines()[:n]

@@ -3,6 +3,10 @@ its CPU Adam, and the bucketing that bounds weight-export memory."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -92,14 +96,19 @@ def test_cpu_state_dict_keeps_names_order_and_ties():
     assert cpu_state_dict(state, bucket_bytes=16, keep=False) is None
 
 
+def _in_a_child(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python process at the repo root (its own sys.modules and torch.distributed
+    state, this one's untouched); it must exit 0."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_a_learner_rank_refuses_a_world_that_is_not_its_own():
     """DeepSpeed adopts a torch.distributed world that already exists in the process (vLLM's in-process
     engine makes one of size 1 when built first): the rank's init must refuse it, not train alone.
     In a child process, so this one's torch.distributed and DeepSpeed state stay untouched."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = (
         "import torch.distributed as dist\n"
         "from learner.deepspeed_setup import free_port, init_distributed\n"
@@ -111,9 +120,7 @@ def test_a_learner_rank_refuses_a_world_that_is_not_its_own():
         "finally:\n"
         "    dist.destroy_process_group()\n"
     )
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _in_a_child(code)
     assert "REFUSED learner rank 1 of 2: torch.distributed has rank 0 of a world of 1" in done.stdout, (
         done.stdout[-2000:]
     )
@@ -123,10 +130,6 @@ def test_a_rank_starts_without_importing_mlflow_and_mlflow_still_imports_after()
     """DeepSpeed's autotuner imports MLflow when it is installed (about 1 s of CPU per rank);
     `init_distributed` imports DeepSpeed without it, and MLflow stays importable in that process.
     In a child process, for a fresh sys.modules and torch.distributed state."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = (
         "import sys, torch.distributed as dist\n"
         "from learner.deepspeed_setup import free_port, init_distributed\n"
@@ -136,7 +139,5 @@ def test_a_rank_starts_without_importing_mlflow_and_mlflow_still_imports_after()
         "print('MLFLOW', bool(mlflow.__version__))\n"
         "dist.destroy_process_group()\n"
     )
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _in_a_child(code)
     assert "AFTER-INIT True False" in done.stdout and "MLFLOW True" in done.stdout, done.stdout[-2000:]

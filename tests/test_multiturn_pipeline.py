@@ -1,6 +1,7 @@
 """Multi-turn episodes through the whole pipeline on a real local Ray (the demo's models; the sync runs
-in the demo's colocated placement, the async ones separate): sync and async mode, episodes whose environment fails dropped and counted (never scored),
-the failure bound, and exactly-once over a resume mid-stream in async mode."""
+in the demo's colocated placement, the async ones separate): sync and async mode, episodes whose
+environment fails dropped and counted (never scored), the failure bound, and exactly-once over a
+resume mid-stream in async mode."""
 
 from __future__ import annotations
 

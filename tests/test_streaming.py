@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import ray
-from demo_run import CONFIG, SMALL_STEPS, demo_overrides, prompt_file
+from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides, prompt_file, train_rows
 
 from cluster.config.schema import ConfigError, load_config
 from cluster.pipeline.async_trainer import AsyncTrainer, make_trainer
@@ -36,24 +36,15 @@ def cfg_for(assets, steps, **extra):
     return load_config(CONFIG, demo_overrides(assets, steps, **{**SMALL_STEPS, **extra}))
 
 
-def _run(cfg, run_dir, steps):
-    trainer = make_trainer(cfg, run_dir)
-    try:
-        trainer.setup()
-        return [trainer.iteration() for _ in range(steps)]
-    finally:
-        trainer.close()
-
-
 @pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
 def test_async_with_zero_staleness_reproduces_sync(
     ray_local, demo_assets, tmp_path, sync_demo_rows, weight_sync
 ):
-    """Against the sync pipeline's 3 steps (conftest's `sync_demo_rows`, one run for the session).
+    """Against the sync pipeline's first steps (conftest's `sync_demo_rows`, one run for the session).
     Also the collective path in async mode: each step's weights broadcast between chunks must be
     exactly what the object-store path of the sync pipeline loads (the same metrics follow)."""
     extra = {"pipeline.mode": "async", "pipeline.max_staleness": 0, "rollout.weight_sync": weight_sync}
-    streamed = _run(cfg_for(demo_assets, 3, **extra), tmp_path / "async", 3)
+    streamed = train_rows(cfg_for(demo_assets, SYNC_DEMO_STEPS, **extra), tmp_path / "async", SYNC_DEMO_STEPS)
     for want, got in zip(sync_demo_rows, streamed, strict=True):
         assert got["staleness/max"] == 0.0
         for key in COMPARED:
