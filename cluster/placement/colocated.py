@@ -32,6 +32,7 @@ import ray
 
 from cluster.config.schema import RunConfig
 from cluster.roles.registry import BY_NAME, LEARNER, ROLES, ROLLOUT, Place, running
+from cluster.roles.startup import starts_without_gc
 
 # The host's environment: quiet transformers, and one OpenMP/BLAS thread for whatever does not take
 # its thread count from torch (numpy's BLAS). Ray would set OMP_NUM_THREADS to the host's CPUs
@@ -50,6 +51,7 @@ def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
     return tuple(role.name for role in running(cfg) if rank < role.count(cfg))
 
 
+@starts_without_gc  # its roles' imports and builds are its start (cluster.roles.startup)
 class ColocatedHost:
     """Learner rank `rank` and the roles `held_roles(cfg, rank)` in one process (a plain class;
     `cluster.placement.actors` runs it as a Ray actor)."""

@@ -16,16 +16,21 @@ for those imports.
 
 from __future__ import annotations
 
-from typing import Any
+from cluster.roles.startup import pause_for_the_actors_start, starts_without_gc
 
-import ray
+pause_for_the_actors_start()  # the imports below are most of the actor's start (cluster.roles.startup)
 
-from cluster.pipeline.chunks import PromptFacts, SampleFacts, sample_facts
-from reward_service.reference import ReferencePolicy
-from reward_service.scorer import RewardScorer
-from rollout_workers.worker import RolloutWorker
+from typing import Any  # noqa: E402
+
+import ray  # noqa: E402
+
+from cluster.pipeline.chunks import PromptFacts, SampleFacts, sample_facts  # noqa: E402
+from reward_service.reference import ReferencePolicy  # noqa: E402
+from reward_service.scorer import RewardScorer  # noqa: E402
+from rollout_workers.worker import RolloutWorker  # noqa: E402
 
 
+@starts_without_gc
 class StreamingRolloutWorker(RolloutWorker):
     @ray.method(num_returns=2)
     def generate_chunk(
@@ -43,6 +48,7 @@ class StreamingRolloutWorker(RolloutWorker):
         return [sample_facts(s) for s in samples], samples
 
 
+@starts_without_gc
 class StreamingReference(ReferencePolicy):
     @ray.method(num_returns=2)
     def sample_logprobs(self, samples: list) -> tuple[int, list]:
@@ -52,6 +58,7 @@ class StreamingReference(ReferencePolicy):
         return len(out), out
 
 
+@starts_without_gc
 class StreamingScorer(RewardScorer):
     def score_samples(self, samples: list, prompts: dict[int, PromptFacts]) -> Any:
         """`score` of the samples, each with its prompt's text, messages and meta (`prompt_facts`)."""

@@ -5,17 +5,27 @@ role's process needs."""
 
 from __future__ import annotations
 
-from typing import Any
+from cluster.roles.startup import pause_for_the_actors_start, start_up_step, starts_without_gc
 
-import ray
+pause_for_the_actors_start()  # the imports below are most of the actor's start (cluster.roles.startup)
 
-from cluster.pipeline.groups import RankPart
-from cluster.pipeline.trajectories import part_trajectories
-from cluster.placement.pools import LOST_OBJECT_ERRORS
-from learner.rank import LearnerRank
+from typing import Any  # noqa: E402
+
+import ray  # noqa: E402
+
+from cluster.pipeline.groups import RankPart  # noqa: E402
+from cluster.pipeline.trajectories import part_trajectories  # noqa: E402
+from cluster.placement.pools import LOST_OBJECT_ERRORS  # noqa: E402
+from learner.rank import LearnerRank  # noqa: E402
 
 
+@starts_without_gc
 class StreamingLearnerRank(LearnerRank):
+    @start_up_step
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """`LearnerRank.setup` (the model's load and DeepSpeed's engine) as part of the rank's start."""
+        super().setup(master_addr, master_port)
+
     @ray.method(num_returns=2)
     def export_split(
         self, describe: Any = None, dtype: str | None = None, probe: bool = True
