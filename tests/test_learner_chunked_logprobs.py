@@ -166,14 +166,13 @@ def test_config_field():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family_name", ["gpt2"])
+@pytest.mark.parametrize("family_name", ["gpt2", "llama"])
 def test_zero3_ranks_chunked_take_the_steps_of_one_rank_unchunked(ray_local, tmp_path, family_name):
     """2 real ZeRO-3 ranks (gloo, every tensor sharded), chunks of 5 tokens, uneven shards (the short rank
     runs zero-weight micro-batches through the anchor) vs 1 rank on the full logits path: the same
     weights and metrics; a NaN score still skips the step on both ranks. GPT-2 ties the lm_head
     to the input embeddings (one sharded parameter read by two modules), the case ZeRO-3 makes
-    fragile; an untied head (Llama) passed the same test once and is left to the single-process
-    tests (test_the_learner_forward_scores_the_same_chunked) to keep the suite's time."""
+    fragile; Llama's head is untied."""
     from test_learner_ranks import (
         _assert_same_weights,
         _assert_step_skipped,

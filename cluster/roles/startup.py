@@ -15,6 +15,10 @@ The rule, in an actor's own process only:
 - then every object that start-up built goes to the permanent generation (`gc.freeze`), so that the
   collections of the step loop never walk the model's modules again, and the collector is back on.
 
+The price: cyclic garbage made during start-up is frozen with the rest and never freed (about 13,000
+objects for a rollout worker of the demo, once per start-up step, not growing with the run); a full
+collection to find it first would cost 0.34 s of the 0.8 s saved.
+
 A driver or a test that imports these modules or builds these classes in its own process keeps its
 collector as it was, and a collector someone else turned off stays off. A class built while another's
 start-up is running (the colocated host builds every role) is part of that start-up.
