@@ -45,6 +45,18 @@ def _run(cfg, folder: Path, steps: int):
             "hosts": len(trainer.roles.hosts),
             "views": all(isinstance(h, RoleView) for p in trainer.roles.pools() for h in p.handles),
         }
+
+        def collector(actor) -> tuple[bool, bool]:  # in the actor's process (shipped by value)
+            import gc
+
+            return gc.isenabled(), gc.get_freeze_count() > 0
+
+        # every process of the run: the hosts, or the learner ranks and the role actors
+        actors = trainer.roles.hosts or [
+            *trainer.roles.ranks,
+            *(h for p in trainer.roles.pools() for h in p.handles),
+        ]
+        layout["collector"] = set(ray.get([a.__ray_call__.remote(collector) for a in actors], timeout=60))
         try:
             ray.get(trainer.control.set_target.remote("rollout", 2))
             layout["scaling"] = "accepted"
@@ -67,6 +79,8 @@ def test_colocated_gives_the_separate_runs_numbers(ray_local, demo_assets, tmp_p
     (sep, sep_layout), (col, col_layout) = results["separate"], results["colocated"]
     assert sep_layout["hosts"] == 0 and col_layout["hosts"] == 1  # one process holds all four roles
     assert col_layout["views"]
+    # after start-up (cluster/roles/startup.py): the collector on again, what start-up built frozen
+    assert sep_layout["collector"] == col_layout["collector"] == {(True, True)}
     assert "colocated" in col_layout["scaling"] and sep_layout["scaling"] == "accepted"
     compared = 0
     for step, (a, b) in enumerate(zip(sep, col, strict=True), start=1):
