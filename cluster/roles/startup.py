@@ -4,14 +4,15 @@ Starting a role's actor imports torch and transformers (a learner rank's, DeepSp
 model: about a million long-lived objects and no garbage. Each burst of allocations still wakes the
 cyclic collector, and its full collections walk the whole, growing heap. Measured on the 2-core CPU
 machine: importing a role's actor module and loading the demo policy costs 2.0 + 1.5 s of CPU with the
-collector and 1.6 + 1.05 s without it (7 full collections against none). Set-up of the small demo,
+collector and 1.6 + 1.05 s without it (6 full collections against none). Set-up of the small demo,
 alternating both sides in one script: separate placement (a learner rank and three role actors
 starting at once) 9.1-10.6 s before, 7.1-8.5 s with this rule; colocated 5.0-5.5 s before, 3.8-4.1 s.
 
 The rule, in an actor's own process only:
 - the collector is off from the moment the process imports an actor class's module to start that
   actor (`pause_for_the_actors_start`, called before the module's heavy imports) until the class's
-  `__init__` returns or raises (`starts_without_gc`, on the class);
+  `__init__` returns or raises (`starts_without_gc`, on the class); a later start-up call, such as a
+  learner rank's `setup` (the model's load and DeepSpeed's engine), is a `start_up_step` of its own;
 - then every object that start-up built goes to the permanent generation (`gc.freeze`), so that the
   collections of the step loop never walk the model's modules again, and the collector is back on.
 
