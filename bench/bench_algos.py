@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ray  # noqa: E402
 
 from cluster.config.schema import load_config  # noqa: E402
-from cluster.pipeline.async_trainer import make_trainer  # noqa: E402
+from cluster.pipeline.run import Run  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 CONFIGS = {"sentiment": "configs/sentiment_tiny.yaml", "arithmetic": "configs/arithmetic_tiny.yaml"}
@@ -76,7 +76,7 @@ def run_side(config: str, overrides: list[str], budget: int | None, held_out: bo
     cfg = load_config(config, overrides)
     preflight(cfg)
     init_ray(cfg)  # started by the first side, reused by the others
-    trainer = make_trainer(cfg, Path(tempfile.mkdtemp(prefix=f"bench-algos-{cfg.learner.advantage}-")))
+    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix=f"bench-algos-{cfg.learner.advantage}-")))
     n = cfg.rollout.sampling.n
     rows, evals, trained, generated = [], [], 0, 0
     t0 = time.perf_counter()

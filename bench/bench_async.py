@@ -28,7 +28,7 @@ import ray  # noqa: E402
 from machine import machine_busy_s  # noqa: E402
 
 from cluster.config.schema import load_config  # noqa: E402
-from cluster.pipeline.async_trainer import make_trainer  # noqa: E402
+from cluster.pipeline.run import Run  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def run_side(config: str, overrides: list[str], steps: int) -> dict:
     cfg = load_config(config, overrides)
     preflight(cfg)
     init_ray(cfg)
-    trainer = make_trainer(cfg, Path(tempfile.mkdtemp(prefix=f"bench-{cfg.pipeline.mode}-")))
+    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix=f"bench-{cfg.pipeline.mode}-")))
     try:
         trainer.setup()
         trainer.iteration()  # warm-up step (first forward passes, allocator), not measured

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from cluster.config.schema import load_config  # noqa: E402
-from cluster.pipeline.trainer import Trainer  # noqa: E402
+from cluster.pipeline.run import Run  # noqa: E402
 from cluster.train import init_ray, preflight  # noqa: E402
 
 PHASES = ["time/generate", "time/score", "time/train", "time/weight_sync", "time/step"]
@@ -50,7 +50,7 @@ def main() -> int:
     preflight(cfg)
     t_start = time.perf_counter()
     init_ray(cfg)
-    trainer = Trainer(cfg, Path(tempfile.mkdtemp(prefix="bench-")))
+    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="bench-")))
     try:
         trainer.setup()
         t_ready = time.perf_counter() - t_start

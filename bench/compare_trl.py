@@ -173,7 +173,7 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     import ray
 
     from cluster.config.schema import load_config
-    from cluster.pipeline.trainer import Trainer
+    from cluster.pipeline.run import Run
     from cluster.run.startup import StartupClock
     from cluster.train import init_ray, preflight
 
@@ -184,7 +184,7 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     init_ray(cfg)
     clock.mark("ray.init")
     marks = {"ray_ready": time.time()}
-    trainer = Trainer(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")))
+    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")))
     trainer.clock = clock
     rows = []
     try:

@@ -55,15 +55,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from cluster.pipeline.async_trainer import make_trainer
     from cluster.pipeline.evaluation import print_eval
+    from cluster.pipeline.run import Run
     from cluster.train import run_dir_for
 
     own_ray = not ray.is_initialized()
     init_ray(cfg)
     run_dir = run_dir_for(cfg, args.run_dir)
     print(f"run folder: {run_dir}", flush=True)
-    trainer = make_trainer(cfg, run_dir)
+    trainer = Run(cfg, run_dir)
     trainer.data = prompts
     try:
         trainer.setup()

@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    from cluster.pipeline.async_trainer import make_trainer
     from cluster.pipeline.collector import RolloutError
+    from cluster.pipeline.failures import EnvironmentFailureError, RewardFailureError
     from cluster.pipeline.learner_calls import LearnerStepError
-    from cluster.pipeline.trainer import EnvironmentFailureError, RewardFailureError
+    from cluster.pipeline.run import Run
     from cluster.placement.pools import ActorStartError
     from cluster.run.folder import SharedStorageError
     from cluster.weights.push import WeightSyncError
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
-    trainer = make_trainer(cfg, run_dir, resume_from=ckpt)
+    trainer = Run(cfg, run_dir, resume_from=ckpt)
     trainer.clock = clock
     trainer.data = prompts
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)

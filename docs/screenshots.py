@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
     from cluster.watch import watching
 
     temp_dir = tempfile.mkdtemp(prefix="rps", dir="/tmp")  # short: Ray's unix sockets live under it
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     dashboard = f"http://127.0.0.1:{dash_port}"
     run_dir = work / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    trainer = make_trainer(cfg, run_dir)
+    trainer = Run(cfg, run_dir)
     failure: list[BaseException] = []
 
     def train() -> None:

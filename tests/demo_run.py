@@ -35,9 +35,9 @@ def demo_overrides(assets, steps: int, **extra) -> list[str]:
 
 def train_rows(cfg, run_dir: Path, steps: int) -> list[dict]:
     """Set up a run of `cfg` in `run_dir`, train `steps` steps, close it; the steps' metrics rows."""
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
 
-    trainer = make_trainer(cfg, run_dir)
+    trainer = Run(cfg, run_dir)
     try:
         trainer.setup()
         return [trainer.iteration() for _ in range(steps)]

@@ -26,8 +26,8 @@ import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
 from cluster.pipeline.data import PromptStream
+from cluster.pipeline.run import Run
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
         extra["rollout.weight_sync"] = "collective"
     cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **extra))
     shm_before = _shm()
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     chaos = Chaos(trainer, seed)
     seen: dict[str, list[int]] = {}
     rows = []
@@ -159,7 +159,7 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
                 seen.setdefault(name, []).append(v)
         chaos.stop()
         run_id = trainer.run_id
-        outstanding = trainer.buffer.outstanding() if mode != "sync" else []
+        outstanding = trainer.pipeline.buffer.outstanding() if mode != "sync" else []
         position = trainer.stream.state_dict()
     finally:
         chaos.stop()

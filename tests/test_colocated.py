@@ -17,7 +17,7 @@ import ray
 from demo_run import CONFIG, demo_overrides
 
 from cluster.config.schema import ConfigError, load_config
-from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.run import Run
 from cluster.placement.colocated import RoleView
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ NOT_ARITHMETIC = (
 
 
 def _run(cfg, folder: Path, steps: int):
-    trainer = make_trainer(cfg, folder)
+    trainer = Run(cfg, folder)
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(steps)]
@@ -105,7 +105,7 @@ def test_colocated_two_ranks_share_the_bundle_with_the_second_host(ray_local, de
     extra = {**SMALL, "cluster.placement": "colocated", "learner.num_ranks": 2, "rollout.num_workers": 2}
     extra |= {"learner.num_cpus_per_rank": 0.5, "rollout.num_cpus_per_worker": 0.25}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **extra))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(2)]
@@ -157,7 +157,7 @@ def test_the_driver_imports_no_framework():
     processes that compute (its tokenizer loads transformers later, while the actors start)."""
     code = (
         "import json, sys\n"
-        "import cluster.train, cluster.pipeline.trainer, cluster.pipeline.async_trainer, cluster.placement.actors, cluster.placement.colocated, cluster.roles.registry, cluster.scale\n"
+        "import cluster.train, cluster.pipeline.run, cluster.pipeline.sync_pipeline, cluster.pipeline.stream_pipeline, cluster.placement.actors, cluster.placement.colocated, cluster.roles.registry, cluster.scale\n"
         "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -185,7 +185,7 @@ def test_colocated_engine_sleeps_while_the_learner_trains(ray_local, demo_assets
     wrong order fails the run). On CPU the hf engine has nothing to free; the order is what is tested."""
     extra = {**SMALL, "cluster.placement": "colocated", "rollout.sleep_level": 1}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         for _ in range(3):

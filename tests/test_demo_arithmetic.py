@@ -183,12 +183,12 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
 @pytest.mark.slow
 def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmetic_assets, tmp_path, capsys):
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
     from cluster.pipeline.evaluation import headline
+    from cluster.pipeline.run import Run
     from cluster.run.metrics import held_out_only, read_metrics
 
     cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         summary = trainer.train()
@@ -228,13 +228,13 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
 @pytest.mark.slow
 def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tmp_path):
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
 
     cfg = load_config(
         CONFIG,
         _overrides(arithmetic_assets, 4, **{"pipeline.mode": "async", "cluster.placement": "separate"}),
     )
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(4)]

@@ -46,11 +46,11 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
 @pytest.mark.slow
 def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_path, capsys):
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
     from cluster.run.metrics import read_metrics
 
     cfg = load_config(CONFIG, _overrides(calculator_assets, 2))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         summary = trainer.train()

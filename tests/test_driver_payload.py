@@ -28,7 +28,7 @@ import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.run import Run
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def _run(cfg, run_dir, steps, monkeypatch) -> Fetched:
         fetched.add(value, many=isinstance(refs, list))
         return value
 
-    trainer = make_trainer(cfg, run_dir)
+    trainer = Run(cfg, run_dir)
     try:
         trainer.setup()
         trainer.iteration()  # warm-up: imports, first allocations

@@ -131,7 +131,7 @@ def test_round_seeds():
 
 
 def _simulate_sync(stream, P, flat, max_rounds, steps):
-    """The sync loop of `Trainer.collect_informative` without Ray: per step, the kept prompts and the account."""
+    """The sync loop of `SyncPipeline.collect_informative` without Ray: per step, the kept prompts and the account."""
     out = []
     for _ in range(steps):
         acct, kept, want = StepAccount(P), [], P
@@ -294,7 +294,7 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
     draws 2 more (2 rounds), trains 4 groups with spread; 4 steps use the epoch exactly, each prompt
     trained or filtered once, including across a resume from step 2's checkpoint."""
     from cluster.pipeline.checkpoint import latest_checkpoint
-    from cluster.pipeline.trainer import Trainer
+    from cluster.pipeline.run import Run
 
     # the demo's colocated placement: the rounds, filter and resume are the sync pipeline's, not the placement's
     extra = {"checkpoint.every_steps": 2, "cluster.placement": "colocated"}
@@ -316,12 +316,12 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
         finally:
             trainer.close()
 
-    first = run(Trainer(cfg, tmp_path / "run"), 2)
+    first = run(Run(cfg, tmp_path / "run"), 2)
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt.name == "step-000002"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["filtered_total"] == 4 and sorted(map(int, state["filtered_prompts"])) == [0, 3, 6, 9]
-    resumed = run(Trainer(cfg, tmp_path / "run", resume_from=ckpt), 2)
+    resumed = run(Run(cfg, tmp_path / "run", resume_from=ckpt), 2)
     assert resumed.step == 4 and dict(first.progress.filtered_prompts) == {0: 1, 3: 1, 6: 1, 9: 1}
     for groups in batches:
         assert len(groups) == 4  # exactly prompts_per_step groups
@@ -343,7 +343,7 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
     """Async, eta = 1, 2 workers: flat groups never reach the buffer, their slots go to new prompts,
     every step trains 4 groups with spread and within the staleness bound, and each drawn prompt is
     trained, filtered or outstanding exactly once."""
-    from cluster.pipeline.async_trainer import AsyncTrainer
+    from cluster.pipeline.run import Run
 
     eta = 1
     cfg, flat = _dyn_cfg(
@@ -358,20 +358,20 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
             "rollout.num_workers": 2,
         },
     )
-    trainer = AsyncTrainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     batches = []
-    start_train = trainer.start_train
-
-    def spy(taken):
-        batches.append(_groups_of(taken.parts))
-        return start_train(taken)
-
-    trainer.start_train = spy
     try:
         trainer.setup()
+        start_train = trainer.pipeline.start_train
+
+        def spy(taken):
+            batches.append(_groups_of(taken.parts))
+            return start_train(taken)
+
+        trainer.pipeline.start_train = spy
         rows = [trainer.iteration() for _ in range(4)]
-        outstanding = trainer.buffer.outstanding()
-        pulled = trainer.buffer.pulled
+        outstanding = trainer.pipeline.buffer.outstanding()
+        pulled = trainer.pipeline.buffer.pulled
     finally:
         trainer.close()
     assert len(batches) == 4

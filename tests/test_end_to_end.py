@@ -17,7 +17,7 @@ from demo_run import CONFIG, demo_overrides
 from transformers import AutoModelForCausalLM
 
 from cluster.config.schema import load_config
-from cluster.pipeline.trainer import Trainer
+from cluster.pipeline.run import Run
 from cluster.train import main
 from rollout_workers.weights import state_checksum
 
@@ -60,7 +60,7 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
             "rollout.num_cpus_per_worker": 0.25,
         }
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         workers = trainer.roles.workers.handles

@@ -17,7 +17,7 @@ import pytest
 from demo_run import CONFIG, demo_overrides
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.run import Run
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ SIDES = {
 def test_estimator_trains_the_demo(ray_local, demo_assets, tmp_path, estimator):
     cfg = load_config(CONFIG, demo_overrides(demo_assets, STEPS, **SIDES[estimator]))
     assert cfg.learner.advantage == estimator
-    trainer = make_trainer(cfg, tmp_path / estimator)
+    trainer = Run(cfg, tmp_path / estimator)
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(STEPS)]

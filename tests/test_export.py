@@ -64,7 +64,7 @@ def test_evaluate_scores_the_initial_policy_as_a_run_scores_it_before_training(
 
     from cluster.config.schema import load_config
     from cluster.evaluate import main as evaluate_main
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
 
     extra = {
         "eval.prompts_path": demo_assets.eval_prompts,
@@ -74,7 +74,7 @@ def test_evaluate_scores_the_initial_policy_as_a_run_scores_it_before_training(
         "rollout.chunk_size": 4,
     }
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **extra))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         before, _ = trainer.evaluator.evaluate()

@@ -166,7 +166,7 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     it with a checkpoint (async: the prompts in flight are recorded); the resumed run completes the
     epoch with each prompt trained once, and its final checkpoint is written once."""
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(demo_assets.prompts.read_text().splitlines()[:24]) + "\n")
@@ -180,7 +180,7 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     }
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))  # no checkpoint but the stop's
     run_dir = tmp_path / "run"
-    trainer = make_trainer(cfg, run_dir)
+    trainer = Run(cfg, run_dir)
     try:
         trainer.setup()
         trainer.iteration()  # step 1; the signal arrives while it runs
@@ -194,7 +194,7 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     assert summary.checkpoint == str(ckpt) and ckpt.name == "step-000001"
 
     cfg.checkpoint.every_steps = 1
-    resumed = make_trainer(cfg, run_dir, resume_from=ckpt)
+    resumed = Run(cfg, run_dir, resume_from=ckpt)
     try:
         resumed.setup()
         done = resumed.train()

@@ -13,7 +13,7 @@ import ray
 from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.config.schema import ConfigError, load_config
-from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.run import Run
 
 LORA = {"learner.lora.rank": 4, "learner.lora.alpha": 16, "learner.lr": 3e-3}
 ADAPTER = {"rollout.lora_sync": "adapter"}  # pushes carry the adapter alone; the engines apply it
@@ -25,7 +25,7 @@ PIPELINES = {
 
 
 def _run(cfg, folder, steps: int):
-    trainer = make_trainer(cfg, folder)
+    trainer = Run(cfg, folder)
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(steps)]

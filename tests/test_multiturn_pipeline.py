@@ -13,9 +13,9 @@ import pytest
 from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
 from cluster.pipeline.checkpoint import latest_checkpoint
-from cluster.pipeline.trainer import EnvironmentFailureError
+from cluster.pipeline.failures import EnvironmentFailureError
+from cluster.pipeline.run import Run
 
 pytestmark = pytest.mark.slow
 ENV_MODULE = Path(__file__).resolve().parent / "multiturn_envs.py"  # shipped to the workers as a file
@@ -43,7 +43,7 @@ def env_cfg(assets, folder, steps, n_prompts=32, **extra):
 def test_sync_trains_on_episodes_and_drops_failed_ones(ray_local, demo_assets, tmp_path):
     extra = {"rollout.environment.kwargs": "{fail_every: 4}", "cluster.placement": "colocated"}
     cfg = env_cfg(demo_assets, tmp_path, 3, **extra)
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(3)]
@@ -66,7 +66,7 @@ def test_too_many_environment_failures_stop_the_run(ray_local, demo_assets, tmp_
         "rollout.environment.max_failure_frac": 0.2,
         "cluster.placement": "colocated",  # the bound is the driver's rule, whatever the placement
     }
-    trainer = make_trainer(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
+    trainer = Run(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
     try:
         trainer.setup()
         with pytest.raises(EnvironmentFailureError, match="rollout.environment.max_failure_frac"):
@@ -83,7 +83,7 @@ def test_async_episodes_resume_mid_stream_exactly_once(ray_local, demo_assets, t
         "checkpoint.every_steps": 2,
         "rollout.environment.kwargs": "{fail_every: 5}",
     }
-    trainer = make_trainer(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run")
+    trainer = Run(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run")
     try:
         trainer.setup()
         first = [trainer.iteration() for _ in range(3)]
@@ -93,7 +93,7 @@ def test_async_episodes_resume_mid_stream_exactly_once(ray_local, demo_assets, t
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt.name == "step-000002"
     assert json.loads((ckpt / "state.json").read_text())["outstanding"]
-    resumed = make_trainer(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run", resume_from=ckpt)
+    resumed = Run(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run", resume_from=ckpt)
     try:
         resumed.setup()
         assert resumed.step == 2
@@ -116,7 +116,7 @@ def test_environment_actors_restart_a_hung_sandbox_and_the_run_goes_on(ray_local
         "rollout.environment.kwargs": "{hang_every: 8}",
         "rollout.environment.max_failure_frac": 0.95,  # a killed actor fails the episodes it held too
     }
-    trainer = make_trainer(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
+    trainer = Run(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
     try:
         trainer.setup()
         hosts = trainer.roles.environments

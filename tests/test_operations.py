@@ -1,6 +1,6 @@
 """Operating a run: exact resume, a learner rank dying, actors dying or stuck, live scaling, bad rewards.
 
-All on the real local Ray with the real demo models; every test drives `Trainer` step by step.
+All on the real local Ray with the real demo models; every test drives a `Run` step by step.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.config.schema import load_config
 from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
+from cluster.pipeline.failures import RewardFailureError
 from cluster.pipeline.learner_calls import LearnerStepError
-from cluster.pipeline.trainer import RewardFailureError, Trainer
+from cluster.pipeline.run import Run
 from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def small(assets, steps, **extra):
     return load_config(CONFIG, demo_overrides(assets, steps, **{**SMALL_STEPS, **extra}))
 
 
-def run_steps(trainer: Trainer, n: int) -> list[dict]:
+def run_steps(trainer: Run, n: int) -> list[dict]:
     return [trainer.iteration() for _ in range(n)]
 
 
@@ -45,7 +46,7 @@ EVERY_2 = {"checkpoint.every_steps": 2}
 @pytest.fixture(scope="module")
 def straight(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
     """4 steps of a run that loses nothing: what the faulted runs below must reproduce."""
-    reference = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path_factory.mktemp("straight") / "run")
+    reference = Run(small(demo_assets, 4, **EVERY_2), tmp_path_factory.mktemp("straight") / "run")
     try:
         reference.setup()
         return run_steps(reference, 4)
@@ -55,7 +56,7 @@ def straight(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
 
 def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_assets, tmp_path, straight):
     # A run that checkpoints at step 2, then loses its learner rank in step 3.
-    crashed = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed")
+    crashed = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed")
     try:
         crashed.setup()
         run_steps(crashed, 2)
@@ -67,7 +68,7 @@ def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_asset
     ckpt = latest_checkpoint(tmp_path / "crashed")
     assert ckpt.name == "step-000002"
 
-    resumed = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed", resume_from=ckpt)
+    resumed = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed", resume_from=ckpt)
     try:
         resumed.setup()
         assert resumed.step == 2 and resumed.version == 2
@@ -106,7 +107,7 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
 
         type(worker)._swap = lambda *args, **kwargs: os._exit(1)
 
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         # Step 1: a rollout worker dies inside the push of v1 (its process exits as it loads the
@@ -151,7 +152,7 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
     driver generates and scores that chunk again, same seed and weights, and retries the step: the
     numbers of a run that lost nothing (step 1 of the same config), the loss counted."""
     want = straight[0]
-    trainer = Trainer(small(demo_assets, 4, **EVERY_2), tmp_path / "lossy")
+    trainer = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "lossy")
     lost = []
     try:
         trainer.setup()
@@ -178,7 +179,7 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
 
 
 def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):
-    trainer = Trainer(small(demo_assets, 5), tmp_path / "run")
+    trainer = Run(small(demo_assets, 5), tmp_path / "run")
     try:
         trainer.setup()
         trainer.iteration()
@@ -227,7 +228,7 @@ def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_lo
         # code in either placement; a scorer actor that dies is tested above.
         "cluster.placement": "colocated",
     }
-    trainer = Trainer(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.95}), tmp_path / "ok")
+    trainer = Run(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.95}), tmp_path / "ok")
     try:
         trainer.setup()
         m = trainer.iteration()
@@ -237,7 +238,7 @@ def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_lo
     assert m["rollout/samples"] + m["rollout/reward_failures"] == 8
     assert m["rollout/samples"] > 0 and m["policy_version"] == 1
 
-    strict = Trainer(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.0}), tmp_path / "strict")
+    strict = Run(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.0}), tmp_path / "strict")
     try:
         strict.setup()
         with pytest.raises(RewardFailureError, match="judge crashed|not finite|NaN"):

@@ -18,7 +18,7 @@ from demo_run import CONFIG, demo_overrides, prompt_file
 from test_multiturn_pipeline import ENV_MODULE
 
 from cluster.config.schema import load_config
-from cluster.pipeline.async_trainer import make_trainer
+from cluster.pipeline.run import Run
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def _run(assets, tmp_path, **extra):
         "reward.kind": "environment",
         **extra,
     }
-    trainer = make_trainer(load_config(CONFIG, demo_overrides(assets, STEPS, **sets)), tmp_path / "run")
+    trainer = Run(load_config(CONFIG, demo_overrides(assets, STEPS, **sets)), tmp_path / "run")
     try:
         trainer.setup()
         rows = [trainer.iteration() for _ in range(STEPS)]

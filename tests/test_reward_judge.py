@@ -148,7 +148,7 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
     from demo_run import CONFIG, demo_overrides
 
     from cluster.config.schema import load_config
-    from cluster.pipeline.async_trainer import make_trainer
+    from cluster.pipeline.run import Run
 
     rows = [json.loads(line) for line in demo_assets.prompts.read_text().splitlines()[:64]]
     prompts = tmp_path / "prompts.jsonl"
@@ -164,7 +164,7 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
         "reward.max_failure_frac": 0.5,
     }
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **sets))
-    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         metrics = [trainer.iteration() for _ in range(2)]

@@ -1,5 +1,5 @@
 """The run-folder probe on the local Ray: each probe runs in an actor's own process, as it does in
-every learner rank at start-up (`Trainer.setup`, covered end to end by every Trainer test)."""
+every learner rank at start-up (`Run.setup`, covered end to end by every run test)."""
 
 from __future__ import annotations
 

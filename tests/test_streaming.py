@@ -12,8 +12,8 @@ import ray
 from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides, prompt_file, train_rows
 
 from cluster.config.schema import ConfigError, load_config
-from cluster.pipeline.async_trainer import AsyncTrainer, make_trainer
 from cluster.pipeline.checkpoint import latest_checkpoint
+from cluster.pipeline.run import Run
 from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
         "checkpoint.every_steps": 4,
         "timeouts.generate_s": 30,
     }
-    trainer = AsyncTrainer(cfg_for(demo_assets, 8, **extra), tmp_path / "run")
+    trainer = Run(cfg_for(demo_assets, 8, **extra), tmp_path / "run")
     seen_versions: dict[str, list[int]] = {}
 
     def record():
@@ -119,7 +119,7 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
     assert ckpt.name == "step-000004"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["outstanding"]  # prompts in flight or buffered at the checkpoint were recorded
-    resumed = AsyncTrainer(cfg_for(demo_assets, 8, **extra), tmp_path / "run", resume_from=ckpt)
+    resumed = Run(cfg_for(demo_assets, 8, **extra), tmp_path / "run", resume_from=ckpt)
     try:
         resumed.setup()
         assert resumed.step == 4 and resumed.version == 4
@@ -157,7 +157,7 @@ def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_
         "pipeline.max_inflight_per_worker": chunks,  # async: a step's chunks are all handed out at once
         "pipeline.max_staleness": 0,
     }
-    trainer = make_trainer(cfg_for(demo_assets, 2, **extra), tmp_path / mode)
+    trainer = Run(cfg_for(demo_assets, 2, **extra), tmp_path / mode)
     try:
         trainer.setup()
         first = trainer.iteration()
@@ -169,9 +169,9 @@ def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_
         chunk_s = first["time/generate" if mode == "sync" else "time/wait_data"] / chunks
         deadline = DEADLINE_IN_CHUNKS * chunk_s
         if mode == "async":  # eta = 0: no chunk of step 2 was handed out under step 1's deadline
-            assert not trainer.collector.tracker.calls("generate")
+            assert not trainer.pipeline.collector.tracker.calls("generate")
         # (timeouts.generate_s is read once, at set-up): every generate call handed out from now on
-        trainer.collector.timeouts["generate"] = deadline
+        trainer.pipeline.collector.timeouts["generate"] = deadline
         second = trainer.iteration()
     finally:
         trainer.close()
@@ -200,7 +200,7 @@ def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_a
         "rollout.chunk_size": 2,
         "timeouts.generate_s": 8,
     }
-    trainer = AsyncTrainer(cfg_for(demo_assets, 3, **extra), tmp_path / "run")
+    trainer = Run(cfg_for(demo_assets, 3, **extra), tmp_path / "run")
     try:
         trainer.setup()
         # Queued ahead of every chunk (calls of one caller run in order): the first chunk handed to
@@ -249,7 +249,7 @@ def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
         "rollout.chunk_size": 2,
         "timeouts.generate_s": 30,
     }
-    trainer = AsyncTrainer(cfg_for(demo_assets, steps, **extra), tmp_path / "run")
+    trainer = Run(cfg_for(demo_assets, steps, **extra), tmp_path / "run")
     seen: dict[str, list[int]] = {}
 
     def record() -> set[int]:
@@ -275,9 +275,9 @@ def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
         threading.Timer(0.1, lambda: ray.kill(victim, no_restart=True)).start()
         rows += [trainer.iteration() for _ in range(steps - 3)]
         record()
-        trainer.workers_to_current()
+        trainer.pipeline.workers_to_current()
         assert record() == {steps} and len(trainer.roles.workers) == 3
-        outstanding = trainer.buffer.outstanding()  # admitted, not trained: the next epoch's
+        outstanding = trainer.pipeline.buffer.outstanding()  # admitted, not trained: the next epoch's
     finally:
         trainer.close()
     assert sum(m["faults/actor_replacements"] for m in rows) >= 1

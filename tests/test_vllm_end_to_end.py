@@ -17,7 +17,7 @@ import ray
 from demo_run import CONFIG, demo_overrides
 
 from cluster.config.schema import load_config
-from cluster.pipeline.trainer import Trainer
+from cluster.pipeline.run import Run
 from cluster.weights.push import expected_fingerprint, verify_ack
 
 pytestmark = [
@@ -39,7 +39,7 @@ def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weig
     steps = 6
     sets = {"rollout.engine": "vllm", "rollout.weight_sync": weight_sync, "cluster.placement": placement}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         workers, names = trainer.roles.workers.handles, trainer.roles.workers.names
@@ -95,7 +95,7 @@ def test_two_colocated_ranks_train_on_the_whole_batch_beside_vllm(ray_local, dem
         sets = {"rollout.engine": engine, "cluster.placement": placement}
         sets |= {"learner.num_ranks": 2, "rollout.num_workers": workers}
         cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
-        trainer = Trainer(cfg, tmp_path / f"{engine}-{placement}")
+        trainer = Run(cfg, tmp_path / f"{engine}-{placement}")
         try:
             trainer.setup()
             ranks = trainer.roles.ranks  # a colocated rank's view runs __ray_call__ in its host
@@ -134,7 +134,7 @@ def test_a_lora_run_reaches_vllm_as_merged_weights(ray_local, demo_assets, tmp_p
     sets = {"rollout.engine": "vllm", "learner.lora.rank": 4, "learner.lora.alpha": 16, "learner.lr": 3e-3}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **SMALL_STEPS, **sets))
     assert cfg.reference.source == "policy_base"
-    trainer = Trainer(cfg, tmp_path / "run")
+    trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
         assert sorted(trainer.roles.by_role) == ["reward", "rollout"]

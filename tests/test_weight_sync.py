@@ -239,7 +239,7 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
     from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
     from cluster.config.schema import load_config
-    from cluster.pipeline.trainer import Trainer
+    from cluster.pipeline.run import Run
 
     ray = ray_local
     sets = {
@@ -249,7 +249,7 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
         "rollout.probe_every": 2,  # v1: first pushes, v2: on the cadence, v3: digests only
         **SMALL_STEPS,  # the versions are checked, not the learning
     }
-    trainer = Trainer(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
+    trainer = Run(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
     versions = lambda: ray.get([w.version.remote() for w in trainer.roles.workers.handles], timeout=60)  # noqa: E731
     try:
         trainer.setup()

@@ -4,7 +4,7 @@ OpenRLHF's dynamic filtering, slime's check_reward_nonzero_std).
 
 Pure Python, no Ray, in the style of `cluster.pipeline.stream_buffer`: the filter rules, the split of a scored
 chunk into kept and filtered groups, and the per-step accounting. Both pipelines use it:
-- sync (`Trainer.iteration`): rounds of collect -> filter -> draw exactly the missing number of prompts,
+- sync (`SyncPipeline.step`): rounds of collect -> filter -> draw exactly the missing number of prompts,
   until the batch holds `data.prompts_per_step` informative groups or `max_rounds` rounds ran;
 - async (`StreamBuffer.add_scored`): a scored chunk's filtered groups never enter the buffer and give
   their admission slot back (a new prompt takes it).

@@ -224,7 +224,7 @@ def _pass_keys(m: dict) -> list[str]:
 class Evaluator:
     """Held-out evaluation of the weights the workers hold (both pipelines): when it is due, one
     evaluation, and the before/after reports. `make_collector` builds a sync collector over the run's
-    pools (the async trainer evaluates through its stream instead, with `EvalRound`)."""
+    pools (the async pipeline evaluates through its stream instead, with `EvalRound`)."""
 
     def __init__(
         self,
@@ -242,7 +242,7 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """Evaluate on the held-out prompts after this step? Never after the last: the run's 'after'
-        evaluation is that step's (`Trainer.train`: summary.json's eval_after and a held-out-only row)."""
+        evaluation is that step's (`Run.train`: summary.json's eval_after and a held-out-only row)."""
         every = self.cfg.eval.every_steps
         return bool(self.prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 

@@ -1,5 +1,5 @@
 """The learner's side of one async step (`LearnerStep`): wait for a batch, train on every rank, export
-and publish the new weights, timing each phase. It holds no reference to the trainer: it is handed
+and publish the new weights, timing each phase. It holds no reference to its pipeline: it is handed
 the two calls it makes of it (`start_train`, `give_back`) and the publisher it exports through
 (`start_export`, `published`)."""
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 class LearnerStep:
     """The learner's side of one async step: wait for a batch, train on every rank, export and
-    publish the new weights (then `done`). Times each phase. Talks to the trainer through
+    publish the new weights (then `done`). Times each phase. Talks to its pipeline through
     `start_train` and `give_back`, and to its publisher through `start_export` and `published`."""
 
     def __init__(

@@ -1,7 +1,7 @@
 """The streaming data plane's bookkeeping: the admission rule and the trajectory buffer of chunks
 (`cluster.pipeline.collector.Chunk`, the record of a chunk in both pipelines).
 
-Pure Python, no Ray: the async trainer feeds it events and asks it what to do next, and the tests
+Pure Python, no Ray: the async pipeline (`StreamPipeline`) feeds it events and asks it what to do next, and the tests
 drive it directly.
 
 Staleness (eta, in policy versions) is bounded twice:

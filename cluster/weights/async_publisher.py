@@ -1,4 +1,4 @@
-"""How new weights reach the workers in async mode (`AsyncPublisher`, the async trainer's publisher).
+"""How new weights reach the workers in async mode (`AsyncPublisher`, the async pipeline's publisher).
 
 - `rollout.weight_sync: object_store`: every rank exports after a step (`start_export`), the
   bundle stays an object reference, and a worker that is behind loads it ahead of its next chunk
@@ -44,7 +44,7 @@ class PublishingStep(Protocol):
 
 
 class AsyncPublisher(WeightPublisher):
-    """The async trainer's publisher: besides the published version, the version each worker holds."""
+    """The async pipeline's publisher: besides the published version, the version each worker holds."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)

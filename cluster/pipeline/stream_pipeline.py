@@ -19,21 +19,20 @@ from __future__ import annotations
 import collections
 import os
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
-import ray
 
 from cluster.pipeline.calls import Call
 from cluster.pipeline.chunks import Chunk, RolloutBatch
 from cluster.pipeline.collector import StreamCollector
 from cluster.pipeline.dynamic_sampling import async_rounds
 from cluster.pipeline.evaluation import EvalRound
+from cluster.pipeline.failures import check_failures
 from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.learner_step import LearnerStep
+from cluster.pipeline.pipelines import RunParts, StepResult
 from cluster.pipeline.stream_buffer import StreamBuffer, Taken
-from cluster.pipeline.trainer import Trainer
 from cluster.roles.registry import running
 from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
@@ -56,42 +55,35 @@ def learner_held(announce: set[str]) -> bool:
     return True
 
 
-def make_trainer(cfg: Any, run_dir: Path, resume_from: Path | None = None) -> Trainer:
-    """The trainer of `pipeline.mode`: lock-step `Trainer` or streaming `AsyncTrainer`."""
-    cls = AsyncTrainer if cfg.pipeline.mode == "async" else Trainer
-    return cls(cfg, run_dir, resume_from=resume_from)
-
-
-class AsyncTrainer(Trainer):
-    """The async pipeline (`pipeline.mode: async`): the sync trainer's run, set-up, learner steps and
-    checkpoints, with the stream's collaborators: `StreamCollector` (dispatch), `StreamBuffer`
+class StreamPipeline:
+    """The async pipeline (`pipeline.mode: async`): `StreamCollector` (dispatch), `StreamBuffer`
     (admission, staleness), `AsyncPublisher` (per-worker versions) and `LearnerStep` (one step's
-    learner side)."""
+    learner side). See `cluster.pipeline.pipelines` for what a run asks of it."""
 
-    weights: AsyncPublisher
+    publisher: ClassVar[type[AsyncPublisher]] = AsyncPublisher
 
-    def make_publisher(self) -> AsyncPublisher:
-        return AsyncPublisher(self.cfg)
-
-    def setup(self) -> None:
-        super().setup()
-        cfg = self.cfg
-        self.collector = self.make_collector(StreamCollector)
+    def __init__(self, parts: RunParts, resume: dict | None) -> None:
+        self.parts = parts
+        cfg = self.cfg = parts.cfg
+        self.roles, self.weights, self.progress = parts.roles, parts.weights, parts.progress
+        self.collector = parts.collector(StreamCollector)
         self.weights.start_stream(self.collector)
         self.buffer = StreamBuffer(
-            self.stream,
+            parts.stream,
             cfg.data.prompts_per_step,
             cfg.rollout.chunk_size,
             cfg.pipeline.max_staleness,
             cfg.run.seed,
-            group_filter=self.group_filter,
+            group_filter=parts.group_filter,
             max_rounds=cfg.data.dynamic_sampling.max_rounds,
             wait=cfg.pipeline.stale_policy == "wait",
         )
-        if self.resume_state is not None:
-            st = self.resume_state
-            outstanding = [self.prompts_by_index[i] for i in st.get("outstanding", [])]
-            self.buffer.restore(self.version, outstanding, int(st.get("chunks", 0)), int(st.get("pulled", 0)))
+        if resume is not None:
+            by_index = {p.index: p for p in parts.prompts}
+            outstanding = [by_index[i] for i in resume.get("outstanding", [])]
+            self.buffer.restore(
+                self.weights.version, outstanding, int(resume.get("chunks", 0)), int(resume.get("pulled", 0))
+            )
         self.busy = {"generate": 0.0, "score": 0.0}
         self.held_announced: set[str] = set()
         self.faults = RolloutBatch()  # the step's faults (replacements, re-dispatches, losses)
@@ -100,25 +92,19 @@ class AsyncTrainer(Trainer):
         self.eval_round: EvalRound | None = None
         self.eval_ready: dict[str, float] | None = None  # a finished round's metrics, for the next row
 
-    # ------------------------------------------------------------------ hooks of the sync trainer
-
     @property
-    def prompts_by_index(self) -> dict[int, Any]:
-        return {p.index: p for p in self.prompts}
+    def version(self) -> int:
+        return self.weights.version
 
-    def extra_state(self) -> dict:
+    def state(self) -> dict:
         return {
-            **super().extra_state(),
             "outstanding": self.buffer.outstanding(),
             "chunks": self.buffer.chunks,
             "pulled": self.buffer.pulled,
         }
 
     def replace_lost_worker(self, member: Any) -> None:
-        """A worker lost during a broadcast: replaced in the background; it joins the next one. (Lost in
-        the push of a resume, before the stream's collector exists: replaced as in sync mode.)"""
-        if not isinstance(self.collector, StreamCollector):
-            return super().replace_lost_worker(member)
+        """A worker lost during a broadcast: replaced in the background; it joins the next one."""
         c, pool = self.collector, self.roles.workers
         c.tracker.drop_actor(member.name)
         c.replace_in_background(c.tracker, pool, pool.names.index(member.name))
@@ -128,10 +114,9 @@ class AsyncTrainer(Trainer):
     def workers_to_current(self) -> None:
         self.weights.workers_to_current()
 
-    def apply_scaling(self) -> list[str]:
+    def scale(self, targets: dict[str, int]) -> list[str]:
         """Grow in the background (new workers load the current weights, then pull); shrink by
         draining: a removed member takes no new work and leaves when its calls are done."""
-        targets = ray.get(self.control.targets.remote(), timeout=30)
         events = []
         for role in running(self.cfg):
             pool, kind = self.roles.by_role[role.name], role.work.kind
@@ -210,7 +195,7 @@ class AsyncTrainer(Trainer):
         that load the newest weights first (as before any chunk). One round at a time: a round due while
         the previous one is still out is skipped."""
         if self.eval_round is None:
-            self.eval_round = EvalRound(step, self.evaluator.prompts, self.cfg)
+            self.eval_round = EvalRound(step, self.parts.evaluator.prompts, self.cfg)
             self.eval_queue.extend(self.eval_round.chunks)
 
     def _eval_chunk_scored(self, chunk: Chunk) -> None:
@@ -218,14 +203,14 @@ class AsyncTrainer(Trainer):
             self.eval_ready, self.eval_round = m, None
 
     def _learner_value(self, call: Call) -> Any:
-        return self.learner.value(call.ref, call.label, self.step + 1)
+        return self.parts.learner.value(call.ref, call.label, self.progress.step + 1)
 
     def start_train(self, taken: Taken) -> list[Call]:
         """Every rank trains on its shard of `taken` (as in sync mode), tracked like any call."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.train_s
         return [
             add(name, ref, "train", limit, label=name, chunks=chunks)
-            for name, ref, chunks in self.learner.train_calls(taken.parts)
+            for name, ref, chunks in self.parts.learner.train_calls(taken.parts)
         ]
 
     def _check_learner_deadlines(self) -> None:
@@ -237,11 +222,10 @@ class AsyncTrainer(Trainer):
 
     # ------------------------------------------------------------------ one learner step
 
-    def iteration(self) -> dict[str, float]:
+    def step(self, step: int, targets: dict[str, int]) -> StepResult:
         c, progress = self.collector, self.progress
-        step = progress.step + 1
         self.faults = RolloutBatch()
-        scaling = self.apply_scaling()
+        scaling = self.scale(targets)
         busy0 = dict(self.busy)
         learner = LearnerStep(step, self.start_train, self.give_back, self.weights, self.cfg.rollout.dtype)
         while not learner.done:
@@ -272,17 +256,17 @@ class AsyncTrainer(Trainer):
         metrics = self._metrics(learner, busy0)
         progress.samples_seen += int(metrics["rollout/samples"])
         progress.record_batch(taken.parts)
-        if self.group_filter is not None:
+        if self.parts.group_filter is not None:
             metrics.update(self._dynamic_metrics(taken))
         metrics["scale/events"] = float(len(scaling))
         if self.eval_ready is not None:  # a held-out round that finished during this step
             metrics.update(self.eval_ready)
             self.eval_ready = None
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
-        self.finish_step(step, metrics, worker_lags=self.weights.lags(live))
-        if self.evaluator.due(step):
+        result = StepResult(metrics, worker_lags=self.weights.lags(live))
+        if self.parts.evaluator.due(step):
             self._queue_eval(step)
-        return metrics
+        return result
 
     def _dynamic_metrics(self, taken: Taken) -> dict[str, float]:
         """Dynamic sampling: the prompts filtered during this step (each gave its admission slot to a new
@@ -300,7 +284,7 @@ class AsyncTrainer(Trainer):
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
-        self.check_failures(step, taken.parts, total)
+        check_failures(self.cfg, step, taken.parts, total)
 
     def give_back(self, taken: Taken, lost: set[int]) -> None:
         """A batch no rank could train (inputs lost with their node): the lost chunks' prompts are
@@ -320,7 +304,7 @@ class AsyncTrainer(Trainer):
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         lags = list(self.weights.lags(live).values())
         return {
-            **sample_metrics(taken.parts, wall, self.data_stats, self.cfg.reward),
+            **sample_metrics(taken.parts, wall, self.parts.data_stats, self.cfg.reward),
             "rollout/queue_depth": float(depth),
             "rollout/staleness_mean": float(staleness.mean()),
             **step.metrics,

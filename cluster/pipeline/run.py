@@ -1,8 +1,11 @@
-"""The synchronous PPO loop: prompts -> rollout -> scoring -> learner -> weight push.
+"""One training run, whichever pipeline moves its data (`pipeline.mode`): set-up (roles, learner
+ranks, prompts, loggers, the control actor), checkpoints and resume, the step loop with its progress
+bar, the final export and evaluation, and the summary.
 
-The trainer owns no model; it moves records between roles, times every phase, applies scaling
-requests between iterations, and keeps the only state needed to resume besides the learner's own
-(step, policy version, data position).
+The run owns no model and no pipeline machinery: it builds the pipeline `PIPELINES` names for the
+mode and drives it through `cluster.pipeline.pipelines.Pipeline` (one call per step, its checkpoint
+state, lost workers, the final catch-up). Its resumable state besides the learner's: step, policy
+version, data position, and the pipeline's own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import yaml
 
 from cluster.config.schema import RunConfig
 from cluster.pipeline.chat import save_tokenizer
-from cluster.pipeline.chunks import Parts, RolloutBatch, env_errors, reward_errors
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, RunControl, control_name, current_run_id
 from cluster.pipeline.data import (
@@ -29,20 +31,22 @@ from cluster.pipeline.data import (
     load_tokenizer,
     pad_token_id,
 )
-from cluster.pipeline.dynamic_sampling import StepAccount, resolve_filter, round_seed, split_chunk
+from cluster.pipeline.dynamic_sampling import resolve_filter
 from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
+from cluster.pipeline.pipelines import Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
+from cluster.pipeline.stream_pipeline import StreamPipeline
+from cluster.pipeline.sync_pipeline import SyncPipeline
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
 from cluster.run.folder import check_ranks_see_run_folder
-from cluster.run.metrics import SyncStepTimes, held_out_only, sync_step_metrics, truncate_metrics
+from cluster.run.metrics import held_out_only, truncate_metrics
 from cluster.run.startup import StartupClock
 from cluster.run.summary import RunSummary
 from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
 from cluster.run.trackers.run_logger import RunLogger
-from cluster.weights.publisher import WeightPublisher
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "
@@ -51,19 +55,14 @@ FIXED_COUNTS = (
 )
 
 
-class RewardFailureError(RuntimeError):
-    """Too many rewards of one step failed (reward.max_failure_frac)."""
+PIPELINES: dict[str, type[Pipeline]] = {"sync": SyncPipeline, "async": StreamPipeline}
 
 
-class EnvironmentFailureError(RuntimeError):
-    """Too many episodes of one step failed in their environment (rollout.environment.max_failure_frac)."""
-
-
-class Trainer:
-    """The sync pipeline (`pipeline.mode: sync`), and the run both pipelines share: set-up, scaling,
-    learner steps, checkpoints, the whole run and its summary. Its collaborators: the rollout
-    collector (`collector`), the weight publisher (`weights`), the held-out evaluator (`evaluator`),
-    the checkpointer (`checkpoints`) and the run's progress (`progress`)."""
+class Run:
+    """One run: set-up, checkpoints, the step loop, the final export and evaluation, the summary. Its
+    collaborators: the pipeline of `pipeline.mode` (`pipeline`, built at the end of set-up), the weight
+    publisher (`weights`, the pipeline's kind), the learner ranks (`learner`), the held-out evaluator
+    (`evaluator`), the checkpointer (`checkpoints`) and the run's progress (`progress`)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
         self.cfg = cfg
@@ -71,7 +70,9 @@ class Trainer:
         self.resume_from = resume_from
         self.run_id = current_run_id(self.run_dir)
         self.progress = RunProgress()
-        self.weights = self.make_publisher()
+        self.pipeline_class = PIPELINES[cfg.pipeline.mode]
+        self.weights = self.pipeline_class.publisher(cfg)
+        self.pipeline: Pipeline | None = None  # built at the end of `setup`
         self.checkpoints = Checkpointer(self.run_dir, cfg)
         self.roles: Roles | None = None
         self.log = RunLogger(cfg.run.loggers)  # opened at the end of set-up; the driver's only logger
@@ -83,9 +84,6 @@ class Trainer:
         self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
         self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
-
-    def make_publisher(self) -> WeightPublisher:
-        return WeightPublisher(self.cfg)
 
     @property
     def version(self) -> int:
@@ -116,7 +114,6 @@ class Trainer:
         self.weights.bind(self.roles, self.replace_lost_worker)
         self.learner = LearnerRanks(cfg, self.roles, self.checkpoints.resume_hint)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
-        self.collector = self.make_collector(RolloutCollector)
         self.control = (
             ray.remote(RunControl)
             .options(
@@ -129,10 +126,27 @@ class Trainer:
             .remote(self._counts(), FIXED_COUNTS if self.roles.hosts else None)
         )
         self.evaluator = Evaluator(
-            cfg, self.tokenizer, data.eval, prompts, lambda: self.make_collector(RolloutCollector)
+            cfg,
+            self.tokenizer,
+            data.eval,
+            prompts,
+            lambda: collector_for(RolloutCollector, self.roles, cfg, self.weights),
         )
         if self.resume_from is not None:
             self.restore(self.resume_from)
+        parts = RunParts(
+            cfg=cfg,
+            roles=self.roles,
+            learner=self.learner,
+            weights=self.weights,
+            stream=self.stream,
+            prompts=prompts,
+            evaluator=self.evaluator,
+            progress=self.progress,
+            data_stats=self.data_stats,
+            group_filter=self.group_filter,
+        )
+        self.pipeline = self.pipeline_class(parts, self.resume_state)
         self.open_log()
         self.checkpoints.cadence.written()  # the minutes count from the end of set-up
         self.clock.mark("actors")
@@ -156,15 +170,6 @@ class Trainer:
         )
         self.log.artifact(self.run_dir / "config.yaml")
 
-    def make_collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
-        """A collector of `cls` over this run's pools, timeouts and replacement hook."""
-        return cls(
-            self.roles.by_role,
-            self.cfg.timeouts,
-            prepare=self.weights.prepare,
-            one_chunk_per_worker=bool(self.roles.hosts),
-        )
-
     def _counts(self) -> dict[str, int]:
         return {name: len(pool) for name, pool in self.roles.by_role.items()}
 
@@ -181,8 +186,9 @@ class Trainer:
 
     def extra_state(self) -> dict:
         """Run state saved with each checkpoint besides `progress` and the version: the prompt stream's
-        position (the async pipeline adds its buffer's)."""
-        return {"stream": self.stream.state_dict(), "trackers": dict(self.log.ids)}
+        position, the trackers' run ids and the pipeline's own state (the async buffer's)."""
+        own = self.pipeline.state() if self.pipeline is not None else {}
+        return {"stream": self.stream.state_dict(), "trackers": dict(self.log.ids), **own}
 
     def checkpoint(self) -> Path:
         """Write the checkpoint of the current step (once: a second call at the same step returns it)."""
@@ -203,94 +209,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
 
+    def targets(self) -> dict[str, int]:
+        """The pools' counts asked for through the control actor (`cluster.scale`)."""
+        return ray.get(self.control.targets.remote(), timeout=30)
+
     def apply_scaling(self) -> list[str]:
-        targets = ray.get(self.control.targets.remote(), timeout=30)
-        events = []
-        for role, want in targets.items():
-            added, removed = self.roles.by_role[role].resize(int(want))
-            events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
-        return events
+        """Resize the pools to the control actor's counts now (the pipeline's rule); the events."""
+        return self.pipeline.scale(self.targets())
 
     def sync_weights(self, version: int, members: list[Any] | None = None) -> float:
         """Push v`version` to `members` (every rollout worker when None); see `WeightPublisher.push`."""
         return self.weights.push(version, members)
 
     def replace_lost_worker(self, member: Any) -> None:
-        """A worker lost during a push: its replacement loads the weights just pushed before it samples."""
-        self.roles.workers.replace(self.roles.workers.names.index(member.name))
+        """A worker lost during a push: the pipeline's rule (before it exists, on resume: replaced in
+        place; its replacement loads the weights just pushed before it samples)."""
+        if self.pipeline is None:
+            replace_in_pool(self.roles, member)
+        else:
+            self.pipeline.replace_lost_worker(member)
 
     def iteration(self) -> dict[str, float]:
-        cfg, progress = self.cfg, self.progress
-        t0 = time.perf_counter()
-        step = progress.step + 1
-        scaling = self.apply_scaling()
-        account = None
-        if self.group_filter is None:
-            prompts = self.stream.next_batch(cfg.data.prompts_per_step)
-            batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-            self.check_failures(step, batch.parts, batch.total)
-        else:
-            batch, account = self.collect_informative(step)
-        t1 = time.perf_counter()
-        learner_metrics = self.learner.learn(batch, step, self.collector.regather)
-        t_train = time.perf_counter() - t1
-        t_sync = self.sync_weights(step)
-        progress.step = step
-        kept = batch.kept
-        progress.samples_seen += len(kept)
-        progress.record_batch(batch.parts)
-        times = SyncStepTimes(train=t_train, weight_sync=t_sync, wall=time.perf_counter() - t0)
-        metrics = sync_step_metrics(
-            batch,
-            learner_metrics,
-            times,
-            self.data_stats,
-            cfg.reward,
-            self.version,
-            len(self.roles.workers),
-            self.weights.replacements,
-        )
-        metrics["scale/events"] = float(len(scaling))
-        if account is not None:
-            progress.record_filtered(account.filtered_prompts)
-            metrics.update(account.metrics())
-            metrics["dynamic/filtered_total"] = float(progress.filtered_total)
-        if self.evaluator.due(step):
-            metrics.update(self.evaluator.evaluate()[0])
-        self.finish_step(step, metrics)
-        return metrics
-
-    def collect_informative(self, step: int) -> tuple[RolloutBatch, StepAccount]:
-        """Dynamic sampling, sync: collect, drop the groups the filter refuses, draw exactly the missing
-        number of prompts and collect again (round r's chunk seeds come from `round_seed`), until the
-        batch holds data.prompts_per_step groups or max_rounds rounds ran. Every drawn prompt is either
-        in the returned batch or in the account's filtered prompts; none is carried to the next step."""
-        cfg, ds = self.cfg, self.cfg.data.dynamic_sampling
-        account = StepAccount(cfg.data.prompts_per_step)
-        merged = RolloutBatch(selected={})
-        want = account.target
-        while True:
-            prompts = self.stream.next_batch(want)
-            seed = round_seed(cfg.run.seed, account.rounds)
-            got = self.collector.collect(prompts, step, seed, cfg.rollout.chunk_size)
-            self.check_failures(step, got.parts, got.total)
-            kept_groups, filtered = 0, []
-            for chunk in got.chunks:
-                kept_pos, dropped = split_chunk(chunk, self.group_filter)
-                filtered += dropped
-                if not kept_pos:
-                    continue
-                kept_groups += len(kept_pos)
-                chunk.index = len(merged.chunks)  # unique within the merged batch (regather finds it)
-                merged.chunks.append(chunk)
-                merged.selected[chunk.index] = sorted(j for pos in kept_pos.values() for j in pos)
-            account.record_round(len(prompts), kept_groups, filtered)
-            merged.count_in(got)
-            if account.finished(ds.max_rounds):
-                break
-            want = account.next_draw()
-        account.check_trainable(ds.max_rounds)
-        return merged, account
+        """One learner step through the pipeline, then recorded everywhere (and checkpointed if due)."""
+        step = self.progress.step + 1
+        result = self.pipeline.step(step, self.targets())
+        self.finish_step(step, result.metrics, result.worker_lags)
+        return result.metrics
 
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (the run's loggers, history); checkpoint if due.
@@ -300,31 +244,6 @@ class Trainer:
         self.progress.history.append(metrics)
         if self.checkpoints.due(step):
             self.checkpoint()
-
-    def check_failures(self, step: int, parts: Parts, total: int) -> None:
-        """Abort the step when more than reward.max_failure_frac of its `total` samples' rewards failed,
-        or more than rollout.environment.max_failure_frac of its episodes' environments failed."""
-        for errors, frac, field, what, error in (
-            (
-                reward_errors(parts),
-                self.cfg.reward.max_failure_frac,
-                "reward.max_failure_frac",
-                "rewards",
-                RewardFailureError,
-            ),
-            (
-                env_errors(parts),
-                self.cfg.rollout.environment.max_failure_frac,
-                "rollout.environment.max_failure_frac",
-                "episodes' environments",
-                EnvironmentFailureError,
-            ),
-        ):
-            if len(errors) > frac * total:
-                raise error(
-                    f"step {step}: {len(errors)}/{total} {what} failed (> {field}="
-                    f"{frac}); first errors: {errors[:3]}"
-                )
 
     # ------------------------------------------------------------------ whole run
 
@@ -372,7 +291,7 @@ class Trainer:
         )
         if self.cfg.data.chat_template_file:  # the Jinja file the prompts were rendered with
             save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
-        self.workers_to_current()
+        self.pipeline.workers_to_current()
         after = self.evaluator.report("after")
         if after is not None:  # the curves' last point (a row after the last step's) and the summary's
             self.log.step(StepRow(self.step, after, held_out_only=True))
@@ -412,9 +331,6 @@ class Trainer:
             extra=self.evaluator.summary_lines()
             + ([self.clock.line()] if "step 1" in self.clock.marks else []),
         )
-
-    def workers_to_current(self) -> None:
-        """Every rollout worker holds the newest weights (sync mode pushes them each step)."""
 
 
 def _postfix(m: dict[str, float]) -> dict[str, str]:
