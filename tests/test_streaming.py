@@ -125,7 +125,7 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
         assert resumed.step == 4 and resumed.version == 4
         for _ in range(4):
             resumed.iteration()
-        outstanding = resumed.buffer.outstanding()
+        outstanding = resumed.pipeline.buffer.outstanding()
     finally:
         resumed.close()
     # One epoch of 64 prompts in 8 steps of 8: each trained exactly once over the resumed run.
