@@ -116,6 +116,17 @@ def test_bad_judge_settings_name_the_field(judge_dir):
     tree = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}}
     with pytest.raises(ConfigError, match="reward.judge.model_path is required"):
         build_config({**tree, "reward": {"kind": "judge"}})
+    # the judge is a role of its own: the scorer's counts and resources would go unused
+    for field, value in (("num_replicas", 2), ("num_gpus", 1.0), ("num_cpus", 1.0), ("resources", {"r": 1})):
+        with pytest.raises(ConfigError, match=f"reward.{field}: .*set reward.judge.{field} instead"):
+            build_config({**tree, "reward": {"kind": "judge", "judge": {"model_path": "j"}, field: value}})
+    cfg = build_config(
+        {
+            **tree,
+            "reward": {"kind": "judge", "num_cpus": 0.25, "judge": {"model_path": "j", "num_replicas": 2}},
+        }
+    )
+    assert cfg.reward.judge.num_replicas == 2  # a scorer field at its default is no conflict
 
 
 def test_the_scorer_serves_the_judge_and_counts_its_failures(judge_dir, tiny_policy_dir):
