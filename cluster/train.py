@@ -10,6 +10,7 @@ Exit codes: 0 done; 1 the run failed; 2 bad input; 130 stopped by SIGINT; 143 st
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from cluster.config.schema import ConfigError, RunConfig, load_config
 from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
 from cluster.pipeline.data import RunPrompts, load_run_prompts, load_tokenizer
 from cluster.pipeline.prompt_files import prompt_files
+from cluster.roles.registry import ROLES
 from cluster.run.folder import resolve_paths
 from cluster.run.job_env import (
     SharedSessionError,
@@ -48,12 +50,12 @@ def preflight(cfg: RunConfig) -> RunPrompts:
     checks = [("model.policy_path", cfg.model.policy_path, "config.json")]
     if cfg.model.tokenizer_path:
         checks.append(("model.tokenizer_path", cfg.model.tokenizer_path, None))
-    if cfg.reference.model_path:
-        checks.append(("reference.model_path", cfg.reference.model_path, "config.json"))
-    if cfg.reward.kind == "model":
-        checks.append(("reward.model_path", cfg.reward.model_path, "config.json"))
-    if cfg.reward.kind == "judge":
-        checks.append(("reward.judge.model_path", cfg.reward.judge.model_path, "config.json"))
+    for role in ROLES:  # the model folders of the roles this run starts (reference, reward, judge)
+        if role.runs(cfg):
+            for attrs in role.path_attributes():
+                value = functools.reduce(getattr, attrs, cfg)
+                if value:
+                    checks.append((".".join(attrs), value, "config.json"))
     for field, path, must_hold in checks:
         p = Path(path)
         if not p.is_dir():

@@ -117,6 +117,20 @@ class JudgeConfig(_Strict):
         (0.0, 10.0), description="verdict 'score': [lo, hi]; a score outside fails its sample."
     )
     max_new_tokens: int = Field(16, ge=1, description="verdict 'score': most tokens of the judge's reply.")
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="Judge actors: the judge is a role of its own (scaled with `cluster.scale judge=K`); "
+        "with reward.kind='judge' no reward scorer runs, so reward.num_replicas, num_cpus, num_gpus and "
+        "resources are refused there.",
+    )
+    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per judge actor.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per judge actor (a GPU judge: 1).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each judge actor needs besides CPUs/GPUs, to pin it to node types "
+        "(as reward.resources). Empty: any node.",
+    )
 
     @field_validator("template")
     @classmethod
@@ -250,6 +264,39 @@ class RewardConfig(_Strict):
                 )
             seen[name] = i
         return self
+
+    @model_validator(mode="after")
+    def _judge_is_its_own_role(self) -> RewardConfig:
+        """kind='judge' starts judge actors (reward.judge.*) and no scorer: the scorer's counts and
+        resources set away from their defaults would be silently unused, so they are refused, naming the
+        judge's field."""
+        if self.kind != "judge":
+            return self
+        fields = type(self).model_fields
+        scorer_only = sorted(
+            name
+            for name in ("num_replicas", "num_cpus", "num_gpus", "resources")
+            if getattr(self, name) != fields[name].get_default(call_default_factory=True)
+        )
+        if scorer_only:
+            raise ValueError(
+                f"reward.{scorer_only[0]}: with reward.kind='judge' no reward scorer runs (the judge is a role "
+                f"of its own); set reward.judge.{scorer_only[0]} instead"
+            )
+        return self
+
+    def missing(self) -> str | None:
+        """What `kind` needs and the section lacks (checked once the whole run config is read, since
+        overrides may set the kind and its fields in any order); None when nothing is missing."""
+        needs = {
+            "model": (self.model_path, "reward.model_path"),
+            "rule": (self.function_entries(), "reward.rule or reward.functions"),
+            "remote": (self.url, "reward.url"),
+            "judge": (self.judge.model_path, "reward.judge.model_path"),
+        }
+        if self.kind in needs and not needs[self.kind][0]:
+            return f"{needs[self.kind][1]} is required when reward.kind={self.kind!r}"
+        return None
 
     def function_entries(self) -> list[FunctionEntry]:
         """The reward functions of kind='rule': reward.functions, or reward.rule (with reward.rule_module)

@@ -10,9 +10,11 @@ A sample the judge cannot judge fails, with the reason (its reference missing fr
 prompt longer than the judge's context, a reply without a score or outside the range, a non-finite
 value, a failed forward): the scorer counts it against `reward.max_failure_frac`, never as a 0.
 
-The judge runs inside the reward scorer actors (`RewardScorer`), so it scales with
-`reward.num_replicas`, takes `reward.num_gpus`, and has the reward role's deadlines and failure
-accounting. The hf path only (transformers); a vLLM judge is not built.
+`RewardScorer` with kind='judge' holds one and scores through it; the cluster runs those scorers as a
+role of their own, the judge's (`reward.judge.num_replicas` actors, `reward.judge.num_gpus` each,
+scaled with `cluster.scale judge=K`), with the scoring deadline (`timeouts.score_s`), failure
+accounting and exactly-once of every role; no reward scorer runs beside it. The hf path only
+(transformers); a vLLM judge is not built.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_no_module_of_cluster_but_the_roles_registry_names_a_role():
     from cluster.roles.registry import ROLES
 
     names = {r.name for r in ROLES}
-    assert names == {"learner", "rollout", "reference", "reward"}
+    assert names == {"learner", "rollout", "reference", "reward", "judge"}
     assert role_name_literals(ROOT, names, ROOT / "cluster" / "roles" / "registry.py") == []
 
 

@@ -116,6 +116,17 @@ def test_bad_judge_settings_name_the_field(judge_dir):
     tree = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}}
     with pytest.raises(ConfigError, match="reward.judge.model_path is required"):
         build_config({**tree, "reward": {"kind": "judge"}})
+    # the judge is a role of its own: the scorer's counts and resources would go unused
+    for field, value in (("num_replicas", 2), ("num_gpus", 1.0), ("num_cpus", 1.0), ("resources", {"r": 1})):
+        with pytest.raises(ConfigError, match=f"reward.{field}: .*set reward.judge.{field} instead"):
+            build_config({**tree, "reward": {"kind": "judge", "judge": {"model_path": "j"}, field: value}})
+    cfg = build_config(
+        {
+            **tree,
+            "reward": {"kind": "judge", "num_cpus": 0.25, "judge": {"model_path": "j", "num_replicas": 2}},
+        }
+    )
+    assert cfg.reward.judge.num_replicas == 2  # a scorer field at its default is no conflict
 
 
 def test_the_scorer_serves_the_judge_and_counts_its_failures(judge_dir, tiny_policy_dir):
@@ -137,18 +148,22 @@ def test_the_scorer_serves_the_judge_and_counts_its_failures(judge_dir, tiny_pol
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
-    ray_local, demo_assets, judge_dir, tmp_path
+    ray_local, demo_assets, judge_dir, tmp_path, placement
 ):
-    """The demo with the judge as its reward (colocated: the scorer that hosts the judge shares the
-    learner rank's process). Rows without the reference fail their samples, counted and never trained;
-    every other sample is scored by the judge, in [0, 1]."""
+    """The demo with the judge as its reward: the judge is a role of its own (judge actors, no reward
+    scorer), in the learner rank's process (colocated) or as its own actors, scaled 1 -> 2 between steps
+    (separate). Rows without the reference fail their samples, counted and never trained; every other
+    sample is scored by the judge, in [0, 1]. Scaling a reward scorer is refused: none runs."""
     import json
 
+    import ray
     from demo_run import CONFIG, demo_overrides
 
     from cluster.config.schema import load_config
     from cluster.pipeline.run import Run
+    from cluster.scale import main as scale_main
 
     rows = [json.loads(line) for line in demo_assets.prompts.read_text().splitlines()[:64]]
     prompts = tmp_path / "prompts.jsonl"
@@ -156,7 +171,7 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
         "".join(json.dumps({**r, "answer": "Yes"} if i % 4 else r) + "\n" for i, r in enumerate(rows))
     )
     sets = {
-        "cluster.placement": "colocated",
+        "cluster.placement": placement,
         "data.prompts_path": prompts,
         "reward.kind": "judge",
         "reward.model_path": None,
@@ -167,9 +182,18 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
     trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
-        metrics = [trainer.iteration() for _ in range(2)]
+        assert "judge" in trainer.roles.by_role and "reward" not in trainer.roles.by_role
+        metrics = [trainer.iteration()]
+        if placement == "separate":
+            assert scale_main(["--run", trainer.run_id, "judge=2"]) == 0
+        metrics.append(trainer.iteration())
+        judges = trainer.roles.by_role["judge"].names
+        with pytest.raises(ray.exceptions.RayTaskError, match="no reward actors to scale|colocated"):
+            ray.get(trainer.control.set_target.remote("reward", 2), timeout=30)
     finally:
         trainer.close()
+    if placement == "separate":
+        assert len(judges) == 2 and all(n.startswith("reward-judge-") for n in judges)
     for m in metrics:
         failed, trained = m["rollout/reward_failures"], m["train/sequences"]
         assert failed > 0 and trained > 0 and failed + trained == 64, m

@@ -33,20 +33,27 @@ def test_counts_and_resources_are_the_configs_and_the_plan_reads_them():
         data={"prompts_per_step": 8},
     )
     counts = {r.name: r.count(cfg) for r in ROLES}
-    assert counts == {"learner": 2, "rollout": 3, "reference": 2, "reward": 1}
+    assert counts == {"learner": 2, "rollout": 3, "reference": 2, "reward": 1, "judge": 1}
     shapes = role_shapes(cfg)
     assert [shapes[r.name].prefix for r in ROLES] == [r.prefix for r in ROLES]
-    assert {name: s.count for name, s in shapes.items()} == counts
+    assert {name: s.count for name, s in shapes.items()} == {**counts, "judge": 0}  # reward.kind='model'
     assert shapes["rollout"].bundle() == {"CPU": 0.5, "gen": 1.0}
     assert shapes["reference"].bundle() == {"CPU": 0.25, "GPU": 0.5}
-    assert [r.name for r in SCALABLE] == ["rollout", "reference", "reward"]
+    assert [r.name for r in SCALABLE] == ["rollout", "reference", "reward", "judge"]
+    judged = _cfg(
+        reward={"kind": "judge", "judge": {"model_path": "/j", "num_replicas": 3, "num_gpus": 1.0}},
+        data={"prompts_per_step": 8},
+    )
+    shapes = role_shapes(judged)
+    assert shapes["judge"].count == 3 and shapes["judge"].bundle() == {"CPU": 0.25, "GPU": 1.0}
+    assert shapes["reward"].count == 0  # the judge scores; no reward scorer runs
 
 
 def test_the_collector_calls_only_the_roles_the_run_runs():
     generate = generate_kind()
     assert generate == "generate" and WORK[generate].reads == "prompts"
-    assert scoring_kinds(train=True) == ("reference", "reward")
-    assert scoring_kinds(train=False) == ("reward",)  # held-out chunks need no reference
+    assert scoring_kinds(train=True) == ("reference", "reward", "judge")
+    assert scoring_kinds(train=False) == ("reward", "judge")  # held-out chunks need no reference
     for lora, with_reference in ((0, True), (4, False)):
         cfg = _cfg(learner={"lora": {"rank": lora}})
         names = [r.name for r in running(cfg)]
@@ -57,3 +64,9 @@ def test_the_collector_calls_only_the_roles_the_run_runs():
             "reward",
         )
         assert set(collector.timeouts) == {generate, *collector.after_generate(train=True)}
+    judged = _cfg(reward={"kind": "judge", "judge": {"model_path": "/j"}})
+    names = [r.name for r in running(judged)]
+    assert names == ["rollout", "reference", "judge"]
+    collector = RolloutCollector({name: object() for name in names}, judged.timeouts)
+    assert collector.after_generate(train=True) == ("reference", "judge")
+    assert collector.after_generate(train=False) == ("judge",)

@@ -115,14 +115,8 @@ class RunConfig(_Strict):
             raise ValueError(
                 "eval.greedy=true decodes with top_k=1, which rollout.engine='vllm' refuses: set eval.greedy=false"
             )
-        if self.reward.kind == "model" and not self.reward.model_path:
-            raise ValueError("reward.model_path is required when reward.kind='model'")
-        if self.reward.kind == "rule" and not self.reward.function_entries():
-            raise ValueError("reward.rule or reward.functions is required when reward.kind='rule'")
-        if self.reward.kind == "remote" and not self.reward.url:
-            raise ValueError("reward.url is required when reward.kind='remote'")
-        if self.reward.kind == "judge" and not self.reward.judge.model_path:
-            raise ValueError("reward.judge.model_path is required when reward.kind='judge'")
+        if (missing := self.reward.missing()) is not None:
+            raise ValueError(missing)
         return self
 
     def _environment(self) -> None:

@@ -47,8 +47,9 @@ class RunControl:
             raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
         if role not in self._targets:
             raise ValueError(
-                f"this run has no {role} actors to scale (e.g. reference.source='policy_base': the learner "
-                f"ranks compute it); it scales {', '.join(self._targets)}"
+                f"this run has no {role} actors to scale (reference.source='policy_base': the learner ranks "
+                f"compute it; reward.kind='judge': judge actors score and no reward scorer runs; any other "
+                f"kind: no judge runs); it scales {', '.join(self._targets)}"
             )
         if int(count) < 1:
             raise ValueError(f"{role}: at least 1 actor is needed (got {count})")

@@ -45,6 +45,7 @@ class LearnerStep:
         self.aborted = False
         self.publishing = False  # collective: trained, waiting for the broadcast of its weights
         self.t0 = time.perf_counter()
+        self.t1 = self.t2 = self.t0  # when training started, when publishing started
         self.t_wait = self.t_train = self.t_sync = 0.0
         self.done = False
 

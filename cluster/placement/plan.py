@@ -147,6 +147,8 @@ class PlacementPlan:
         parts = []
         for role in (r.name for r in ROLES):
             shape = self.shapes[role]
+            if not shape.count:
+                continue  # a role this run does not run
             if self._own_groups(role):
                 one = " + ".join(_fmt(b) for b in self.rollout.bundles())
                 parts.append(f"{shape.count} x {shape.prefix} [{one} on one node]")
@@ -161,7 +163,7 @@ class PlacementPlan:
             f"  asked for: {self.asked()}\n"
             f"  free/total resources per node:\n{nodes}\n"
             "  lower the roles' num_cpus/num_gpus or counts, change their resources "
-            f"({', '.join(f'{r.name}.resources' for r in ROLES)}), or add nodes "
+            f"({', '.join(f'{r.config_section}.resources' for r in ROLES)}), or add nodes "
             "(cluster.autoscaling: true where the cluster adds them itself)"
         )
 

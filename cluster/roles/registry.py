@@ -1,4 +1,5 @@
-"""The run's roles, each described once: the learner, the rollout workers, the reference and the reward.
+"""The run's roles, each described once: the learner, the rollout workers, the reference, the reward
+scorers and the LLM judge.
 
 A `Role` says what the rest of cluster/ needs to know of one role: its config section and the name
 `cluster.scale` takes (`name`), its actors' names, class and constructor arguments, how many the
@@ -63,7 +64,7 @@ class Work:
 
 @dataclass(frozen=True)
 class Role:
-    name: str  # its config section, and the name scaling takes
+    name: str  # the name scaling takes, and its config section unless `section` says otherwise
     prefix: str  # its actors' names: <prefix>-<slot>
     actor: str  # `module:Class` of its actor (imported where the actor runs)
     count: Callable[[RunConfig], int]  # how many the config starts
@@ -76,11 +77,22 @@ class Role:
     after_learner_setup: bool = False  # a colocated host builds it once the learner's world exists
     busy_metric: str | None = None  # the step's timing that is this role's busy time (telemetry)
     path_fields: tuple[str, ...] = ()  # fields of its section that name files or folders
+    section: str | None = None  # its config section's dotted path, when it is not `name`
     remote_options: Callable[[Place], dict[str, Any]] = lambda place: {}  # `ray.remote(...)` options
     runs: Callable[[RunConfig], bool] = lambda c: True  # False: this run starts none of its actors
 
     def actor_class(self) -> type:
         return resolve(self.actor)
+
+    @property
+    def config_section(self) -> str:
+        """Its config section's dotted path ("reward.judge")."""
+        return self.section or self.name
+
+    def path_attributes(self) -> tuple[tuple[str, ...], ...]:
+        """Its path fields as attribute paths from the run config."""
+        parents = tuple(self.config_section.split("."))
+        return tuple((*parents, name) for name in self.path_fields)
 
 
 # ---------------------------------------------------------------------- the collector's calls
@@ -209,9 +221,28 @@ REWARD = Role(
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
+    runs=lambda c: c.reward.kind != "judge",  # the judge role scores instead
 )
 
-ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD)  # also the bundle order of the plan
+JUDGE = Role(
+    name="judge",
+    prefix="reward-judge",
+    # the scorer's contract (a ScoreBatch per chunk; failed episodes failed, every sample counted) with
+    # the judge (reward_service/judge.py) as its only backend
+    actor="cluster.roles.actors:StreamingScorer",
+    count=lambda c: c.reward.judge.num_replicas,
+    resources=lambda c: Resources(c.reward.judge.num_cpus, c.reward.judge.num_gpus, c.reward.judge.resources),
+    args=lambda c, p: (c.reward, c.tokenizer_path),
+    host_threads=lambda c: c.learner.torch_threads,
+    work=Work("judge", "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
+    scalable=True,
+    # its calls' time is the step's time/score, exported as the reward role's busy time
+    path_fields=("model_path",),
+    section="reward.judge",
+    runs=lambda c: c.reward.kind == "judge",
+)
+
+ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE)  # also the bundle order of the plan
 BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
 SCALABLE: tuple[Role, ...] = tuple(r for r in ROLES if r.scalable)  # the pools' roles, in this order
 WORK: dict[str, Work] = {r.work.kind: r.work for r in ROLES if r.work is not None}

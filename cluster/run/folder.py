@@ -28,7 +28,7 @@ PATH_FIELDS = (  # attribute paths from the run config
     ("data", "prompts_path"),  # a path, a glob or a list of them: each made absolute
     ("data", "chat_template"),
     ("eval", "prompts_path"),
-    *((role.name, name) for role in ROLES for name in role.path_fields),  # the roles' own model folders
+    *(path for role in ROLES for path in role.path_attributes()),  # the roles' own model folders
 )
 KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_KEYWORDS}  # a path field's values that are no path
 
