@@ -2,7 +2,7 @@
 
 With `cluster.placement: colocated` the run starts one Ray actor per learner rank, a
 `ColocatedHost`, and nothing else. Host i holds learner rank i and, for every role whose count
-reaches i, rollout worker i, reference replica i and reward scorer i: the demo's four roles run in
+reaches i, rollout worker i, reference replica i and reward scorer (or judge) i: the demo's four roles run in
 one process instead of four (one torch/transformers/DeepSpeed import, one interpreter's memory).
 They share the rank's devices and take turns, as the synchronous pipeline does anyway: generate,
 score, (rollout engine sleeps), train, (engine wakes), new weights. verl's hybrid engine and
