@@ -28,8 +28,7 @@ import torch
 from learner.advantages import kl_loss, needs_critic
 from learner.algorithms import count_sequences
 from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
-from learner.config import LearnerConfig
-from learner.critic import RunningMoments
+from learner.context import LearnerContext
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, world_size
 from learner.losses import aggregate_loss, policy_loss, value_loss
 from learner.lr_schedule import advance_unapplied
@@ -67,10 +66,9 @@ class UpdateSums(RankSums):
         }
 
 
-def micro_batch_loss(
-    engine, mb: Batch, config: LearnerConfig, temperature: float, g_tokens: float, g_seqs: float
-):
+def micro_batch_loss(ctx: LearnerContext, mb: Batch, g_tokens: float, g_seqs: float):
     """The PPO loss of one micro-batch, normalised by the minibatch's global counts, and its local sums."""
+    engine, config, temperature = ctx.engine, ctx.config, ctx.temperature
     with_entropy = config.entropy_coef > 0  # else the sampled tokens' -log pi estimates it, for free
     scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, entropy=with_entropy)
     logprobs, values = scored.logprobs, scored.values
@@ -123,12 +121,18 @@ def micro_batch_loss(
     return loss, scored, local
 
 
-def ppo_update(
-    engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device, generator
-):
+def ppo_update(ctx: LearnerContext, batch: Batch):
     """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks.
 
     Each minibatch is one slot of the LR schedule's clock, stepped or not (learner.lr_schedule)."""
+    engine, config, temperature, pad_id, device = (
+        ctx.engine,
+        ctx.config,
+        ctx.temperature,
+        ctx.pad_id,
+        ctx.device,
+    )
+    generator = ctx.generator
     world = world_size()
     n_local = len(batch)
     lr = float(engine.get_lr()[0])  # the policy's rate at this step's first optimizer step
@@ -161,9 +165,7 @@ def ppo_update(
                 engine.set_gradient_accumulation_boundary(i == n_micro[j] - 1)
                 if i < len(micro[j]):
                     mb = batch.take(micro[j][i]).to(device)
-                    loss, scored, local = micro_batch_loss(
-                        engine, mb, config, temperature, counts[j], counts[k + j]
-                    )
+                    loss, scored, local = micro_batch_loss(ctx, mb, counts[j], counts[k + j])
                     if torch.isfinite(loss):
                         engine.backward(loss * world, scale_wrt_gas=False)
                         step_sums.add(local)
@@ -200,27 +202,15 @@ def ppo_update(
     return metrics
 
 
-def train_step(
-    engine,
-    trajectories: Sequence[Trajectory],
-    config: LearnerConfig,
-    kl_controller,
-    temperature: float,
-    pad_id: int,
-    generator: torch.Generator,
-    reward_moments: RunningMoments | None = None,
-) -> dict[str, float]:
-    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks).
-
-    `reward_moments`: the running score statistics `learner.reward_norm` normalises with (updated here).
-    """
+def train_step(ctx: LearnerContext, trajectories: Sequence[Trajectory], kl_controller) -> dict[str, float]:
+    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks)."""
     start = time.perf_counter()
-    device = engine.device
-    engine.train()
-    batch = pack_trajectories(trajectories, pad_id)
+    config, device = ctx.config, ctx.device
+    ctx.engine.train()
+    batch = pack_trajectories(trajectories, ctx.pad_id)
     kl_coef = float(kl_controller.value)
-    stats = prepare(engine, batch, config, kl_coef, temperature, pad_id, device, reward_moments)
-    metrics = ppo_update(engine, batch, config, temperature, pad_id, device, generator)
+    stats = prepare(ctx, batch, kl_coef)
+    metrics = ppo_update(ctx, batch)
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))
     metrics.update(stats)

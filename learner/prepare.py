@@ -25,8 +25,8 @@ from learner.advantages import (
 from learner.algorithms import episode_return, shape_rewards, whiten_with
 from learner.batch import Batch, dummy_batch
 from learner.config import LearnerConfig
+from learner.context import LearnerContext
 from learner.critic import (
-    RunningMoments,
     critic_stats,
     moments_over_ranks,
     normalized_rewards,
@@ -38,7 +38,7 @@ from learner.losses import off_policy_weights
 
 
 @torch.no_grad()
-def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: float, pad_id: int, device):
+def proximal_pass(ctx: LearnerContext, batch: Batch):
     """No-grad `old_logprobs` and `values` `[B, R]` of the shard, in micro-batches (same count on all ranks),
     and `[B]` values of the state after each row's last token (the bootstrap of a truncated response).
 
@@ -46,6 +46,13 @@ def proximal_pass(engine, batch: Batch, config: LearnerConfig, temperature: floa
     output position) with truncation='bootstrap'. With learner.reference_from_base each micro-batch
     also gets a second forward with the LoRA adapters off: the reference logprobs, filled into
     `batch.tokens.ref_logprobs` (the frozen initial policy is the base weights the adapters sit on)."""
+    engine, config, temperature, pad_id, device = (
+        ctx.engine,
+        ctx.config,
+        ctx.temperature,
+        ctx.pad_id,
+        ctx.device,
+    )
     micro = micro_batch_rows(batch, torch.arange(len(batch)), config)
     n = int(all_reduce([len(micro)], "max", device)[0])
     critic = needs_critic(config.advantage)
@@ -131,19 +138,11 @@ class BatchSums(RankSums):
     overlong_mismatch: float = 0.0  # samples showing overlong_max_tokens is not max_new_tokens
 
 
-def prepare(
-    engine,
-    batch: Batch,
-    config: LearnerConfig,
-    kl_coef: float,
-    temperature: float,
-    pad_id: int,
-    device,
-    reward_moments: RunningMoments | None = None,
-) -> dict[str, float]:
+def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float) -> dict[str, float]:
     """Proximal pass, shaped rewards, advantages by `config.advantage`, global whitening. Fills
-    `batch.tokens`; returns global stats."""
-    old_lp, values, boot = proximal_pass(engine, batch, config, temperature, pad_id, device)
+    `batch.tokens`; returns global stats (and updates `ctx.reward_moments` under learner.reward_norm)."""
+    config, device, reward_moments = ctx.config, ctx.device, ctx.reward_moments
+    old_lp, values, boot = proximal_pass(ctx, batch)
     mask = batch.mask
     reduce_sum = functools.partial(all_reduce, op="sum", device=device)
     truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)

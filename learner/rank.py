@@ -19,6 +19,7 @@ from learner.advantages import needs_critic
 from learner.algorithms import AdaptiveKLController, FixedKLController
 from learner.batch import Trajectory
 from learner.config import LearnerConfig
+from learner.context import LearnerContext
 from learner.critic import RunningMoments
 from learner.deepspeed_setup import (
     free_port,
@@ -127,17 +128,15 @@ class LearnerRank:
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One PPO iteration on this rank's shard; metrics are global and identical on every rank."""
-        engine = self._require_engine()
-        return train_step(
-            engine,
-            trajectories,
+        ctx = LearnerContext(
+            self._require_engine(),
             self.config,
-            self.kl_controller,
             self.temperature,
             self.pad_token_id,
             self.generator,
             self.reward_moments,
         )
+        return train_step(ctx, trajectories, self.kl_controller)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on at least one (a collective: all ranks call it)."""

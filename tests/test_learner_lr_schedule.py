@@ -203,6 +203,7 @@ def test_every_minibatch_moves_the_clock_taken_or_not(tiny_policy_dir, case):
     from test_learner_packing import GradientTap
 
     from learner.batch import pack_trajectories
+    from learner.context import LearnerContext
     from learner.model import PolicyWithValueHead
     from learner.ppo_step import ppo_update
     from learner.prepare import prepare
@@ -224,8 +225,8 @@ def test_every_minibatch_moves_the_clock_taken_or_not(tiny_policy_dir, case):
     seen = []
     for step in range(3):
         batch = pack_trajectories(_trajectories(6, seed=step, truncated=case == "empty"), pad_id=0)
-        prepare(tap, batch, config, 0.1, 1.0, 0, tap.device)
-        m = ppo_update(tap, batch, config, 1.0, 0, tap.device, torch.Generator().manual_seed(3))
+        prepare(LearnerContext(tap, config, 1.0, 0), batch, 0.1)
+        m = ppo_update(LearnerContext(tap, config, 1.0, 0, torch.Generator().manual_seed(3)), batch)
         assert (m["train/optimizer_steps"], m["train/skipped_steps"]) == {
             "applied": (4.0, 0.0),
             "skipped": (0.0, 4.0),

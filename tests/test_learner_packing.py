@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from learner.algorithms import entropy_from_logits
 from learner.batch import pack_trajectories
 from learner.config import LearnerConfig
+from learner.context import LearnerContext
 from learner.forward import forward_scores
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import ppo_update
@@ -184,8 +185,8 @@ def _minibatch_gradients(path, trajs, **cut) -> list[dict[str, torch.Tensor]]:
     tap = GradientTap(PolicyWithValueHead.from_pretrained(path, value_head_std=0.1))
     config = LearnerConfig(**{"ppo_epochs": 1, "num_minibatches": 2, "entropy_coef": 0.01, **cut})
     batch = pack_trajectories(trajs, pad_id=0)
-    prepare(tap, batch, config, 0.1, 0.7, 0, tap.device)
-    ppo_update(tap, batch, config, 0.7, 0, tap.device, torch.Generator().manual_seed(3))
+    prepare(LearnerContext(tap, config, 0.7, 0), batch, 0.1)
+    ppo_update(LearnerContext(tap, config, 0.7, 0, torch.Generator().manual_seed(3)), batch)
     return tap.grads
 
 
@@ -233,9 +234,9 @@ def test_entropy_is_not_computed_when_its_coefficient_is_zero(tmp_path, monkeypa
     tap = GradientTap(PolicyWithValueHead.from_pretrained(path))
     config = LearnerConfig(ppo_epochs=1, entropy_coef=0.0)
     batch = pack_trajectories(trajs, pad_id=0)
-    prepare(tap, batch, config, 0.1, 0.7, 0, tap.device)
+    prepare(LearnerContext(tap, config, 0.7, 0), batch, 0.1)
     monkeypatch.setattr(model_module, "entropy_from_logits", refuse)
-    ppo_update(tap, batch, config, 0.7, 0, tap.device, torch.Generator().manual_seed(3))
+    ppo_update(LearnerContext(tap, config, 0.7, 0, torch.Generator().manual_seed(3)), batch)
     assert len(tap.grads) == 1
 
 

@@ -220,6 +220,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
 
     from cluster.pipeline.trajectories import to_trajectory
     from learner.config import LearnerConfig
+    from learner.context import LearnerContext
     from learner.model import PolicyWithValueHead
     from learner.prepare import prepare
 
@@ -227,7 +228,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
     trajs = [to_trajectory(s, np.zeros(len(s.response_ids), np.float32), 1.0, 0, True) for s in samples]
     batch = pack_trajectories(trajs, pad_id=0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
-    stats = prepare(tap, batch, LearnerConfig(advantage="grpo"), 0.0, 1.0, 0, tap.device)
+    stats = prepare(LearnerContext(tap, LearnerConfig(advantage="grpo"), 1.0, 0), batch, 0.0)
     assert stats["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
     adv = batch.tokens.advantages
     for row, want in enumerate([1.161895, 0.387298, -0.387298, -1.161895]):
@@ -256,6 +257,7 @@ def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_po
     from test_learner_packing import GradientTap
 
     from learner.config import LearnerConfig
+    from learner.context import LearnerContext
     from learner.critic import RunningMoments
     from learner.model import PolicyWithValueHead
     from learner.prepare import prepare
@@ -275,7 +277,7 @@ def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_po
     config = LearnerConfig(
         advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False, reward_norm=mode, reward_norm_clip=clip
     )
-    stats = prepare(tap, batch, config, 0.0, 1.0, 0, tap.device, RunningMoments())
+    stats = prepare(LearnerContext(tap, config, 1.0, 0, reward_moments=RunningMoments()), batch, 0.0)
     np.testing.assert_allclose(batch.tokens.advantages.tolist(), want, atol=1e-6)
     assert (stats["reward_norm/count"], stats["reward_norm/mean"]) == (3.0, pytest.approx(1.0))
     assert stats["reward_norm/std"] == pytest.approx(2.0)

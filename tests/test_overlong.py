@@ -243,6 +243,7 @@ def _trajectories(truncated: list[bool], max_new: int = 6, seed: int = 0, swap: 
 
 
 def _run(path, trajs, kl_coef: float = 0.1, **overrides):
+    from learner.context import LearnerContext
     from learner.model import PolicyWithValueHead
     from learner.ppo_step import ppo_update
     from learner.prepare import prepare
@@ -253,8 +254,8 @@ def _run(path, trajs, kl_coef: float = 0.1, **overrides):
         **{"advantage": "grpo", "ppo_epochs": 1, "num_minibatches": 1, "micro_batch_size": 3, **overrides}
     )
     batch = pack_trajectories(trajs, pad_id=0)
-    stats = prepare(tap, batch, config, kl_coef, 1.0, 0, tap.device)
-    stats.update(ppo_update(tap, batch, config, 1.0, 0, tap.device, torch.Generator().manual_seed(3)))
+    stats = prepare(LearnerContext(tap, config, 1.0, 0), batch, kl_coef)
+    stats.update(ppo_update(LearnerContext(tap, config, 1.0, 0, torch.Generator().manual_seed(3)), batch))
     return tap.grads, stats, batch
 
 
@@ -289,6 +290,7 @@ def test_every_sample_filtered_takes_no_step_and_reports_a_zero_loss(policy_path
 
 
 def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gradients(policy_path):
+    from learner.context import LearnerContext
     from learner.model import PolicyWithValueHead
     from learner.ppo_step import micro_batch_loss
     from learner.prepare import prepare
@@ -298,9 +300,9 @@ def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gra
     for advantage in ("gae", "grpo"):
         config = LearnerConfig(advantage=advantage, overlong_filter=True, entropy_coef=0.01)
         batch = pack_trajectories(_trajectories([True, True]), pad_id=0)
-        prepare(tap, batch, config, 0.1, 1.0, 0, tap.device)
+        prepare(LearnerContext(tap, config, 1.0, 0), batch, 0.1)
         mb = batch.take(torch.arange(2))
-        loss, _scored, local = micro_batch_loss(tap, mb, config, 1.0, 0.0, 0.0)
+        loss, _scored, local = micro_batch_loss(LearnerContext(tap, config, 1.0, 0), mb, 0.0, 0.0)
         assert float(loss.detach()) == 0.0 and all(np.isfinite(local.as_tensor().numpy()))
         tap.model.zero_grad()
         loss.backward()
