@@ -160,20 +160,27 @@ def env_errors(parts: Parts) -> list[str]:
     ]
 
 
-@dataclass
-class RolloutBatch:
-    """A generated and scored batch (`chunks`, in chunk order) and what happened on the way; the
-    async pipeline keeps its fault counters in one too. Everything the driver computes from it
-    (metrics, reward failures, the learner's shards) comes from the chunks' facts and scores."""
+@dataclass(kw_only=True)
+class Faults:
+    """The faults the collector met and handled while collecting (the async pipeline counts a step's in
+    one of its own; a sync batch carries its own as a `RolloutBatch`)."""
+
+    replacements: int = 0  # dead or stuck role actors replaced
+    redispatched: int = 0  # pieces of work handed out again
+    lost: int = 0  # chunks generated again because their samples' object was lost with its node
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class RolloutBatch(Faults):
+    """A generated and scored batch (`chunks`, in chunk order) and what happened on the way (its
+    `Faults`, its times). Everything the driver computes from it (metrics, reward failures, the
+    learner's shards) comes from the chunks' facts and scores."""
 
     chunks: list[Chunk] = field(default_factory=list)
     time_generate: float = 0.0
     time_score: float = 0.0
     queue_depth: int = 0  # most chunks generated and waiting for their scores at once
-    replacements: int = 0
-    redispatched: int = 0
-    lost: int = 0  # chunks generated again because their samples' object was lost with its node
-    events: list[str] = field(default_factory=list)
     # chunk index -> the positions trained (dynamic sampling leaves filtered groups out); None: all
     selected: dict[int, list[int]] | None = None
 

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from cluster.pipeline.calls import Call, CallTracker
-from cluster.pipeline.chunks import Chunk, RolloutBatch, chunk_seed
+from cluster.pipeline.chunks import Chunk, Faults, RolloutBatch, chunk_seed
 from cluster.pipeline.data import Prompt
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 from cluster.roles.registry import ROLES, WORK, generate_kind, scoring_kinds
@@ -94,7 +94,7 @@ class RolloutCollector:
         ref, kept = WORK[kind].send(member.handle, chunk)
         return tracker.add(member.name, ref, kind, self.timeouts[kind], chunk, kept=kept, round=chunk.round)
 
-    def record(self, tracker: CallTracker, call: Call, stats: Any) -> Chunk | None:
+    def record(self, tracker: CallTracker, call: Call, stats: Faults) -> Chunk | None:
         """Settle a finished call and file its result on its chunk: the facts and the samples'
         reference (generate), the reference logprobs' reference, or the scores. Returns the chunk, or
         None when there is nothing to file (a start or prepare call, a failed call handed out again,
@@ -119,7 +119,7 @@ class RolloutCollector:
         self.submit(tracker, call.kind, call.payload, member)
         return True
 
-    def regenerate(self, tracker: CallTracker, call: Call, stats: Any) -> None:
+    def regenerate(self, tracker: CallTracker, call: Call, stats: Faults) -> None:
         """A call's input samples (scoring) or its own result (generate) were lost with the node that
         held the only copy: generate the chunk again, same seed, and ignore whatever its old round
         still returns."""
@@ -128,7 +128,7 @@ class RolloutCollector:
         self.lose(call.payload, stats)
         self.submit(tracker, "generate", call.payload)
 
-    def lose(self, chunk: Chunk, stats: Any, what: str = "samples") -> None:
+    def lose(self, chunk: Chunk, stats: Faults, what: str = "samples") -> None:
         """Count a loss of `chunk`'s objects (`what`) and forget its results, so it is generated again;
         a chunk lost max_attempts times is given up."""
         chunk.attempts["lost"] += 1
@@ -140,7 +140,7 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------ faults
 
-    def fail(self, tracker: CallTracker, call: Call, why: str, stats: Any) -> None:
+    def fail(self, tracker: CallTracker, call: Call, why: str, stats: Faults) -> None:
         """`call` died or is stuck: count an attempt on its chunk, replace its actor in the background
         and hand every call queued on that actor out again (the others count no attempt)."""
         chunk = call.payload
@@ -195,7 +195,7 @@ class RolloutCollector:
         for ref, timeout, check in calls:
             tracker.add(member.name, ref, "prepare", timeout, check=check)
 
-    def settle(self, tracker: CallTracker, call: Call, stats: Any) -> tuple[bool, Any]:
+    def settle(self, tracker: CallTracker, call: Call, stats: Faults) -> tuple[bool, Any]:
         """Get a finished call's value. Returns (True, value), or (False, None) after a dead actor was
         replaced and its work re-dispatched. A start or prepare call that fails is an error."""
         try:
@@ -224,7 +224,7 @@ class RolloutCollector:
             call.check(value)
         return True, value
 
-    def expire(self, tracker: CallTracker, stats: Any) -> None:
+    def expire(self, tracker: CallTracker, stats: Faults) -> None:
         for call in tracker.expired():
             if call.kind == "start":
                 raise ActorStartError(
@@ -249,7 +249,7 @@ class RolloutCollector:
         if self.one_chunk_per_worker:
             chunk_size = max(1, math.ceil(len(prompts) / len(self.pools["generate"])))
         batch = RolloutBatch(
-            [
+            chunks=[
                 Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
                 for ci, s in enumerate(range(0, len(prompts), chunk_size))
             ]

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cluster.pipeline.calls import Call
-from cluster.pipeline.chunks import Chunk, RolloutBatch
+from cluster.pipeline.chunks import Chunk, Faults
 from cluster.pipeline.collector import StreamCollector
 from cluster.pipeline.dynamic_sampling import async_rounds
 from cluster.pipeline.evaluation import EvalRound
@@ -86,7 +86,7 @@ class StreamPipeline:
             )
         self.busy = {"generate": 0.0, "score": 0.0}
         self.held_announced: set[str] = set()
-        self.faults = RolloutBatch()  # the step's faults (replacements, re-dispatches, losses)
+        self.faults = Faults()  # the step's (replacements, re-dispatches, losses)
         self.t_last = time.perf_counter()
         self.eval_queue: collections.deque[Chunk] = collections.deque()  # dispatched first
         self.eval_round: EvalRound | None = None
@@ -224,7 +224,7 @@ class StreamPipeline:
 
     def step(self, step: int, targets: dict[str, int]) -> StepResult:
         c, progress = self.collector, self.progress
-        self.faults = RolloutBatch()
+        self.faults = Faults()
         scaling = self.scale(targets)
         busy0 = dict(self.busy)
         learner = LearnerStep(step, self.start_train, self.give_back, self.weights, self.cfg.rollout.dtype)
