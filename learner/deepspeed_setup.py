@@ -50,15 +50,34 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+# DeepSpeed sizes ZeRO's buffers for GPUs: a 5e8-element gradient reduction bucket (1.9 GiB float32,
+# touched as far as a step's gradients reach) and all-gather bucket, and under ZeRO-3 up to 1e9
+# parameters kept gathered between uses. On a CPU rank (gloo) every byte of them is the machine's
+# memory and nothing overlaps the collectives anyway, so they are sized for CPUs there (measured by
+# bench/bench_zero_memory.py; the numbers each element is reduced to do not depend on the sizes).
+# `learner.deepspeed_overrides` still sets any of them.
+CPU_ZERO = {"reduce_bucket_size": 20_000_000, "allgather_bucket_size": 20_000_000}
+CPU_ZERO3 = {
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_max_live_parameters": 20_000_000,
+    "stage3_max_reuse_distance": 0,
+}
+
+
 def ds_config(config: LearnerConfig) -> dict[str, Any]:
     """The DeepSpeed config dict for a learner rank.
 
     `gradient_accumulation_steps` is 1 on purpose: a rank's shard size changes from step to step, so
     the PPO loop marks the accumulation boundary itself (`engine.set_gradient_accumulation_boundary`)
-    and scales its losses so micro-batches and ranks add up to the whole-batch loss.
+    and scales its losses so micro-batches and ranks add up to the whole-batch loss. On gloo (CPU
+    ranks) ZeRO's buckets are sized for CPUs (`CPU_ZERO`, `CPU_ZERO3`).
     """
     zero: dict[str, Any] = {"stage": config.zero_stage}
     pin = resolve_backend(config) == "nccl"  # page-locked host buffers speed up GPU<->CPU copies only
+    if not pin:
+        zero.update(CPU_ZERO)
+        if config.zero_stage == 3:
+            zero.update(CPU_ZERO3)
     if config.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if config.offload_params:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.config import LearnerConfig
-from learner.deepspeed_setup import ds_config, remove_shm_buffers, shm_buffer_path
+from learner.deepspeed_setup import CPU_ZERO, CPU_ZERO3, ds_config, remove_shm_buffers, shm_buffer_path
 from learner.model import VALUE_HEAD_FILE, PolicyWithValueHead, zero_dropout
 from learner.ppo_step import pack_trajectories
 from learner.trajectory import Trajectory
@@ -93,7 +93,16 @@ def test_deepspeed_config():  # the warm-up: test_learner_lr_schedule
             deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
         )
     )
-    assert cfg["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    # gloo (no GPU here): ZeRO's buckets sized for a CPU rank, the override on top
+    assert cfg["zero_optimization"] == {
+        "stage": 3,
+        **CPU_ZERO,
+        **CPU_ZERO3,
+        "stage3_param_persistence_threshold": 0,
+    }
+    assert ds_config(LearnerConfig(zero_stage=2))["zero_optimization"] == {"stage": 2, **CPU_ZERO}
+    gpu = LearnerConfig(zero_stage=3, backend="nccl", num_gpus_per_rank=1)
+    assert ds_config(gpu)["zero_optimization"] == {"stage": 3}  # DeepSpeed's own GPU sizes
     assert cfg["bf16"]["enabled"] and cfg["gradient_clipping"] == 0.5
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 1
     assert "bf16" not in ds_config(LearnerConfig())
