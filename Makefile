@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-scale gpu-smoke gpu-wheels clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,12 @@ bench-algos: $(STAMP)
 # balanced, 2 ranks on a Qwen2-shaped model (bench/bench_learner.py).
 bench-learner: $(STAMP)
 	$(BIN)/python bench/bench_learner.py $(ARGS)
+
+# Where a ZeRO-3 learner rank's memory goes (bench/bench_zero_memory.py): at rest, after and at the peak of two
+# steps, what the ZeRO optimizer holds against ZeRO's 16 bytes/parameter, DeepSpeed's GPU buffer sizes vs this
+# project's CPU sizes. 0.5B: ARGS="--hidden 896 --layers 24 --vocab 151936 --samples 2 --response-tokens 448".
+bench-memory: $(STAMP)
+	$(BIN)/python bench/bench_zero_memory.py $(ARGS)
 
 # Learner step memory and the weight push (object store vs collective, to hf and to vLLM) at 75M, 124M and
 # 0.5B parameters in one run, with the driver's peak RSS and this machine's memcpy bandwidth

@@ -51,6 +51,12 @@ CASES: dict[str, dict] = {
     "cpu-sizes": {},
     "cpu-sizes+chunked-logits": {"logits_chunk_tokens": 256},
     "cpu-sizes+chunked+checkpointing": {"logits_chunk_tokens": 256, "gradient_checkpointing": True},
+    "cpu-sizes+fused-adam": {"fused_adam": True},
+    "cpu-sizes+fused+chunked+checkpointing": {
+        "fused_adam": True,
+        "logits_chunk_tokens": 256,
+        "gradient_checkpointing": True,
+    },
 }
 
 

@@ -129,7 +129,12 @@ def build_optimizer(model: torch.nn.Module, config: LearnerConfig) -> torch.opti
             adamw_mode=True,
         )
     return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
+        params,
+        lr=config.lr,
+        betas=config.adam_betas,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        fused=True if config.fused_adam else None,  # None: torch's default implementation
     )
 
 

@@ -108,6 +108,29 @@ def test_deepspeed_config():  # the warm-up: test_learner_lr_schedule
     assert "bf16" not in ds_config(LearnerConfig())
 
 
+def test_fused_adam_is_torchs_fused_kernel_and_steps_as_the_default_does():
+    """learner.fused_adam: torch's fused AdamW (no partition-sized temporaries), the same update as the
+    default implementation to float32 rounding; refused with an offloaded optimizer (DeepSpeed's Adam)."""
+    from learner.deepspeed_setup import build_optimizer
+
+    torch.manual_seed(0)
+    w0, grads = torch.randn(1000), [torch.randn(1000) for _ in range(3)]
+    cfg = dict(lr=1e-2, weight_decay=0.1, adam_betas=(0.9, 0.99), adam_eps=1e-8)
+    weights = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(w0.clone())
+        opt = build_optimizer(torch.nn.ParameterList([p]), LearnerConfig(fused_adam=fused, **cfg))
+        assert opt.defaults["fused"] is (True if fused else None)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        weights.append(p.detach().clone())
+    assert not torch.equal(weights[0], w0)
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="learner.fused_adam and learner.offload_optimizer"):
+        LearnerConfig(fused_adam=True, offload_optimizer=True)
+
+
 def test_gradient_checkpointing_recomputes_blocks_and_keeps_the_gradients(tiny_policy_dir):
     ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
     attn = (ids != 0).long()
