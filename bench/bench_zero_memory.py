@@ -127,7 +127,7 @@ def _rank_main(rank: int, port: int, policy: str, fields: dict, shard, out) -> N
 
     proc = psutil.Process()
     shard = [Trajectory(*f) for f in shard]
-    config = LearnerConfig(dist_timeout_s=3600, ppo_epochs=1, zero_stage=3, micro_batch_size=2, **fields)
+    config = LearnerConfig(dist_timeout_s=3600, ppo_epochs=1, micro_batch_size=2, **fields)
     sampler = PeakRSS()
     base = sampler.rss()
     learner = LearnerRank(rank, 2, policy, config, temperature=1.0)
@@ -207,6 +207,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--response-tokens", type=int, default=192)
     ap.add_argument("--cases", nargs="+", default=list(CASES))
+    ap.add_argument("--zero-stage", type=int, choices=(2, 3), default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -234,12 +235,12 @@ def main() -> int:
         zero_mib = 16 * n / 2 / MIB
         print(
             f"Qwen2-shaped model: {n / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
-            f"{args.vocab}), float32, 2 ZeRO-3 ranks (gloo, 1 thread each), {args.samples} x {P + R} tokens "
+            f"{args.vocab}), float32, 2 ZeRO-{args.zero_stage} ranks (gloo, 1 thread each), {args.samples} x {P + R} tokens "
             f"per step ({args.samples // 2} per rank); ZeRO-3's accounting: {zero_mib:.0f} MiB per rank "
             "(16 bytes per parameter over 2 ranks)"
         )
         for case in args.cases:
-            res = run_case(tmp, CASES[case], shards)
+            res = run_case(tmp, {"zero_stage": args.zero_stage, **CASES[case]}, shards)
             row = {"case": case, "params": n, "ranks": res}
             rows.append(row)
             r0, r1 = res[0], res[1]
