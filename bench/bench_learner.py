@@ -40,7 +40,7 @@ CASES = {  # name -> (LearnerConfig fields, balance_ranks)
 }
 
 
-def _rank_main(repo: str, rank: int, port: int, policy: str, fields: dict, shard, reps: int, out) -> None:
+def _rank_main(rank: int, port: int, repo: str, policy: str, fields: dict, shard, reps: int, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     log = os.open(Path(policy) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 2)  # DeepSpeed's and transformers' chatter; shown if the rank fails
@@ -73,8 +73,11 @@ def _rank_main(repo: str, rank: int, port: int, policy: str, fields: dict, shard
     out.put((rank, rows))
 
 
-def run_case(repo: str, policy: str, fields: dict, shards, reps: int) -> tuple[float, float]:
-    """(median seconds of the slower rank, largest peak extra RSS in MiB over ranks and reps)."""
+def run_ranks(target, rank_args, log_dir: str) -> dict:
+    """Start `target(rank, port, *rank_args[rank], out)` for each rank in a spawned process (one
+    torch.distributed world on a free port) and return what each put on `out` as `(rank, value)`, by
+    rank. A rank that exits with an error kills the others; its log (`log_dir/rank<i>.log`, where the
+    rank sends its stderr) is in the raised error."""
     import torch.multiprocessing as mp
 
     from learner.deepspeed_setup import free_port
@@ -82,26 +85,29 @@ def run_case(repo: str, policy: str, fields: dict, shards, reps: int) -> tuple[f
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(repo, r, port, policy, fields, shards[r], reps, out))
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=(r, port, *a, out)) for r, a in enumerate(rank_args)]
     for p in procs:
         p.start()
-    results: dict[int, list] = {}
+    results: dict = {}
     while len(results) < len(procs):
         try:
-            rank, rows = out.get(timeout=5)
-            results[rank] = rows
+            rank, value = out.get(timeout=5)
+            results[rank] = value
         except queue.Empty:
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
                 for p in procs:
                     p.kill()
-                log = (Path(policy) / f"rank{failed[0]}.log").read_text()[-3000:]
+                log = (Path(log_dir) / f"rank{failed[0]}.log").read_text()[-3000:]
                 raise RuntimeError(f"learner rank {failed[0]} failed:\n{log}") from None
     for p in procs:
         p.join(timeout=120)
+    return results
+
+
+def run_case(repo: str, policy: str, fields: dict, shards, reps: int) -> tuple[float, float]:
+    """(median seconds of the slower rank, largest peak extra RSS in MiB over ranks and reps)."""
+    results = run_ranks(_rank_main, [(repo, policy, fields, shards[r], reps) for r in range(2)], policy)
     seconds = [max(results[0][i][0], results[1][i][0]) for i in range(reps)]
     extra = max(e for r in results.values() for _, e in r)
     return statistics.median(seconds), extra / MB

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
 import tempfile
 import time
@@ -171,31 +170,9 @@ def _rank_main(rank: int, port: int, policy: str, fields: dict, shard, out) -> N
 
 
 def run_case(policy: str, fields: dict, shards) -> dict[int, dict]:
-    import torch.multiprocessing as mp
+    from bench_learner import run_ranks
 
-    from learner.deepspeed_setup import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, policy, fields, shards[r], out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    while len(results) < 2:
-        try:
-            rank, row = out.get(timeout=5)
-            results[rank] = row
-        except queue.Empty:
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.kill()
-                log = (Path(policy) / f"rank{failed[0]}.log").read_text()[-3000:]
-                raise RuntimeError(f"learner rank {failed[0]} failed:\n{log}") from None
-    for p in procs:
-        p.join(timeout=120)
-    return results
+    return run_ranks(_rank_main, [(policy, fields, shards[r]) for r in range(2)], policy)
 
 
 def main() -> int:

@@ -74,7 +74,7 @@ def ds_config(config: LearnerConfig) -> dict[str, Any]:
     """
     zero: dict[str, Any] = {"stage": config.zero_stage}
     pin = resolve_backend(config) == "nccl"  # page-locked host buffers speed up GPU<->CPU copies only
-    if not pin:
+    if not pin:  # gloo: CPU ranks
         zero.update(CPU_ZERO)
         if config.zero_stage == 3:
             zero.update(CPU_ZERO3)
