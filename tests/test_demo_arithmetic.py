@@ -278,8 +278,9 @@ def test_config_names_the_demo_and_eval_fields():
         ConfigError, match="model.demo_assets.demo: .*one of arithmetic, calculator, sentiment"
     ):
         load_config(CONFIG, ["model.demo_assets.demo=chess"])
-    with pytest.raises(ConfigError, match="eval.greedy"):
-        load_config(CONFIG, ["eval.greedy=true", "rollout.engine=vllm"])
+    assert load_config(
+        CONFIG, ["eval.greedy=true", "rollout.engine=vllm"]
+    ).eval.greedy  # top_k=1 on every engine
     assert not load_config(CONFIG, ["eval.prompts_path=null"]).eval.enabled
     greedy = eval_sampling(
         load_config(CONFIG, ["eval.greedy=true", "eval.samples_per_prompt=3", "eval.pass_k=[1]"])

@@ -79,6 +79,18 @@ def test_truncated_sampling_records_the_distribution_sampled_from(worker, polici
     assert teacher_forced_gap(policies[0], samples, t) > 10 * TOL
 
 
+def test_top_k_one_is_greedy_whatever_the_seed(worker, policies):
+    """top_k=1 (eval.greedy, the judge's score verdict): every token is the argmax of the teacher-forced
+    forward (any other token would be outside the kept set: an infinite gap), its logprob 0, and the
+    seed changes nothing."""
+    sampling = SamplingConfig(n=2, max_new_tokens=12, temperature=0.7, top_k=1)
+    first = worker.generate(INDICES, PROMPTS, seed=5, sampling=sampling)
+    other = worker.generate(INDICES, PROMPTS, seed=6, sampling=sampling)
+    assert sample_key(first) == sample_key(other)
+    assert teacher_forced_gap(policies[0], first, 0.7, top_k=1) < TOL
+    assert all(np.abs(s.logprobs).max() < TOL for s in first)
+
+
 def test_same_seed_same_samples_other_seed_differs(worker):
     sampling = SamplingConfig(n=2, max_new_tokens=12)
     first = worker.generate(INDICES, PROMPTS, seed=123, sampling=sampling)

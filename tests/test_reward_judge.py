@@ -129,6 +129,23 @@ def test_bad_judge_settings_name_the_field(judge_dir):
     assert cfg.reward.judge.num_replicas == 2  # a scorer field at its default is no conflict
 
 
+def test_every_judge_engine_is_registered_and_only_the_cluster_serves_vllm(judge_dir):
+    """reward.judge.engine's allowed values are the registry's (cluster.roles.judge_engines); the judge
+    built without the cluster's model refuses an engine other than hf instead of quietly using hf."""
+    from typing import get_args
+
+    from cluster.roles.judge_engines import JUDGE_ENGINES, judge_model
+    from reward_service.judge import HFJudgeModel
+
+    assert get_args(JudgeConfig.model_fields["engine"].annotation) == JUDGE_ENGINES.names()
+    served = JudgeConfig(model_path=str(judge_dir), engine="vllm")
+    with pytest.raises(ValueError, match="reward.judge.engine='vllm' is served by the model the cluster"):
+        JudgeReward(served)
+    assert isinstance(
+        judge_model(RewardConfig(kind="judge", judge=JudgeConfig(model_path=str(judge_dir)))), HFJudgeModel
+    )
+
+
 def test_the_scorer_serves_the_judge_and_counts_its_failures(judge_dir, tiny_policy_dir):
     """The reward scorer actor's class with kind='judge': policy ids decoded, the judge's verdicts as
     the scores, a row without its reference failed and counted."""

@@ -155,8 +155,9 @@ JUDGE_CHAT_TEMPLATE = (
 )
 
 
-def build_judge(out: Path, seed: int = 2, reply: str | None = None) -> Path:
-    """A 1-layer GPT-2 judge with a word-level tokenizer of its own and a chat template. `reply`: every
+def build_judge(out: Path, seed: int = 2, reply: str | None = None, n_embd: int = 16) -> Path:
+    """A 1-layer GPT-2 judge with a word-level tokenizer of its own and a chat template (n_embd=64 for
+    vLLM, whose CPU attention needs a head size of at least 32). `reply`: every
     position's logits put the token `reply` far ahead (final layer norm to a constant vector, an untied
     lm_head with one row along it), so greedy generation repeats it: a judge whose answer is known."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + JUDGE_WORDS)}
@@ -166,7 +167,7 @@ def build_judge(out: Path, seed: int = 2, reply: str | None = None) -> Path:
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
     tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
-    cfg = _config(tokenizer, n_layer=1, n_embd=16)
+    cfg = _config(tokenizer, n_layer=1, n_embd=n_embd)
     cfg.tie_word_embeddings = False
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)

@@ -111,10 +111,6 @@ class RunConfig(_Strict):
                 "taken against the learner's proximal policy; this corrects for the behaviour policy), or "
                 "pipeline.max_staleness=0"
             )
-        if self.eval.greedy and self.eval.enabled and self.rollout.engine != "hf":
-            raise ValueError(
-                "eval.greedy=true decodes with top_k=1, which rollout.engine='vllm' refuses: set eval.greedy=false"
-            )
         if (missing := self.reward.missing()) is not None:
             raise ValueError(missing)
         return self

@@ -433,7 +433,7 @@ class EvalSection(_Strict):
     samples_per_prompt: int = Field(1, ge=1, description="Responses drawn per held-out prompt.")
     greedy: bool = Field(
         False,
-        description="Greedy decoding (top_k=1; engine='hf') instead of sampling like the rollouts "
+        description="Greedy decoding (top_k=1, on every engine) instead of sampling like the rollouts "
         "(rollout.sampling without its n).",
     )
     max_prompts: int | None = Field(

@@ -25,6 +25,7 @@ from typing import Any  # noqa: E402
 import ray  # noqa: E402
 
 from cluster.pipeline.chunks import PromptFacts, SampleFacts, sample_facts  # noqa: E402
+from cluster.roles.judge_engines import judge_model  # noqa: E402
 from reward_service.reference import ReferencePolicy  # noqa: E402
 from reward_service.scorer import RewardScorer  # noqa: E402
 from rollout_workers.worker import RolloutWorker  # noqa: E402
@@ -72,3 +73,12 @@ class StreamingScorer(RewardScorer):
             messages=[r.messages for r in rows],
             finish_reasons=[s.finish_reason for s in samples],
         )
+
+
+@starts_without_gc
+class StreamingJudge(StreamingScorer):
+    """The scorer with kind='judge', its judge served by reward.judge.engine (`cluster.roles.judge_engines`)."""
+
+    def __init__(self, config: Any, policy_tokenizer_path: str, torch_threads: int = 1) -> None:
+        model = judge_model(config, torch_threads)
+        super().__init__(config, policy_tokenizer_path, torch_threads, judge_model=model)

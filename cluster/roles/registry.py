@@ -228,8 +228,8 @@ JUDGE = Role(
     name="judge",
     prefix="reward-judge",
     # the scorer's contract (a ScoreBatch per chunk; failed episodes failed, every sample counted) with
-    # the judge (reward_service/judge.py) as its only backend
-    actor="cluster.roles.actors:StreamingScorer",
+    # the judge (reward_service/judge.py) as its only backend, served by reward.judge.engine
+    actor="cluster.roles.actors:StreamingJudge",
     count=lambda c: c.reward.judge.num_replicas,
     resources=lambda c: Resources(c.reward.judge.num_cpus, c.reward.judge.num_gpus, c.reward.judge.resources),
     args=lambda c, p: (c.reward, c.tokenizer_path),
