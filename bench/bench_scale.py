@@ -105,6 +105,12 @@ def main() -> int:
         action="store_true",
         help="no learner step (the pushes only: where the step does not fit)",
     )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="the learner options that fit the 0.5B step on 24 GiB (docs/benchmarks.md, 'Learner memory at "
+        "0.5B'): learner.fused_adam, logits_chunk_tokens=256, gradient_checkpointing",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch (and OMP) threads per actor")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="collective broadcast bucket")
     ap.add_argument("--memcpy-mib", type=int, default=None, help="buffer of the memory-copy measurement")

@@ -12,6 +12,8 @@ import sys
 import time
 
 MIB = 2**20
+# bench_scale --fit: what fits the 0.5B step on 24 GiB (bench_zero_memory's last row)
+FIT = {"fused_adam": True, "logits_chunk_tokens": 256, "gradient_checkpointing": True}
 
 
 def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> list:
@@ -94,6 +96,7 @@ class Size:
             ppo_epochs=1,
             micro_batch_size=a.micro_batch,
             dist_timeout_s=a.timeout,
+            **(FIT if a.fit else {}),
         )
         t0 = time.perf_counter()
         actor = ray.remote(LearnerRank).options(num_cpus=1)
