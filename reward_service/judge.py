@@ -43,14 +43,15 @@ class JudgeModel(Protocol):
     """What a judge's model computes, on prompts already encoded by the judge's tokenizer (every row
     fits `max_len`, where it is not None)."""
 
-    max_len: int | None  # the longest prompt + reply the model takes (None: no fixed limit)
+    max_len: int | None  # the most tokens of a prompt plus the reply it may get (None: no fixed limit)
 
     def pair_logprobs(self, rows: list[list[int]], first: int, second: int) -> np.ndarray:
         """float [n, 2]: log P(first) and log P(second) as the next token after each row (temperature 1)."""
         ...
 
     def greedy(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """The argmax reply's token ids to each row, at most `max_new_tokens`, ending at an EOS token."""
+        """The argmax reply's token ids to each row, at most `max_new_tokens`, up to its EOS token
+        (padding may follow; the judge decodes without special tokens)."""
         ...
 
 

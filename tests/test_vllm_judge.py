@@ -4,6 +4,7 @@ transformers judge gives the same prompts, and a run that trains on them."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 
@@ -58,10 +59,17 @@ def test_the_vllm_judge_gives_the_transformers_judges_verdicts(judge_dir, seven_
     assert "more than the judge's context allows (63)" in errors[0] and errors[1] is None
     assert hf.score([long])[1] == [None]
 
+    # One vLLM engine in this process at a time: dropping an engine tears down vLLM's process-wide
+    # parallel groups, which an engine built before the drop still uses.
+    del served
+    gc.collect()
     served, hf = _both(JudgeConfig(model_path=str(seven_dir), verdict="score", max_new_tokens=3), 2)
     scores, errors, replies = served.score(INPUTS[:3])
+    assert errors == [None] * 3, errors
     assert (scores.tolist(), errors, replies) == ([7.0] * 3, [None] * 3, ["7 7 7"] * 3)
     assert replies == hf.score(INPUTS[:3])[2]
+    del served
+    gc.collect()
 
 
 @pytest.mark.slow

@@ -12,6 +12,11 @@ a role imports no other role, and cluster/ joins them.
 - greedy: `generate` with top_k=1 (the argmax, whatever the temperature), one reply per prompt, ending
   at an EOS token or after max_new_tokens.
 - Its length limit is the engine's `max_model_len` less the one token the yes/no probe appends.
+- With vLLM's engine core in the process (its CPU default), dropping an engine tears down vLLM's
+  process-wide parallel groups (`EngineCore.shutdown` -> `cleanup_dist_env_and_memory`), which every
+  other engine of that process still uses: a judge actor holds its one engine for its life (a
+  colocated host with a vLLM judge beside a vLLM rollout engine, two engines in one process, is not
+  tested).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from learner.registry import Part, Registry
 from reward_service.config import RewardConfig
+from rollout_workers.config import RolloutConfig, SamplingConfig, VLLMConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,8 +68,7 @@ class VLLMJudgeModel:
     """The judge's model on the rollout role's vLLM engine."""
 
     def __init__(self, reward: RewardConfig, torch_threads: int = 1) -> None:
-        from rollout_workers.config import RolloutConfig, SamplingConfig, VLLMConfig
-        from rollout_workers.vllm_engine import VLLMEngine
+        from rollout_workers.vllm_engine import VLLMEngine  # imports vLLM: only where a vLLM judge runs
 
         judge = reward.judge
         if not judge.model_path:
@@ -77,7 +82,6 @@ class VLLMJudgeModel:
         self.engine = VLLMEngine(judge.model_path, engine_config)
         limit = self.engine.max_model_len
         self.max_len = None if limit is None else limit - 1
-        self._sampling_config = SamplingConfig
 
     def pair_logprobs(self, rows: list[list[int]], first: int, second: int) -> np.ndarray:
         sequences = [np.asarray([*r, t], dtype=np.int64) for r in rows for t in (first, second)]
@@ -86,6 +90,6 @@ class VLLMJudgeModel:
 
     def greedy(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         prompts = [np.asarray(r, dtype=np.int64) for r in rows]
-        greedy = self._sampling_config(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, n=1)
+        greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=max_new_tokens, n=1)
         outputs = self.engine.generate(prompts, greedy, seed=0)
         return [out[0].response_ids.tolist() for out in outputs]
