@@ -173,29 +173,12 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
     scorer), in the learner rank's process (colocated) or as its own actors, scaled 1 -> 2 between steps
     (separate). Rows without the reference fail their samples, counted and never trained; every other
     sample is scored by the judge, in [0, 1]. Scaling a reward scorer is refused: none runs."""
-    import json
-
     import ray
-    from demo_run import CONFIG, demo_overrides
 
-    from cluster.config.schema import load_config
     from cluster.pipeline.run import Run
     from cluster.scale import main as scale_main
 
-    rows = [json.loads(line) for line in demo_assets.prompts.read_text().splitlines()[:64]]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({**r, "answer": "Yes"} if i % 4 else r) + "\n" for i, r in enumerate(rows))
-    )
-    sets = {
-        "cluster.placement": placement,
-        "data.prompts_path": prompts,
-        "reward.kind": "judge",
-        "reward.model_path": None,
-        "reward.judge.model_path": judge_dir,
-        "reward.max_failure_frac": 0.5,
-    }
-    cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **sets))
+    cfg = judge_run_config(demo_assets, judge_dir, tmp_path, placement, steps=2)
     trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
@@ -212,6 +195,37 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
     if placement == "separate":
         assert len(judges) == 2 and all(n.startswith("reward-judge-") for n in judges)
     for m in metrics:
-        failed, trained = m["rollout/reward_failures"], m["train/sequences"]
-        assert failed > 0 and trained > 0 and failed + trained == 64, m
-        assert 0.0 < m["rollout/reward_mean"] < 1.0
+        assert_judged(m)
+
+
+def judge_run_config(demo_assets, judge_dir, tmp_path, placement: str, steps: int, **sets):
+    """The demo's config with `judge_dir` as its reward on its first 64 prompts, every fourth row
+    without the reference (`answer`) the judge's template reads, so those samples fail."""
+    import json
+
+    from demo_run import CONFIG, demo_overrides
+
+    from cluster.config.schema import load_config
+
+    rows = [json.loads(line) for line in demo_assets.prompts.read_text().splitlines()[:64]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({**r, "answer": "Yes"} if i % 4 else r) + "\n" for i, r in enumerate(rows))
+    )
+    judge = {
+        "cluster.placement": placement,
+        "data.prompts_path": prompts,
+        "reward.kind": "judge",
+        "reward.model_path": None,
+        "reward.judge.model_path": judge_dir,
+        "reward.max_failure_frac": 0.5,
+    }
+    return load_config(CONFIG, demo_overrides(demo_assets, steps, **judge, **sets))
+
+
+def assert_judged(m: dict) -> None:
+    """A step of `judge_run_config`'s run: the rows without the reference failed, counted and never
+    trained; the others were trained on verdicts in (0, 1)."""
+    failed, trained = m["rollout/reward_failures"], m["train/sequences"]
+    assert failed > 0 and trained > 0 and failed + trained == 64, m
+    assert 0.0 < m["rollout/reward_mean"] < 1.0

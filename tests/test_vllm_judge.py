@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import json
 
 import numpy as np
 import pytest
-from test_reward_judge import INPUTS, _input
+from test_reward_judge import INPUTS, _input, assert_judged, judge_run_config
 from tiny_models import build_judge
 
 from cluster.roles.judge_engines import judge_model
@@ -77,26 +76,11 @@ def test_the_vllm_judge_gives_the_transformers_judges_verdicts(judge_dir, seven_
 def test_a_run_trains_on_the_vllm_judges_verdicts(ray_local, demo_assets, judge_dir, tmp_path, placement):
     """The demo (hf rollouts) with the judge on vLLM, as its own actor or in the learner rank's host:
     every sample whose row has the reference is scored in (0, 1), the others fail and are counted."""
-    from demo_run import CONFIG, demo_overrides
-
-    from cluster.config.schema import load_config
     from cluster.pipeline.run import Run
 
-    rows = [json.loads(line) for line in demo_assets.prompts.read_text().splitlines()[:64]]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({**r, "answer": "Yes"} if i % 4 else r) + "\n" for i, r in enumerate(rows))
+    cfg = judge_run_config(
+        demo_assets, judge_dir, tmp_path, placement, steps=1, **{"reward.judge.engine": "vllm"}
     )
-    sets = {
-        "cluster.placement": placement,
-        "data.prompts_path": prompts,
-        "reward.kind": "judge",
-        "reward.model_path": None,
-        "reward.judge.model_path": judge_dir,
-        "reward.judge.engine": "vllm",
-        "reward.max_failure_frac": 0.5,
-    }
-    cfg = load_config(CONFIG, demo_overrides(demo_assets, 1, **sets))
     run = Run(cfg, tmp_path / "run")
     try:
         run.setup()
@@ -104,6 +88,4 @@ def test_a_run_trains_on_the_vllm_judges_verdicts(ray_local, demo_assets, judge_
         m = run.iteration()
     finally:
         run.close()
-    failed, trained = m["rollout/reward_failures"], m["train/sequences"]
-    assert failed > 0 and trained > 0 and failed + trained == 64, m
-    assert 0.0 < m["rollout/reward_mean"] < 1.0
+    assert_judged(m)
