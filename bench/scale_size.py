@@ -12,8 +12,6 @@ import sys
 import time
 
 MIB = 2**20
-# bench_scale --fit: what fits the 0.5B step on 24 GiB (bench_zero_memory's last row)
-FIT = {"fused_adam": True, "logits_chunk_tokens": 256, "gradient_checkpointing": True}
 
 
 def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> list:
@@ -80,6 +78,7 @@ class Size:
 
     def start_learner(self) -> None:
         import ray
+        from bench_zero_memory import FIT
         from machine import PeakRSS
 
         from learner.config import LearnerConfig, LoRAConfig
