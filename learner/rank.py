@@ -18,6 +18,7 @@ import torch.distributed as dist
 from learner.advantages import needs_critic
 from learner.algorithms import AdaptiveKLController, FixedKLController
 from learner.batch import Trajectory
+from learner.bundle_probe import bundle_probe_logprobs
 from learner.config import LearnerConfig
 from learner.context import LearnerContext
 from learner.critic import RunningMoments
@@ -170,13 +171,17 @@ class LearnerRank:
         `learner.export_adapter` the bundle is the adapter alone (learner.lora.adapter_bundle). Tied
         weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
-        on the fixed probe when `probe` (a forward of every rank; None otherwise) and, when `describe`
+        on the fixed probe when `probe` (None otherwise: learner.bundle_probe scores them from the bundle
+        on rank 0; an adapter-only bundle by a forward of every rank) and, when `describe`
         is given, the facts `describe(bundle)` returns (the cluster's: checksum and digest at the
         rollout dtype).
         """
         engine = self._require_engine()
         t0 = time.perf_counter()
-        scored = self._probe_logprobs() if probe else None
+        # An adapter-only bundle cannot be run alone: its probe is a forward of the training engine (all
+        # ranks). A full bundle is scored from its own tensors on rank 0 after the gather.
+        on_engine = probe and self.config.export_adapter
+        scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
         out = export(
@@ -188,8 +193,21 @@ class LearnerRank:
         if out is None:
             return None
         t2 = time.perf_counter()
+        if probe and not on_engine:
+            scored = bundle_probe_logprobs(
+                engine.module.policy.config,
+                out,
+                probe_sequences(self._vocab_size()),
+                engine.device,
+                EXPORT_DTYPES[self.config.dtype],
+            )
+        t3 = time.perf_counter()
         facts = describe(out) if describe else {}
-        timings = {"probe_s": t1 - t0, "gather_s": t2 - t1, "describe_s": time.perf_counter() - t2}
+        timings = {
+            "probe_s": (t1 - t0) + (t3 - t2),
+            "gather_s": t2 - t1,
+            "describe_s": time.perf_counter() - t3,
+        }
         self._fingerprint = {"probe": scored, "dtype": self.config.dtype, **facts, "timings": timings}
         return out
 
@@ -245,6 +263,11 @@ class LearnerRank:
         """Rank 0: `{"probe", "dtype", ...describe's facts}` of the last `export_weights` (None before one)."""
         return self._fingerprint
 
+    def _vocab_size(self) -> int:
+        """Rows of the policy's output embedding (its full shape under ZeRO-3)."""
+        weight = self._require_engine().module.policy.get_output_embeddings().weight
+        return int(getattr(weight, "ds_shape", weight.shape)[0])
+
     @torch.no_grad()
     def _probe_logprobs(self) -> list[np.ndarray]:
         """Teacher-forced logprobs (temperature 1) of tokens 1.. of each probe sequence, through the
@@ -252,9 +275,7 @@ class LearnerRank:
         the sequences right-padded into a batch: causal attention never sees the padding after a
         position, and one pass gathers (ZeRO-3) and reads the weights once instead of per sequence."""
         engine = self._require_engine()
-        weight = engine.module.policy.get_output_embeddings().weight
-        vocab = int(getattr(weight, "ds_shape", weight.shape)[0])
-        ids, mask = right_padded(probe_sequences(vocab), engine.device)
+        ids, mask = right_padded(probe_sequences(self._vocab_size()), engine.device)
         prompt = torch.ones((len(ids),), dtype=torch.long, device=engine.device)
         logits, _ = engine(ids, mask, prompt, ids.shape[1] - 1, 1.0)
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -151,6 +151,12 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
         assert _train(ray, two, [batch1[:4], batch1[4:]])["train/lr"] == pytest.approx(1e-3 * 0.5)  # slot 0
         exported = _weights(ray, two)
         _assert_same_weights(exported, _weights(ray, ref))
+        # The push's probe is scored on rank 0 from the exported bundle (learner.bundle_probe), not through
+        # ZeRO-3's hooks: it equals the training engine's own forward, which gathers every parameter.
+        from_bundle = ray.get(two[0].export_fingerprint.remote())["probe"]
+        from_engine = _call(ray, two, "_probe_logprobs")[0]
+        assert [len(p) for p in from_bundle] == [len(p) for p in from_engine] == [7, 8, 9, 10]
+        assert max(float(np.abs(a - b).max()) for a, b in zip(from_bundle, from_engine, strict=True)) <= 1e-5
 
         fresh = AutoModelForCausalLM.from_pretrained(tiny_policy_dir)
         fresh.load_state_dict(exported, strict=True)  # full shapes under the HF names
