@@ -30,7 +30,7 @@ from learner.deepspeed_setup import (
     remove_shm_buffers,
     resolve_backend,
 )
-from learner.gather import cpu_state_dict
+from learner.gather import ExportBuffer, cpu_state_dict
 from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_state_dict, save_adapter
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
@@ -79,6 +79,7 @@ class LearnerRank:
         self._addr: tuple[str, int] | None = None
         self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
         self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
+        self._export_buffer = ExportBuffer()  # rank 0: the bundle's storage, reused push after push
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -184,11 +185,13 @@ class LearnerRank:
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
+        kw = {} if self.config.export_adapter else {"buffer": self._export_buffer}
         out = export(
             engine.module.policy,
             self._bucket_bytes,
             keep=self.rank == 0,
             dtype=None if dtype is None else EXPORT_DTYPES[dtype],
+            **kw,
         )
         if out is None:
             return None
