@@ -31,7 +31,7 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
         "eval.prompts_path": assets.eval_prompts,
         "eval.max_prompts": 16,
         "eval.every_steps": 1,
-        "data.prompts_per_step": 32,
+        "data.prompts_per_step": 8,  # x 4 episodes (the config's RLOO group): 32 a step
         "rollout.chunk_size": 16,
         "learner.micro_batch_size": 16,
         "run.steps": steps,
