@@ -271,7 +271,7 @@ class LearnerConfig(_Strict):
             "Whiten gae/vtrace advantages over the valid tokens of the whole batch (all ranks); grpo and "
             "rloo keep their group baseline, reinforce_pp always whitens its returns. Whitening centres them: "
             "while the critic lags a rising success rate, that gives many tokens of right responses a negative "
-            "advantage (docs/demos.md, the calculator demo, which turns it off)."
+            "advantage (docs/demos.md, the calculator demo)."
         ),
     )
     advantage: AdvantageName = Field(

@@ -81,7 +81,8 @@ class ExportBuffer:
 
     The storage is reused only when nothing outside holds any part of it (the storage's use count,
     which every view of it raises, however derived); otherwise the export gets a new one and the held
-    bundle is never written over. `reused` says which happened last."""
+    bundle is never written over. `reused` says which happened last. For a bundle used in this process
+    only (the broadcast): pickled, each view would carry the whole storage with it."""
 
     ALIGN = 64  # bytes: every view starts aligned for any dtype
 

@@ -162,9 +162,15 @@ class LearnerRank:
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         dtype: str | None = None,
         probe: bool = True,
+        reuse_storage: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (CPU copies, floating tensors in `dtype`, e.g.
         the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
+
+        With `reuse_storage` the tensors are views of storage kept for the next export
+        (learner.gather.ExportBuffer): only for a bundle used in this process and dropped, as the
+        broadcast does. Never for one that is pickled (the object store): each view would carry the
+        whole storage.
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
         time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
@@ -185,7 +191,7 @@ class LearnerRank:
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
-        kw = {} if self.config.export_adapter else {"buffer": self._export_buffer}
+        kw = {"buffer": self._export_buffer} if reuse_storage and not self.config.export_adapter else {}
         out = export(
             engine.module.policy,
             self._bucket_bytes,
@@ -243,7 +249,7 @@ class LearnerRank:
         receives then fail at once instead of waiting out their timeout, and the group is formed again."""
         from learner.weight_broadcast import WeightBroadcastError, broadcast_state, close_group
 
-        state = self.export_weights(describe, dtype, probe)
+        state = self.export_weights(describe, dtype, probe, reuse_storage=True)
         if state is None:
             return 0
         if self._weight_group is None:

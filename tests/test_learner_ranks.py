@@ -151,6 +151,9 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
         assert _train(ray, two, [batch1[:4], batch1[4:]])["train/lr"] == pytest.approx(1e-3 * 0.5)  # slot 0
         exported = _weights(ray, two)
         _assert_same_weights(exported, _weights(ray, ref))
+        # A bundle that leaves the process owns its storage (no view of a shared one: pickled, each view
+        # would carry all of it).
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in exported.values())
         # The push's probe is scored on rank 0 from the exported bundle (learner.bundle_probe), not through
         # ZeRO-3's hooks: it equals the training engine's own forward, which gathers every parameter.
         from_bundle = ray.get(two[0].export_fingerprint.remote())["probe"]
