@@ -12,7 +12,6 @@ same order (the gathers are collectives).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -73,92 +72,22 @@ def stream_full_state(
             yield bucket
 
 
-class ExportBuffer:
-    """CPU storage that an export's copies are carved from, kept from one export to the next: a push then
-    writes into memory it has already touched instead of allocating a new bundle (and taking its page
-    faults: about 4x the cast itself on one CPU thread) every time. Pinned when CUDA is there, so the
-    device-to-host copies run at the bus's speed.
-
-    The storage is reused only when nothing outside holds any part of it (the storage's use count,
-    which every view of it raises, however derived); otherwise the export gets a new one and the held
-    bundle is never written over. `reused` says which happened last. For a bundle used in this process
-    only (the broadcast): pickled, each view would carry the whole storage with it."""
-
-    ALIGN = 64  # bytes: every view starts aligned for any dtype
-
-    def __init__(self) -> None:
-        self._flat: torch.Tensor | None = None
-        self._offset = 0
-        self.reused = False
-
-    def _in_use(self) -> bool:
-        count = getattr(torch._C, "_storage_Use_Count", None)
-        if count is None:  # no way to tell: never write into storage that may be held
-            return True
-        storage = self._flat.untyped_storage()  # this temporary and self._flat are the two expected holders
-        return count(storage._cdata) > 2
-
-    def begin(self, nbytes: int) -> None:
-        """Make room for `nbytes` (the coming export's copies, aligned as `take` aligns them)."""
-        self.reused = self._flat is not None and self._flat.numel() >= nbytes and not self._in_use()
-        if not self.reused:
-            self._flat = None  # released before the new one is allocated
-            self._flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        self._offset = 0
-
-    @classmethod
-    def aligned(cls, nbytes: int) -> int:
-        return -(-nbytes // cls.ALIGN) * cls.ALIGN
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor of `shape` and `dtype` in the next free part of the storage."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        start, self._offset = self._offset, self._offset + self.aligned(nbytes)
-        if self._flat is None or self._offset > self._flat.numel():
-            room = 0 if self._flat is None else self._flat.numel()
-            raise RuntimeError(
-                f"export buffer overrun: {self._offset} bytes taken, begin() made room for {room}"
-            )
-        return self._flat[start : start + nbytes].view(dtype).view(shape)
-
-
-def cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """What an export casts `t` to: `dtype` for floating tensors (None: their own), integers never."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
 def cpu_state_dict(
-    state: dict[str, torch.Tensor],
-    bucket_bytes: int,
-    keep: bool,
-    dtype: torch.dtype | None = None,
-    buffer: ExportBuffer | None = None,
+    state: dict[str, torch.Tensor], bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor] | None:
     """Detached CPU copies of `state` under its own names and order (tied names share one tensor), built
     bucket by bucket, floating tensors cast to `dtype` on the way (None: their own); returns None where
-    `keep` is False (those ranks only take part in the gathers). With `buffer` the copies are views of
-    its storage (see ExportBuffer), otherwise tensors of their own."""
+    `keep` is False (those ranks only take part in the gathers)."""
     copies: dict[str, torch.Tensor] = {}
     zero3 = any(hasattr(t, "ds_id") for t in state.values())
     if not keep and not zero3:
         return None  # nothing to gather: the other ranks need not walk the model at all
-    if keep and buffer is not None:
-        sizes = (full_numel(t) * cast_dtype(t, dtype).itemsize for _, t in group_tied(state))
-        buffer.begin(sum(ExportBuffer.aligned(n) for n in sizes))
     for bucket in stream_full_state(state, bucket_bytes):
         if not keep:
             continue
         for names, t in bucket:
-            copy = cpu_copy(t.detach(), cast_dtype(t, dtype), buffer)
+            cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            copy = t.detach().to("cpu", dtype=cast, copy=True).contiguous()
             for name in names:
                 copies[name] = copy
     return {name: copies[name] for name in state} if keep else None
-
-
-def cpu_copy(t: torch.Tensor, dtype: torch.dtype, buffer: ExportBuffer | None = None) -> torch.Tensor:
-    """A contiguous CPU copy of the full tensor `t` in `dtype`: a view of `buffer`'s storage when given."""
-    if buffer is None:
-        return t.to("cpu", dtype=dtype, copy=True).contiguous()
-    out = buffer.take(tuple(t.shape), dtype)
-    out.copy_(t)
-    return out

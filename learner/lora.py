@@ -27,16 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from learner.config import LoRAConfig
-from learner.gather import (
-    ExportBuffer,
-    buckets,
-    cast_dtype,
-    cpu_copy,
-    cpu_state_dict,
-    full_numel,
-    gathered,
-    group_tied,
-)
+from learner.gather import buckets, cpu_state_dict, gathered, group_tied
 
 ADAPTER = "default"  # PEFT's adapter name; the only one trained here
 FIELD = "learner.lora.target_modules"
@@ -211,28 +202,21 @@ def export_entries(state: dict[str, torch.Tensor], layers: list[LoraLayerInfo]) 
 
 
 def merged_cpu_state_dict(
-    model: nn.Module,
-    bucket_bytes: int,
-    keep: bool,
-    dtype: torch.dtype | None = None,
-    buffer: ExportBuffer | None = None,
+    model: nn.Module, bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor] | None:
     """`learner.gather.cpu_state_dict` of the merged model: the base model's names and tensors with every
     adapter merged in (`merge_weight`), bucket by bucket (ZeRO-3 gathers a bucket's weights and their
     adapters together), floating tensors cast to `dtype` after the merge; None where `keep` is False.
-    A model without LoRA gives its own state. With `buffer` the copies are views of its storage."""
+    A model without LoRA gives its own state."""
     state = model.state_dict(keep_vars=True)
     layers = lora_layers(model)
     if not layers:
-        return cpu_state_dict(state, bucket_bytes, keep, dtype, buffer)
+        return cpu_state_dict(state, bucket_bytes, keep, dtype)
     zero3 = any(hasattr(t, "ds_id") for t in state.values())
     if not keep and not zero3:
         return None
     copies: dict[str, torch.Tensor] = {}
     entries = export_entries(state, layers)
-    if keep and buffer is not None:
-        sizes = (full_numel(e.tensor) * cast_dtype(e.tensor, dtype).itemsize for e in entries)
-        buffer.begin(sum(ExportBuffer.aligned(n) for n in sizes))
     for bucket in buckets([(e, e.tensor) for e in entries], bucket_bytes):
         tensors = [t for e, _ in bucket for t in (e.tensor, *(e.lora[:2] if e.lora else ()))]
         with gathered(tensors):
@@ -243,7 +227,8 @@ def merged_cpu_state_dict(
                 if e.lora is not None:
                     a, b, info = e.lora
                     full = merge_weight(full, a.detach(), b.detach(), info.scale, info.fan_in_fan_out)
-                copy = cpu_copy(full, cast_dtype(full, dtype), buffer)
+                cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+                copy = full.to("cpu", dtype=cast, copy=True).contiguous()
                 for name in e.names:
                     copies[name] = copy
     order = [hf_name(n) for n in state if hf_name(n) is not None]

@@ -30,7 +30,7 @@ from learner.deepspeed_setup import (
     remove_shm_buffers,
     resolve_backend,
 )
-from learner.gather import ExportBuffer, cpu_state_dict
+from learner.gather import cpu_state_dict
 from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_state_dict, save_adapter
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
@@ -79,7 +79,6 @@ class LearnerRank:
         self._addr: tuple[str, int] | None = None
         self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
         self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
-        self._export_buffer = ExportBuffer()  # rank 0: the bundle's storage, reused push after push
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -162,15 +161,9 @@ class LearnerRank:
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         dtype: str | None = None,
         probe: bool = True,
-        reuse_storage: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (CPU copies, floating tensors in `dtype`, e.g.
         the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
-
-        With `reuse_storage` the tensors are views of storage kept for the next export
-        (learner.gather.ExportBuffer): only for a bundle used in this process and dropped, as the
-        broadcast does. Never for one that is pickled (the object store): each view would carry the
-        whole storage.
 
         All ranks must call it (ZeRO-3 gathers shards, one bucket of `learner.export_bucket_mb` at a
         time: see learner.gather). With `learner.lora` the adapters are merged into the base weights
@@ -191,13 +184,11 @@ class LearnerRank:
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
-        kw = {"buffer": self._export_buffer} if reuse_storage and not self.config.export_adapter else {}
         out = export(
             engine.module.policy,
             self._bucket_bytes,
             keep=self.rank == 0,
             dtype=None if dtype is None else EXPORT_DTYPES[dtype],
-            **kw,
         )
         if out is None:
             return None
@@ -249,7 +240,7 @@ class LearnerRank:
         receives then fail at once instead of waiting out their timeout, and the group is formed again."""
         from learner.weight_broadcast import WeightBroadcastError, broadcast_state, close_group
 
-        state = self.export_weights(describe, dtype, probe, reuse_storage=True)
+        state = self.export_weights(describe, dtype, probe)
         if state is None:
             return 0
         if self._weight_group is None:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from learner.config import LearnerConfig
 from learner.deepspeed_setup import build_optimizer, ds_config
-from learner.gather import ExportBuffer, buckets, cpu_state_dict, group_tied
+from learner.gather import buckets, cpu_state_dict, group_tied
 
 
 @pytest.mark.parametrize(
@@ -94,59 +94,6 @@ def test_cpu_state_dict_keeps_names_order_and_ties():
     assert not out["wte"].requires_grad and out["wte"].data_ptr() != emb.data_ptr()
     assert all(torch.equal(out[k], state[k].detach()) for k in state)
     assert cpu_state_dict(state, bucket_bytes=16, keep=False) is None
-
-
-def _export_state():
-    emb = torch.nn.Parameter(torch.randn(4, 3))
-    return {"wte": emb, "ln": torch.nn.Parameter(torch.randn(5)), "lm_head": emb, "buf": torch.arange(3)}
-
-
-def test_an_export_buffer_gives_the_same_bundle_and_is_reused_once_nothing_holds_it():
-    state, buffer = _export_state(), ExportBuffer()
-    plain = cpu_state_dict(state, bucket_bytes=16, keep=True, dtype=torch.bfloat16)
-    first = cpu_state_dict(state, bucket_bytes=16, keep=True, dtype=torch.bfloat16, buffer=buffer)
-    assert list(first) == list(plain) and first["wte"] is first["lm_head"] and not buffer.reused
-    assert all(torch.equal(first[k], plain[k]) and first[k].dtype == plain[k].dtype for k in plain)
-    assert first["buf"].dtype == torch.int64 and all(
-        t.data_ptr() % ExportBuffer.ALIGN == 0 for t in first.values()
-    )
-    base = first["wte"].untyped_storage().data_ptr()
-    del first
-    with torch.no_grad():
-        state["ln"].mul_(2.0)  # the next export must carry the new values
-    second = cpu_state_dict(state, bucket_bytes=16, keep=True, dtype=torch.bfloat16, buffer=buffer)
-    assert buffer.reused and second["wte"].untyped_storage().data_ptr() == base
-    assert torch.equal(second["ln"], state["ln"].detach().to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("hold", ["bundle", "one tensor", "a view of one", "its numpy array"])
-def test_an_export_never_writes_over_a_bundle_somebody_still_holds(hold):
-    state, buffer = _export_state(), ExportBuffer()
-    first = cpu_state_dict(state, bucket_bytes=16, keep=True, buffer=buffer)
-    ln = first["ln"].clone()
-    if hold == "bundle":
-        kept = first["ln"], first
-    elif hold == "one tensor":
-        kept = (first["ln"],)
-    elif hold == "a view of one":
-        kept, ln = (first["ln"].reshape(-1)[1:],), ln[1:]
-    else:
-        kept = (torch.from_numpy(first["ln"].numpy().copy()), first["ln"].numpy())
-    del first
-    with torch.no_grad():
-        state["ln"].mul_(2.0)
-    second = cpu_state_dict(state, bucket_bytes=16, keep=True, buffer=buffer)
-    assert not buffer.reused
-    assert torch.equal(torch.as_tensor(kept[-1] if hold == "its numpy array" else kept[0]), ln)  # untouched
-    assert torch.equal(second["ln"], state["ln"].detach())
-
-
-def test_an_export_buffer_refuses_to_hand_out_more_than_it_was_sized_for():
-    buffer = ExportBuffer()
-    buffer.begin(ExportBuffer.aligned(4 * 4))
-    buffer.take((4,), torch.float32)
-    with pytest.raises(RuntimeError, match="overrun"):
-        buffer.take((1,), torch.float32)
 
 
 def _in_a_child(code: str) -> subprocess.CompletedProcess:
