@@ -3,9 +3,10 @@
 A push that scores the probe (`rollout.probe_every`) compares what an engine computes with what the
 learner computes on a few fixed sequences (`learner.sequences.probe_sequences`). Under ZeRO-3 a
 forward of the training engine fetches every parameter through DeepSpeed's per-module hooks, one
-collective each (at 0.5B over gloo: 11-19 s, against 2.4 s for the export's bucketed gather of the
-same bytes). The export has just gathered the full weights onto rank 0, so rank 0 scores the probe
-from them instead, and the other ranks do not take part:
+collective each (at 0.5B over gloo: 3.7-5.6 s, against 1.8-2.6 s for the export's bucketed gather of
+the same bytes). The export has just gathered the full weights onto rank 0, so on a CPU learner rank 0
+scores the probe from them instead (learner.rank.LearnerRank.export_weights), and the other ranks do
+not take part (on a GPU the forward over NCCL is cheaper than moving the bundle back):
 
 - an empty skeleton of the policy's architecture (`accelerate.init_empty_weights`: parameters on the
   meta device, buffers such as rotary frequencies built for real) takes the bundle's tensors as its

@@ -171,16 +171,18 @@ class LearnerRank:
         `learner.export_adapter` the bundle is the adapter alone (learner.lora.adapter_bundle). Tied
         weights stay one shared tensor. Rank 0 also records what a
         rollout worker must acknowledge for these weights (`export_fingerprint`): the policy's logprobs
-        on the fixed probe when `probe` (None otherwise: learner.bundle_probe scores them from the bundle
-        on rank 0; an adapter-only bundle by a forward of every rank) and, when `describe`
-        is given, the facts `describe(bundle)` returns (the cluster's: checksum and digest at the
-        rollout dtype).
+        on the fixed probe when `probe` (None otherwise: on a CPU learner learner.bundle_probe scores them
+        from the bundle on rank 0; on a GPU, or for an adapter-only bundle, a forward of every rank) and,
+        when `describe` is given, the facts `describe(bundle)` returns (the cluster's: checksum and
+        digest at the rollout dtype).
         """
         engine = self._require_engine()
         t0 = time.perf_counter()
-        # An adapter-only bundle cannot be run alone: its probe is a forward of the training engine (all
-        # ranks). A full bundle is scored from its own tensors on rank 0 after the gather.
-        on_engine = probe and self.config.export_adapter
+        # A full bundle on a CPU learner is scored from its own tensors on rank 0 after the gather: over
+        # gloo, a ZeRO-3 forward fetching every parameter through DeepSpeed's hooks costs several times the
+        # export's bucketed gather. On a GPU that forward (NCCL) is cheaper than moving the bundle back to
+        # the device, and an adapter-only bundle cannot run alone: both take the training engine's forward.
+        on_engine = probe and (self.config.export_adapter or engine.device.type != "cpu")
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict

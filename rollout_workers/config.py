@@ -219,7 +219,7 @@ class RolloutConfig(_Strict):
         description="How often a weight push also compares logprobs: learner rank 0 and every engine score the "
         "fixed probe sequences on v`version` when version % probe_every == 0, and on every worker's first "
         "push; every push checks digests of the weights (a stale or partial load is refused on any version). "
-        "The probe is a forward pass on both sides (the learner's on rank 0, from the weights it exported, "
+        "The probe is a forward pass on both sides (a CPU learner's on rank 0, from the weights it exported, "
         "cast layer by layer to its dtype): raise it for large models; 1 probes every push.",
     )
     interruptible: bool = Field(
