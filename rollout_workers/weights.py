@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Collection, Iterable, Mapping
 
 import torch
+import xxhash
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -27,11 +28,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def state_checksum(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """sha256 over sorted keys, shapes, dtypes and bytes; floating tensors are cast to `dtype` first.
+    """XXH3-128 over sorted keys, shapes, dtypes and bytes; floating tensors are cast to `dtype` first.
 
     Integer tensors (buffers such as position ids) are never cast. Device and memory layout do not matter.
+    The check is against stale or partial loads, not an adversary, so the hash is a fast
+    non-cryptographic one: about 30 GB/s on one CPU thread here against sha256's 1.9, which made the
+    checksum 0.6 s of each side of a 0.5B push.
     """
-    h = hashlib.sha256()
+    h = xxhash.xxh3_128()
     for name in sorted(state):
         t = state[name]
         if not isinstance(t, torch.Tensor):

@@ -29,7 +29,7 @@ from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
 # (hf, vLLM) agree to ~1e-6; bfloat16 up to 0.049 (mean 0.015), float16 up to 0.009, for both engines.
 PROBE_TOLERANCE = {"float32": (1e-4, 1e-5), "float16": (0.05, 0.005), "bfloat16": (0.15, 0.02)}
 _PRECISION = ["float32", "float16", "bfloat16"]  # increasingly coarse
-CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a sha256 pass of the bundle)
+CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a hash pass of the bundle)
 
 
 WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
