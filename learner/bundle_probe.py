@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.sequences import right_padded
+from learner.sequences import right_padded, sequence_logprobs
 
 
 def skeleton(config) -> nn.Module:
@@ -95,5 +95,8 @@ def bundle_probe_logprobs(
     finally:
         for h in handles:
             h.remove()
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return [row[: int(n) - 1].cpu().numpy() for row, n in zip(logp, mask.sum(-1), strict=True)]
+    lengths = mask.sum(-1).tolist()
+    return [
+        sequence_logprobs(lg[:n], row[:n]).cpu().numpy()
+        for lg, row, n in zip(logits, ids, lengths, strict=True)
+    ]
