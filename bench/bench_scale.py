@@ -57,7 +57,7 @@ from scale_size import MIB, Size  # noqa: E402
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 ENGINES = ("hf", "vllm")
-PATHS = ("object_store", "collective")
+PATHS = ("object_store", "collective", "shared_memory")
 FULL_DEFAULTS = {"reps": 3, "samples": 8, "prompt_tokens": 64, "response_tokens": 192, "memcpy_mib": 1024}
 SMOKE_DEFAULTS = {"reps": 2, "samples": 4, "prompt_tokens": 16, "response_tokens": 48, "memcpy_mib": 256}
 

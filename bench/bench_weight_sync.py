@@ -1,4 +1,5 @@
-"""Weight push per path: object store vs collective broadcast, learner rank 0 -> rollout workers.
+"""Weight push per path: object store vs collective broadcast vs the collective path through shared
+memory (`rollout.weight_transport`), learner rank 0 -> rollout workers.
 
     .venv-vllm/bin/python bench/bench_weight_sync.py [--engine vllm] [--workers 1] [--big] [--dtype bfloat16]
 
@@ -51,7 +52,13 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--paths", nargs="+", default=["object_store", "collective"])
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=["object_store", "collective", "shared_memory"],
+        choices=["object_store", "collective", "shared_memory"],
+        help="collective: broadcast over gloo; shared_memory: the collective path through a shared segment",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         policy = str(ROOT / "assets" / "sentiment_tiny" / "policy")
@@ -74,16 +81,19 @@ def main() -> int:
         ray.get([w.ping.remote() for w in workers])
         sampler = PeakRSS(ray.get(workers[0].__ray_call__.remote(lambda _w: os.getpid())))
         nbytes = bundle_bytes(policy, args.dtype)
-        collective = CollectiveWeightSync(args.bucket_mb)
         times: dict[str, list[float]] = {p: [] for p in args.paths}
         extra: dict[str, list[float]] = {p: [] for p in args.paths}
         version = 0
-        for _ in range(args.reps + 1):  # the first of each is a warm-up (and forms the group)
-            for path in times:
+        for path in times:  # one path at a time: each collective transport forms its own group
+            transport = {"collective": "broadcast", "shared_memory": "shared_memory"}.get(path)
+            collective = (
+                None if transport is None else CollectiveWeightSync(args.bucket_mb, transport=transport)
+            )
+            for _ in range(args.reps + 1):  # the first is a warm-up (and forms the group)
                 version += 1
                 sampler.reset()
                 t0 = time.perf_counter()
-                if path == "object_store":
+                if collective is None:
                     push_weights([rank], workers, names, version, args.dtype, 600)
                 else:
                     collective.push([rank], workers, names, version, args.dtype, 600)

@@ -208,7 +208,10 @@ class Size:
         worker, wsamp, lsamp = self.workers[key], self.samplers[key], self.samplers["rank0"]
         adapter_bytes = self.export_adapters(lora_sync == "adapter") if a.lora_rank else 0
         nbytes = adapter_bytes if lora_sync == "adapter" else self.facts["bundle_bytes"][a.dtype]
-        sync = CollectiveWeightSync(a.bucket_mb) if path == "collective" else None
+        # "collective": every byte broadcast over gloo; "shared_memory": the same path with the bundle in a
+        # shared segment (rollout.weight_transport)
+        transport = {"collective": "broadcast", "shared_memory": "shared_memory"}.get(path)
+        sync = None if transport is None else CollectiveWeightSync(a.bucket_mb, transport=transport)
         row = {
             "size": self.name,
             "kind": "push",

@@ -35,6 +35,7 @@ from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_sta
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import check_packing_exact, probe_sequences, right_padded
+from learner.shared_bundle import SharedSegment, export_layout, segment_views, write_rank_part
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,6 +80,9 @@ class LearnerRank:
         self._addr: tuple[str, int] | None = None
         self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
         self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
+        self._segment: SharedSegment | None = (
+            None  # its shared-memory segment (rank 0's own; others': opened)
+        )
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -161,6 +165,7 @@ class LearnerRank:
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         dtype: str | None = None,
         probe: bool = True,
+        into: tuple[SharedSegment, int] | None = None,
     ) -> dict[str, torch.Tensor] | None:
         """The policy's full weights under HF names on rank 0 (CPU copies, floating tensors in `dtype`, e.g.
         the rollout dtype, cast bucket by bucket: None keeps the training dtype); None elsewhere.
@@ -175,6 +180,10 @@ class LearnerRank:
         from the bundle on rank 0; on a GPU, or for an adapter-only bundle, a forward of every rank) and,
         when `describe` is given, the facts `describe(bundle)` returns (the cluster's: checksum and
         digest at the rollout dtype).
+
+        With `into` (a shared-memory segment and a bucket size: `learner.shared_bundle`), every rank
+        writes its own part of a policy without LoRA straight into the segment, nothing gathered, and
+        rank 0's bundle is views of it; a LoRA policy is merged and gathered as above.
         """
         engine = self._require_engine()
         t0 = time.perf_counter()
@@ -185,13 +194,12 @@ class LearnerRank:
         on_engine = probe and (self.config.export_adapter or engine.device.type != "cpu")
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
-        export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
-        out = export(
-            engine.module.policy,
-            self._bucket_bytes,
-            keep=self.rank == 0,
-            dtype=None if dtype is None else EXPORT_DTYPES[dtype],
-        )
+        cast = None if dtype is None else EXPORT_DTYPES[dtype]
+        if into is not None:
+            out = self._export_into(*into, cast)
+        else:
+            export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
+            out = export(engine.module.policy, self._bucket_bytes, keep=self.rank == 0, dtype=cast)
         if out is None:
             return None
         t2 = time.perf_counter()
@@ -213,11 +221,48 @@ class LearnerRank:
         self._fingerprint = {"probe": scored, "dtype": self.config.dtype, **facts, "timings": timings}
         return out
 
+    def _export_into(
+        self, segment: SharedSegment, bucket_bytes: int, dtype: torch.dtype | None
+    ) -> dict[str, torch.Tensor] | None:
+        """`export_weights` into `segment` (all ranks): each rank's part written in place, then a barrier;
+        rank 0 returns the bundle as views of the segment. A LoRA policy is exported as usual (merged,
+        gathered) and copied in by the broadcast."""
+        policy = self._require_engine().module.policy
+        if has_lora(policy):
+            return merged_cpu_state_dict(policy, self._bucket_bytes, keep=self.rank == 0, dtype=dtype)
+        state = policy.state_dict(keep_vars=True)
+        layout = export_layout(state, bucket_bytes, dtype)
+        flat = segment.resize(layout.segment_bytes())
+        with torch.no_grad():
+            write_rank_part(state, layout, flat, self.rank, self.world_size)
+        if self.world_size > 1:
+            dist.barrier()  # every rank's part is in place before rank 0 reads the bundle
+        return segment_views(layout, flat) if self.rank == 0 else None
+
+    def _shared_segment(self, path: str) -> SharedSegment:
+        """Rank 0's own segment (made by `join_weight_group`); on another rank, `path` opened (kept)."""
+        if self._segment is None or self._segment.path != path:
+            if self.rank == 0:
+                raise RuntimeError(
+                    f"learner rank 0 holds no shared weight segment {path} (join_weight_group)"
+                )
+            self._segment = SharedSegment(path)
+        return self._segment
+
     def join_weight_group(
-        self, host: str, port: int, world_size: int, timeout_s: float, backend: str = "gloo"
-    ) -> None:
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        shared: bool = False,
+    ) -> str | None:
         """Rank 0 hosts a weight group (`learner.weight_broadcast`) of itself and `world_size - 1`
-        processes holding rollout engines' weights; each collective on it fails after `timeout_s`."""
+        processes holding rollout engines' weights; each collective on it fails after `timeout_s`. With
+        `shared` (every member and learner rank on this host) bundles travel through a shared-memory
+        segment of rank 0's (`learner.shared_bundle`, kept while the group lasts): returns its path, for
+        every rank's `broadcast_weights`."""
         if self.rank != 0:
             raise RuntimeError(f"learner rank {self.rank}: only rank 0 broadcasts weights")
         from learner.weight_broadcast import close_group, open_group
@@ -227,6 +272,10 @@ class LearnerRank:
             close_group(previous)
             del previous
         self._weight_group = (open_group(host, port, 0, world_size, timeout_s, backend), timeout_s, backend)
+        if self._segment is not None:
+            self._segment.remove()
+        self._segment = SharedSegment.create() if shared else None
+        return None if self._segment is None else self._segment.path
 
     def broadcast_weights(
         self,
@@ -235,14 +284,21 @@ class LearnerRank:
         describe: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         dtype: str | None = None,
         probe: bool = True,
+        shared: str | None = None,
     ) -> int:
         """`export_weights` on every rank, then rank 0 broadcasts the bundle tagged `version` over its weight
-        group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks). A failed
+        group in buckets of `bucket_mb` MiB; returns the bytes sent (0 on other ranks). With `shared`
+        (the segment path `join_weight_group` returned) every rank writes its part there and rank 0
+        broadcasts only the header (`learner.shared_bundle`). A failed
         broadcast (`WeightBroadcastError`, naming the bucket) also drops the group: its members' own
         receives then fail at once instead of waiting out their timeout, and the group is formed again."""
         from learner.weight_broadcast import WeightBroadcastError, broadcast_state, close_group
 
-        state = self.export_weights(describe, dtype, probe)
+        bucket_bytes = int(bucket_mb * 2**20)
+        segment = None if shared is None else self._shared_segment(shared)
+        state = self.export_weights(
+            describe, dtype, probe, None if segment is None else (segment, bucket_bytes)
+        )
         if state is None:
             return 0
         if self._weight_group is None:
@@ -251,7 +307,7 @@ class LearnerRank:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         try:
             t0 = time.perf_counter()
-            sent = broadcast_state(group, state, version, int(bucket_mb * 2**20), timeout_s, device)
+            sent = broadcast_state(group, state, version, bucket_bytes, timeout_s, device, segment)
             self._fingerprint["timings"]["send_s"] = time.perf_counter() - t0
             return sent
         except WeightBroadcastError as err:

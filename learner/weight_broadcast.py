@@ -22,11 +22,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from learner.shared_bundle import SharedSegment
 
 ALIGN = 64  # bytes: every tensor starts at a multiple of this inside its bucket
 
@@ -52,46 +57,92 @@ def open_group(
 
 
 @dataclass
-class BucketPlan:
-    """Where each tensor goes: the header's entries and, per bucket, the tensors in it (flat bytes)."""
+class Layout:
+    """Where each tensor goes: the header's entries (name, dtype, shape, bucket, byte offset, bytes; or
+    `same_as` for a tied name) and the bytes of every bucket."""
 
     entries: list[dict] = field(default_factory=list)
-    buckets: list[list[torch.Tensor]] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
 
+    def segment_offsets(self) -> list[int]:
+        """Start of each bucket in one flat segment holding them all (`ALIGN`-aligned)."""
+        out, at = [], 0
+        for size in self.sizes:
+            out.append(at)
+            at += -(-size // ALIGN) * ALIGN
+        return out
 
-def plan_buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> BucketPlan:
-    """Cut `state` (in order) into buckets of at most `bucket_bytes` (a larger tensor alone), each tensor
-    at an `ALIGN`-aligned offset; a tensor sharing storage with an earlier name is an alias entry."""
-    plan = BucketPlan()
-    seen: dict[tuple, str] = {}
-    for name, t in state.items():
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            plan.entries.append({"name": name, "same_as": seen[key]})
+    def segment_bytes(self) -> int:
+        return self.segment_offsets()[-1] + self.sizes[-1] if self.sizes else 0
+
+
+def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...], object]], bucket_bytes: int) -> Layout:
+    """Cut tensors given as `(name, dtype, shape, tie)` (in order) into buckets of at most
+    `bucket_bytes` (a larger tensor alone), each tensor at an `ALIGN`-aligned offset; a name whose `tie`
+    equals an earlier one's is an alias entry of it (tied weights travel once)."""
+    layout = Layout()
+    seen: dict[object, str] = {}
+    for name, dtype, shape, tie in specs:
+        if tie in seen:
+            layout.entries.append({"name": name, "same_as": seen[tie]})
             continue
-        seen[key] = name
-        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        start = -(-plan.sizes[-1] // ALIGN) * ALIGN if plan.sizes else 0
-        if not plan.sizes or (plan.sizes[-1] and start + flat.numel() > bucket_bytes):
-            plan.buckets.append([])
-            plan.sizes.append(0)
+        seen[tie] = name
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        start = -(-layout.sizes[-1] // ALIGN) * ALIGN if layout.sizes else 0
+        if not layout.sizes or (layout.sizes[-1] and start + nbytes > bucket_bytes):
+            layout.sizes.append(0)
             start = 0
-        if start > plan.sizes[-1]:  # padding up to the aligned offset
-            plan.buckets[-1].append(torch.zeros(start - plan.sizes[-1], dtype=torch.uint8))
-        plan.entries.append(
+        layout.entries.append(
             {
                 "name": name,
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "bucket": len(plan.buckets) - 1,
+                "dtype": str(dtype).removeprefix("torch."),
+                "shape": list(shape),
+                "bucket": len(layout.sizes) - 1,
                 "offset": start,
-                "nbytes": flat.numel(),
+                "nbytes": nbytes,
             }
         )
-        plan.buckets[-1].append(flat)
-        plan.sizes[-1] = start + flat.numel()
-    return plan
+        layout.sizes[-1] = start + nbytes
+    return layout
+
+
+def state_layout(state: dict[str, torch.Tensor], bucket_bytes: int) -> Layout:
+    """`plan_layout` of a bundle; tensors sharing storage (same data, dtype, shape, strides) are tied."""
+    return plan_layout(
+        [
+            (name, t.dtype, tuple(t.shape), (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())))
+            for name, t in state.items()
+        ],
+        bucket_bytes,
+    )
+
+
+def bucket_parts(state: dict[str, torch.Tensor], layout: Layout) -> list[list[torch.Tensor]]:
+    """The flat bytes of each bucket of `layout` in order, zero padding up to each aligned offset."""
+    parts: list[list[torch.Tensor]] = [[] for _ in layout.sizes]
+    ends = [0] * len(layout.sizes)
+    for e in layout.entries:
+        if "same_as" in e:
+            continue
+        k = e["bucket"]
+        if e["offset"] > ends[k]:
+            parts[k].append(torch.zeros(e["offset"] - ends[k], dtype=torch.uint8))
+        parts[k].append(state[e["name"]].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        ends[k] = e["offset"] + e["nbytes"]
+    return parts
+
+
+def write_state(state: dict[str, torch.Tensor], layout: Layout, segment: torch.Tensor) -> None:
+    """Copy `state`'s tensors into `segment` (flat uint8) at their places in `layout` (those already
+    there, views of the segment, stay)."""
+    offsets = layout.segment_offsets()
+    for e in layout.entries:
+        if "same_as" not in e:
+            at = offsets[e["bucket"]] + e["offset"]
+            dst = segment[at : at + e["nbytes"]]
+            src = state[e["name"]].detach().contiguous().reshape(-1).view(torch.uint8)
+            if src.data_ptr() != dst.data_ptr():  # a bundle exported into the segment is there already
+                dst.copy_(src)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
@@ -116,6 +167,26 @@ def close_group(group: dist.ProcessGroup) -> None:
     gc.collect()
 
 
+def send_header(
+    group: dist.ProcessGroup,
+    version: int,
+    layout: Layout,
+    timeout_s: float,
+    device: torch.device | str = "cpu",
+    shared: dict | None = None,
+) -> None:
+    """Broadcast the bundle's header (its length first); `shared` (path and size of a shared-memory
+    segment holding every bucket at `layout.segment_offsets()`) tells receivers to read the buckets
+    there instead of waiting for their broadcasts."""
+    head = {"version": int(version), "sizes": layout.sizes, "entries": layout.entries}
+    if shared is not None:
+        head["shared"] = {**shared, "offsets": layout.segment_offsets()}
+    header = json.dumps(head).encode()
+    broadcast(group, torch.tensor([len(header)], dtype=torch.int64, device=device), timeout_s, "header")
+    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    broadcast(group, payload, timeout_s, "header")
+
+
 def broadcast_state(
     group: dist.ProcessGroup,
     state: dict[str, torch.Tensor],
@@ -123,18 +194,22 @@ def broadcast_state(
     bucket_bytes: int,
     timeout_s: float,
     device: torch.device | str = "cpu",
+    segment: SharedSegment | None = None,  # learner.shared_bundle
 ) -> int:
     """Send `state` tagged `version` from rank 0 of `group`, one bucket at a time (built, sent, freed);
-    returns the payload bytes sent. Raises `WeightBroadcastError` naming the part that failed."""
-    plan = plan_buckets(state, bucket_bytes)
-    header = json.dumps({"version": int(version), "sizes": plan.sizes, "entries": plan.entries}).encode()
-    n = len(plan.buckets)
-    broadcast(group, torch.tensor([len(header)], dtype=torch.int64, device=device), timeout_s, "header")
-    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-    broadcast(group, payload, timeout_s, "header")
+    with `segment` (every receiver on this host), the buckets are copied there and only the header is
+    broadcast. Returns the payload bytes. Raises `WeightBroadcastError` naming the part that failed."""
+    layout = state_layout(state, bucket_bytes)
+    if segment is not None:
+        write_state(state, layout, segment.resize(layout.segment_bytes()))
+        send_header(group, version, layout, timeout_s, device, segment.describe())
+        return sum(layout.sizes)
+    send_header(group, version, layout, timeout_s, device)
+    parts = bucket_parts(state, layout)
+    n = len(parts)
     for k in range(n):
-        parts, plan.buckets[k] = plan.buckets[k], []
-        bucket = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        pieces, parts[k] = parts[k], []
+        bucket = torch.cat(pieces).to(device) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
         broadcast(group, bucket, timeout_s, f"bucket {k + 1} of {n} of v{version}")
-        del parts, bucket
-    return sum(plan.sizes)
+        del pieces, bucket
+    return sum(layout.sizes)

@@ -207,6 +207,14 @@ class RolloutConfig(_Strict):
         "applies it (hf through PEFT; vLLM through its own LoRA support, for models it has LoRA for and without "
         "modules_to_save: docs/lora.md). Needs weight_sync='object_store'.",
     )
+    weight_transport: Literal["auto", "broadcast", "shared_memory"] = Field(
+        "auto",
+        description="With weight_sync='collective': how a bundle reaches the group. 'broadcast': every byte "
+        "over the group (gloo or NCCL), from learner rank 0 after it gathered the bundle. 'shared_memory': "
+        "every learner rank writes its part (its ZeRO-3 partitions, nothing gathered) into a /dev/shm segment "
+        "that every member maps, and only the header is broadcast; needs every learner rank and worker on one "
+        "node with CPU weights. 'auto': shared_memory where that holds, else broadcast.",
+    )
     weight_bucket_mb: float = Field(
         64.0,
         gt=0.0,

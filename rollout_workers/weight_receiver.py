@@ -11,6 +11,10 @@ reads every bucket), so the group stays in step for its other members; only a fa
 broadcast itself (a dead or silent peer, `WeightGroupError`) leaves it, and then the group is
 unusable and is formed again. The digest of what arrived (`digest`) is the bundle's
 `sampled_digest`, taken tensor by tensor.
+
+When every member is on the learner's host, the header may name a shared-memory segment holding every
+bucket (`learner.shared_bundle`): the buckets are then views of that segment, mapped read-only and
+kept mapped from push to push, instead of broadcasts; nothing else changes for the engine's loader.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import mmap
+import os
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
@@ -67,6 +74,39 @@ class WeightGroupMember:
         self.timeout_s = timeout_s
         self._group: dist.ProcessGroup | None = open_group(host, port, rank, world_size, timeout_s, backend)
         self.device = group_device(self._group)
+        self._mapped: tuple[str, int, torch.Tensor] | None = None  # the sender's shared segment, mapped
+
+    def shared(self, path: str, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the shared-memory segment at `path`, mapped read-only (kept while the
+        path and size stay the same)."""
+        if self._mapped is None or self._mapped[:2] != (path, nbytes):
+            self._mapped = None
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                self.close()  # as after a failed broadcast: the group is joined again
+                raise WeightGroupError(
+                    f"the learner's shared weight segment {path} cannot be opened here ({err.strerror}): is this "
+                    "process on the learner's host? (rollout.weight_transport: broadcast sends over the group)"
+                ) from err
+            try:
+                size = os.fstat(fd).st_size
+                if size < nbytes:
+                    raise WeightGroupError(
+                        f"the shared weight segment {path} holds {size} bytes, not {nbytes}"
+                    )
+                buffer = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
+            finally:
+                os.close(fd)
+            with warnings.catch_warnings():  # read-only by design: a receiver only copies out of it
+                warnings.simplefilter("ignore", UserWarning)
+                view = (
+                    torch.frombuffer(buffer, dtype=torch.uint8)
+                    if nbytes
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+            self._mapped = (path, nbytes, view)
+        return self._mapped[2]
 
     def stream(self) -> BroadcastStream:
         if self._group is None:
@@ -83,7 +123,7 @@ class WeightGroupMember:
         return buffer
 
     def close(self) -> None:
-        group, self._group = self._group, None
+        group, self._group, self._mapped = self._group, None, None
         if group is not None:
             with contextlib.suppress(RuntimeError):
                 group.abort()
@@ -121,13 +161,21 @@ class BroadcastStream:
             e["name"]: tuple(source[e.get("same_as", e["name"])]["shape"]) for e in self._entries
         }
         self._next = 0  # the next bucket to receive
+        shared = header.get("shared")
+        self._segment = (
+            None if shared is None else (member.shared(shared["path"], shared["bytes"]), shared["offsets"])
+        )
         self._samples: dict[str, tuple[tuple[int, ...], bytes]] = {}
 
     def _bucket(self) -> torch.Tensor:
         k = self._next
-        bucket = self._member.receive(
-            torch.empty(self._sizes[k], dtype=torch.uint8), f"bucket {k + 1} of {len(self._sizes)}"
-        )
+        if self._segment is not None:
+            segment, offsets = self._segment
+            bucket = segment[offsets[k] : offsets[k] + self._sizes[k]]
+        else:
+            bucket = self._member.receive(
+                torch.empty(self._sizes[k], dtype=torch.uint8), f"bucket {k + 1} of {len(self._sizes)}"
+            )
         self._next += 1
         return bucket
 

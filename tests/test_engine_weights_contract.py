@@ -255,9 +255,12 @@ def test_one_optimizer_step_is_told_apart_and_a_stale_engine_refused(policies, e
         verify_ack("w", ack, 3, expect(3, v3, ack))
 
 
-def _send_in_thread(state: dict, world: int, version: int, timeout: float = 60.0, hold: bool = False):
+def _send_in_thread(
+    state: dict, world: int, version: int, timeout: float = 60.0, hold: bool = False, segment=None
+):
     """Learner rank 0's side of the weight group, in a thread of this process: open the group on a free
-    port, broadcast `state` tagged `version` in ~8 kB buckets (unless `hold`: then send nothing).
+    port, broadcast `state` tagged `version` in ~8 kB buckets (unless `hold`: then send nothing), or
+    with `segment` (learner.shared_bundle) write them there and broadcast the header alone.
     Returns (port, thread, result list: bytes sent or the exception)."""
     import socket
     import threading
@@ -272,7 +275,7 @@ def _send_in_thread(state: dict, world: int, version: int, timeout: float = 60.0
     def run() -> None:
         try:
             group = open_group("127.0.0.1", port, 0, world, timeout)
-            out.append(0 if hold else broadcast_state(group, state, version, 8192, timeout))
+            out.append(0 if hold else broadcast_state(group, state, version, 8192, timeout, segment=segment))
             if hold:
                 out.append(group)  # keep it open, silent
         except Exception as err:  # noqa: BLE001 - handed to the test
@@ -284,11 +287,12 @@ def _send_in_thread(state: dict, world: int, version: int, timeout: float = 60.0
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_broadcast_swap_loads_bucket_by_bucket_like_a_bundle(policies, engine):
+def test_broadcast_swap_loads_bucket_by_bucket_like_a_bundle(policies, engine, tmp_path):
     """The collective path: the engine's weight-holding processes (vLLM: inside vLLM, both
     tensor-parallel ranks) join a weight group and load a broadcast bucket by bucket. The ack equals
     the object-store load of the same bundle; a bundle that does not fit is refused with nothing
     changed and the group stays in step for the next one; a silent sender times out, named."""
+    from learner.shared_bundle import SharedSegment
     from rollout_workers.config import VLLMConfig
     from rollout_workers.weight_receiver import WeightGroupError
     from rollout_workers.weights import sampled_digest
@@ -310,17 +314,41 @@ def test_broadcast_swap_loads_bucket_by_bucket_like_a_bundle(policies, engine):
     same = worker.load_weights(state_b, 4)  # the object-store path, same bundle: the same weights
     assert same.received == ack.received and probe_gap(same.probe, ack.probe) == 0.0
 
+    # through shared memory (every member on this host): the header names the segment, the receivers
+    # (vLLM's worker processes too) read the buckets there; the same weights, then the next bundle in
+    # the same segment, mapped once
+    segment = SharedSegment.create(str(tmp_path))
+    for version, state, want in ((5, state_b, ack), (6, bundle_of(a), None)):
+        port, thread, out = _send_in_thread(state, world, version, segment=segment)
+        worker.join_weight_group("127.0.0.1", port, 1, world, 60.0)
+        got = worker.receive_weights()
+        thread.join(60)
+        assert out[0] == sum(
+            t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values()
+        )
+        assert got.version == version and got.received == sampled_digest(state.items(), torch.float32)
+        if want is not None:
+            assert probe_gap(got.probe, want.probe) == 0.0
+    assert probe_gap(got.probe, probe_reference(a)) < TOL
+    segment.remove()  # a receiver that cannot open the segment says where to look
+    port, thread, out = _send_in_thread(state_b, world, 7, segment=segment)
+    worker.join_weight_group("127.0.0.1", port, 1, world, 60.0)
+    with pytest.raises(WeightGroupError, match="shared weight segment .* cannot be opened here"):
+        worker.receive_weights()
+    thread.join(60)
+    worker.load_weights(state_b, 7)
+
     wrong = {k: (v[:-1] if k.endswith("wpe.weight") else v) for k, v in bundle_of(a).items()}
-    port, thread, out = _send_in_thread(wrong, world, 5)
+    port, thread, out = _send_in_thread(wrong, world, 8)
     worker.join_weight_group("127.0.0.1", port, 1, world, 60.0)
     with pytest.raises((KeyError, ValueError), match="shapes do not match"):
         worker.receive_weights()
     thread.join(60)
-    assert worker.version() == 4 and probe_gap(worker.fingerprint().probe, ack.probe) == 0.0
+    assert worker.version() == 7 and probe_gap(worker.fingerprint().probe, ack.probe) == 0.0
     assert len(worker.generate(INDICES, PROMPTS, seed=0, sampling=SamplingConfig(max_new_tokens=4))) == 3
 
-    port, thread, out = _send_in_thread(state_b, world, 6, timeout=3.0, hold=True)
+    port, thread, out = _send_in_thread(state_b, world, 9, timeout=3.0, hold=True)
     worker.join_weight_group("127.0.0.1", port, 1, world, 3.0)
     with pytest.raises(WeightGroupError, match="weight broadcast \\(header\\)"):
         worker.receive_weights()
-    assert worker.version() == 4  # nothing arrived: the weights are those of v4
+    assert worker.version() == 7  # nothing arrived: the weights are those of v7

@@ -82,6 +82,33 @@ def _weights(ray, ranks) -> dict[str, torch.Tensor]:
     return exported[0]
 
 
+def _assert_shared_export_is_the_gathered_one(ray, ranks, tmp_path) -> None:
+    """Each rank writes its own part (its ZeRO-3 partitions; under ZeRO-2 its share of every tensor) into
+    a shared-memory segment (learner.shared_bundle): rank 0's bundle, views of that segment, equals the
+    bundle gathered on rank 0, bit for bit, in the training dtype and cast to bf16, ties kept."""
+    from learner.shared_bundle import SharedSegment
+
+    def export_into(rank, path: str, dtype: str):  # inside a rank (__ray_call__; nested: shipped by value)
+        from learner.shared_bundle import SharedSegment
+
+        return rank.export_weights(None, dtype, False, (SharedSegment(path), 4096))
+
+    segment = SharedSegment.create(str(tmp_path))
+    try:
+        for dtype in ("float32", "bfloat16"):
+            shared = ray.get(
+                [r.__ray_call__.remote(export_into, segment.path, dtype) for r in ranks],
+                timeout=TIMEOUT_S,
+            )
+            gathered = _call(ray, ranks, "export_weights", *[(None, dtype, False)] * len(ranks))[0]
+            assert all(s is None for s in shared[1:]) and list(shared[0]) == list(gathered)
+            for k, t in gathered.items():
+                assert shared[0][k].dtype == t.dtype and torch.equal(shared[0][k], t), k
+            assert shared[0]["lm_head.weight"] is shared[0]["transformer.wte.weight"]  # tied: one tensor
+    finally:
+        segment.remove()
+
+
 def _assert_same_weights(a, b, atol=2e-6) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -103,7 +130,7 @@ def _assert_step_skipped(ray, ranks, batch_shards, config: LearnerConfig) -> Non
     assert any(not torch.equal(after[k], before[k]) for k in before)
 
 
-def test_zero2_one_rank_and_two_ranks_take_the_same_steps(ray_local, tiny_policy_dir):
+def test_zero2_one_rank_and_two_ranks_take_the_same_steps(ray_local, tiny_policy_dir, tmp_path):
     ray = ray_local
     batch1, batch2 = _trajectories(12, seed=1), _trajectories(5, seed=2)
     with (
@@ -130,6 +157,7 @@ def test_zero2_one_rank_and_two_ranks_take_the_same_steps(ray_local, tiny_policy
         _assert_same_weights(_weights(ray, one), _weights(ray, two))
 
         _assert_step_skipped(ray, two, [batch1[:7], batch1[7:]], _config())
+        _assert_shared_export_is_the_gathered_one(ray, two, tmp_path)
 
 
 def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, tiny_policy_dir, tmp_path):
@@ -160,6 +188,7 @@ def test_zero3_trains_exports_full_weights_and_restores_checkpoints(ray_local, t
         from_engine = _call(ray, two, "_probe_logprobs")[0]
         assert [len(p) for p in from_bundle] == [len(p) for p in from_engine] == [7, 8, 9, 10]
         assert max(float(np.abs(a - b).max()) for a, b in zip(from_bundle, from_engine, strict=True)) <= 1e-5
+        _assert_shared_export_is_the_gathered_one(ray, two, tmp_path)
 
         fresh = AutoModelForCausalLM.from_pretrained(tiny_policy_dir)
         fresh.load_state_dict(exported, strict=True)  # full shapes under the HF names
@@ -223,3 +252,19 @@ def test_reward_moments_are_global_and_come_back_from_a_checkpoint(ray_local, ti
         m_again = _train(ray, two, [batch2[:2], batch2[2:]])  # counted once, not twice: state came back
         for key in ("reward_norm/count", "reward_norm/mean", "reward_norm/std", "loss/value"):
             assert m_again[key] == pytest.approx(m_first[key], rel=1e-9), key
+
+
+def test_three_zero3_ranks_write_their_padded_partitions_into_shared_memory(
+    ray_local, tiny_policy_dir, tmp_path
+):
+    """Over three ranks most tensors do not split evenly (32 elements a row: partitions of 11, the last
+    one padded by DeepSpeed): after a step, each rank's partitions land in the shared segment at their
+    places and rank 0's bundle is the gathered one."""
+    ray = ray_local
+    z3 = _config(
+        zero_stage=3, deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    )
+    batch = _trajectories(6, seed=5)
+    with learner_group(ray, 3, tiny_policy_dir, z3) as three:
+        _train(ray, three, [batch[:2], batch[2:4], batch[4:]])
+        _assert_shared_export_is_the_gathered_one(ray, three, tmp_path)

@@ -305,3 +305,54 @@ def test_the_learner_is_placed_when_three_one_cpu_nodes_hold_the_plan(
         a["NodeID"] for name, a in actors.items() if name.split("-")[0] in ("rollout", "reference", "reward")
     ]
     assert len(others) == 4 and learner_node not in others
+
+
+TRANSPORT_CHECK = """
+import sys, time
+import pytest, ray
+from cluster.weights.collective import CollectiveWeightSync
+from cluster.weights.push import WeightSyncError
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Member:
+    def ping(self):
+        return True
+
+here = Member.options(resources={"a": 1}).remote()
+there, there_too = (Member.options(resources={"b": 1}).remote() for _ in range(2))
+ray.get([m.ping.remote() for m in (here, there, there_too)])
+deadline = time.monotonic() + 120
+def one_host(transport, ranks, workers, backend="gloo"):
+    return CollectiveWeightSync(backend=backend, transport=transport)._one_host(ranks, workers, deadline)
+assert one_host("auto", [there], [there_too])
+assert one_host("shared_memory", [there], [there_too])
+assert not one_host("auto", [here], [there]) and not one_host("auto", [there], [here, there_too])
+assert not one_host("broadcast", [there], [there_too]) and not one_host("auto", [there], [there_too], "nccl")
+with pytest.raises(WeightSyncError, match="on one node with CPU weights .gloo.; they are on 2 nodes"):
+    one_host("shared_memory", [there], [here])
+print("transport checked")
+"""
+
+
+def test_the_collective_path_shares_memory_only_within_one_node(tmp_path):
+    """`rollout.weight_transport`: 'auto' takes shared memory only when every learner rank and worker is
+    on one Ray node with CPU weights, 'shared_memory' elsewhere is refused by name (real actors on a
+    2-node cluster, asked where they run)."""
+    with ray_cluster({"num_cpus": 1, "resources": {"a": 1}}, {"num_cpus": 1, "resources": {"b": 2}}) as (
+        cluster,
+        _,
+    ):
+        script = tmp_path / "check.py"
+        script.write_text(TRANSPORT_CHECK)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run(
+            [sys.executable, str(script), cluster.address],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+        )
+    assert out.returncode == 0 and "transport checked" in out.stdout, (out.stdout + out.stderr)[-4000:]

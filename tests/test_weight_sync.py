@@ -7,6 +7,7 @@ step and pushes: an honest worker passes, a worker that acknowledges without loa
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,7 +130,7 @@ def test_collective_broadcast_in_buckets_reaches_every_worker_and_regroups(
 
     ray, rank = ray_local, learner_rank
     workers = [_worker(ray, tiny_policy_dir), _worker(ray, tiny_policy_dir)]
-    sync = CollectiveWeightSync(bucket_mb=0.01)  # ~10 kB buckets: the tiny GPT-2 travels in several
+    sync = CollectiveWeightSync(bucket_mb=0.01, transport="broadcast")  # ~10 kB buckets: several
     try:
         ray.get(rank.train_step.remote(_trajectories(4, seed=1)), timeout=120)
         result, bundle = sync.push([rank], workers, ["w0", "w1"], 1, "float32", 120)
@@ -141,9 +142,23 @@ def test_collective_broadcast_in_buckets_reaches_every_worker_and_regroups(
         assert result.expected.checksum == want
         assert ray.get([w.checksum.remote() for w in workers], timeout=60) == [want, want]
 
+        # On one node the bundle can go through shared memory ('auto' picks it here): the learner writes
+        # it into a segment of rank 0's, the broadcast carries the header, the workers read the segment
+        # and hold the same weights; the segment is kept for the next push and removed with the group.
+        shared = CollectiveWeightSync(transport="auto")
+        for version in (2, 3):
+            result, _ = shared.push([rank], workers, ["w0", "w1"], version, "float32", 120)
+            assert result.version == version and result.expected.checksum == want
+            assert ray.get([w.checksum.remote() for w in workers], timeout=60) == [want, want]
+        segment = Path(shared._shared)
+        assert segment.parent == Path("/dev/shm") and segment.stat().st_size >= sum(
+            t.numel() * t.element_size() for t in {t.data_ptr(): t for t in exported.values()}.values()
+        )
+
         workers.append(_worker(ray, tiny_policy_dir))  # a new member: the group forms again
-        sync.push([rank], workers, ["w0", "w1", "w2"], 2, "float32", 120)
-        assert ray.get([w.version.remote() for w in workers], timeout=60) == [2, 2, 2]
+        sync.push([rank], workers, ["w0", "w1", "w2"], 3, "float32", 120)
+        assert ray.get([w.version.remote() for w in workers], timeout=60) == [3, 3, 3]
+        assert not segment.exists()  # rank 0's group (and segment) of the shared push was replaced
         ray.get(workers[1].load_weights.remote(exported, 5), timeout=60)  # w1 moves ahead of the push
         with pytest.raises(WeightSyncError, match="w1 did not load v4: .*holds version 5; refusing older 4"):
             sync.push([rank], workers, ["w0", "w1", "w2"], 4, "float32", 120)
@@ -187,7 +202,7 @@ def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_si
     ray, rank = ray_local, learner_rank
     workers = [_worker(ray, tiny_policy_dir) for _ in range(3)]
     names = ["w0", "w1", "w2"]
-    sync = CollectiveWeightSync(bucket_mb=0.01)  # ~10 kB buckets: dozens per push
+    sync = CollectiveWeightSync(bucket_mb=0.01, transport="broadcast")  # ~10 kB buckets: dozens per push
     try:
         sync.push([rank], workers, names, 1, "float32", 120)
         ray.get(workers[1].__ray_call__.remote(_die_after_first_bucket), timeout=60)

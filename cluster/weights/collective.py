@@ -22,6 +22,9 @@ from cluster.weights.push import (
     worker_method,
 )
 
+# rollout.weight_transport: how a bundle reaches the group's members (CollectiveWeightSync._one_host)
+TRANSPORTS = {"auto", "broadcast", "shared_memory"}
+
 
 class _LostMembers(Exception):
     """Workers that died during a broadcast, or stopped answering and were killed (indices into the
@@ -38,6 +41,11 @@ class CollectiveWeightSync:
     (a hf worker; each tensor-parallel rank of a vLLM engine, inside vLLM), which loads each bucket in
     place as it arrives; every worker acknowledges exactly as after an object-store push.
 
+    When every learner rank and worker is on one node with CPU weights, the bundle can travel through
+    shared memory instead (`transport`: see `_one_host`; `learner.shared_bundle`): each learner rank
+    writes its part of every tensor into a segment of rank 0's, and the group's broadcast carries only
+    the header; the members read the segment. Acknowledgements, timeouts and lost members are the same.
+
     The group (gloo, or NCCL when learner and workers are on GPUs) is formed on the first push and
     again whenever the set of workers changes or a broadcast failed. Every collective on it has the
     `timeouts.weight_sync_s` timeout. A worker that dies during a broadcast makes it fail at once (its
@@ -48,29 +56,59 @@ class CollectiveWeightSync:
     killed and handled as a dead one. A learner rank that does not answer fails the push.
     """
 
-    def __init__(self, bucket_mb: float = 64.0, backend: str = "gloo", cut_in: bool = False) -> None:
+    def __init__(
+        self,
+        bucket_mb: float = 64.0,
+        backend: str = "gloo",
+        cut_in: bool = False,
+        transport: str = "auto",
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
         self.bucket_mb = bucket_mb
         self.backend = backend
         self.cut_in = cut_in  # pipeline.partial_rollout: workers join and receive inside a generation
+        self.transport = transport
         self._members: tuple | None = None  # (timeout, actor ids) of the group formed
+        self._shared: str | None = None  # its shared-memory segment, when the bundles travel through one
+
+    def _one_host(self, ranks: list[Any], workers: list[Any], deadline: float) -> bool:
+        """Whether the bundles go through shared memory (`learner.shared_bundle`): the transport asks for
+        it ('shared_memory'), or allows it ('auto') and every learner rank and worker is on one Ray node
+        with CPU buffers (gloo). 'shared_memory' where that is not so is a `WeightSyncError`."""
+        if self.transport == "broadcast" or (self.transport == "auto" and self.backend != "gloo"):
+            return False
+        calls = [r.__ray_call__.remote(_node_id) for r in ranks]
+        calls += [worker_method(w, "__ray_call__", self.cut_in).remote(_node_id) for w in workers]
+        _drop_silent([], calls[len(ranks) :], workers, deadline, 0.0, "asking the workers' nodes")
+        nodes = set(ray.get(calls, timeout=_left(deadline)))
+        if self.transport == "shared_memory" and (len(nodes) > 1 or self.backend != "gloo"):
+            raise WeightSyncError(
+                "rollout.weight_transport='shared_memory' needs every learner rank and rollout worker on one node "
+                f"with CPU weights (gloo); they are on {len(nodes)} nodes, backend {self.backend}: use 'auto' or "
+                "'broadcast'"
+            )
+        return len(nodes) == 1
 
     def _form(
-        self, rank0: Any, workers: list[Any], names: list[str], timeout: float, deadline: float
+        self, ranks: list[Any], workers: list[Any], names: list[str], timeout: float, deadline: float
     ) -> None:
-        """(Re)form the group of `rank0` and `workers` (each taking its engine's `weight_receivers`
+        """(Re)form the group of learner rank 0 and `workers` (each taking its engine's `weight_receivers`
         ranks) unless it already is this one; every collective on it times out after `timeout`."""
         # the collectives' timeout is fixed when the group forms: another one forms a new group
-        members = (timeout, *(a._actor_id.hex() for a in (rank0, *workers)))
+        rank0 = ranks[0]
+        members = (timeout, *(a._actor_id.hex() for a in (*ranks, *workers)))
         if members == self._members:
             return
         self._members = None
+        shared = self._one_host(ranks, workers, deadline)
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
         asks = [worker_method(w, "weight_receivers", self.cut_in).remote() for w in workers]
         _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
         counts = _answers(asks, names, "could not report its weight receivers")
         world = 1 + sum(counts)
         firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
-        joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend)]
+        joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend, shared)]
         joins += [
             worker_method(w, "join_weight_group", self.cut_in).remote(
                 host, port, int(first), world, timeout, self.backend
@@ -80,7 +118,7 @@ class CollectiveWeightSync:
         _drop_silent(joins[:1], joins[1:], workers, deadline, timeout, "the weight group's forming")
         _answers(joins[1:], names, "could not join the weight group")
         try:
-            ray.get(joins[0])
+            self._shared = ray.get(joins[0])
         except ray.exceptions.RayError as err:
             raise WeightSyncError(f"learner rank 0 could not form the weight group: {err}") from err
         self._members = members
@@ -133,10 +171,12 @@ class CollectiveWeightSync:
         deadline: float,
         probe: bool,
     ) -> tuple[Fingerprint, dict[str, float]]:
-        self._form(ranks[0], workers, names, timeout, deadline)
+        self._form(ranks, workers, names, timeout, deadline)
         acks = [worker_method(w, "receive_weights", self.cut_in).remote(probe) for w in workers]
         refs = [
-            r.broadcast_weights.remote(version, self.bucket_mb, bundle_facts(dtype), dtype, probe)
+            r.broadcast_weights.remote(
+                version, self.bucket_mb, bundle_facts(dtype), dtype, probe, self._shared
+            )
             for r in ranks
         ]
         meta_ref = ranks[0].export_fingerprint.remote()
@@ -171,6 +211,11 @@ class CollectiveWeightSync:
         for name, ack in zip(names, values, strict=True):
             verify_ack(name, ack, version, expected)
         return expected, stage_seconds(meta, values)
+
+
+def _node_id(actor: Any) -> str:
+    """Run inside an actor (`__ray_call__`): the Ray node it is on."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def _answers(calls: list[Any], names: list[str], failed: str) -> list[Any]:

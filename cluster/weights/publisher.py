@@ -67,7 +67,7 @@ class WeightPublisher:
             result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit, probe)
         elif rc.weight_sync == "collective":
             self._collective = self._collective or CollectiveWeightSync(
-                rc.weight_bucket_mb, weight_backend(self.cfg), self.cut_in
+                rc.weight_bucket_mb, weight_backend(self.cfg), self.cut_in, rc.weight_transport
             )
             result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit, probe)
         else:
