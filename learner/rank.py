@@ -80,9 +80,8 @@ class LearnerRank:
         self._addr: tuple[str, int] | None = None
         self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
         self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
-        self._segment: SharedSegment | None = (
-            None  # its shared-memory segment (rank 0's own; others': opened)
-        )
+        self._segment: SharedSegment | None = None  # the shared weight segment: rank 0's own, or opened
+        self._pending: tuple = (None, False, {})  # the last export's fingerprint, until it is recorded
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -185,6 +184,16 @@ class LearnerRank:
         writes its own part of a policy without LoRA straight into the segment, nothing gathered, and
         rank 0's bundle is views of it; a LoRA policy is merged and gathered as above.
         """
+        bundle = self._export_bundle(dtype, probe, into)
+        if bundle is not None:
+            self._record_fingerprint(bundle, describe)
+        return bundle
+
+    def _export_bundle(
+        self, dtype: str | None, probe: bool, into: tuple[SharedSegment, int] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """`export_weights` up to the bundle (and the probe where the training engine scores it); the rest
+        of the fingerprint waits in `self._pending` for `_record_fingerprint`."""
         engine = self._require_engine()
         t0 = time.perf_counter()
         # A full bundle on a CPU learner is scored from its own tensors on rank 0 after the gather: over
@@ -200,26 +209,30 @@ class LearnerRank:
         else:
             export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
             out = export(engine.module.policy, self._bucket_bytes, keep=self.rank == 0, dtype=cast)
-        if out is None:
-            return None
-        t2 = time.perf_counter()
-        if probe and not on_engine:
+        timings = {"probe_s": t1 - t0, "gather_s": time.perf_counter() - t1}
+        self._pending = (scored, probe and not on_engine, timings)
+        return out
+
+    def _record_fingerprint(
+        self, bundle: dict[str, torch.Tensor], describe: Callable[[dict[str, torch.Tensor]], dict] | None
+    ) -> None:
+        """Rank 0: the fingerprint of the `bundle` just exported (`export_fingerprint`): the probe from the
+        bundle where it is due, and `describe`'s facts."""
+        engine = self._require_engine()
+        scored, from_bundle, timings = self._pending
+        t0 = time.perf_counter()
+        if from_bundle:
             scored = bundle_probe_logprobs(
                 engine.module.policy.config,
-                out,
+                bundle,
                 probe_sequences(self._vocab_size()),
                 engine.device,
                 EXPORT_DTYPES[self.config.dtype],
             )
-        t3 = time.perf_counter()
-        facts = describe(out) if describe else {}
-        timings = {
-            "probe_s": (t1 - t0) + (t3 - t2),
-            "gather_s": t2 - t1,
-            "describe_s": time.perf_counter() - t3,
-        }
+        t1 = time.perf_counter()
+        facts = describe(bundle) if describe else {}
+        timings = {**timings, "probe_s": timings["probe_s"] + t1 - t0, "describe_s": time.perf_counter() - t1}
         self._fingerprint = {"probe": scored, "dtype": self.config.dtype, **facts, "timings": timings}
-        return out
 
     def _export_into(
         self, segment: SharedSegment, bucket_bytes: int, dtype: torch.dtype | None
@@ -296,9 +309,7 @@ class LearnerRank:
 
         bucket_bytes = int(bucket_mb * 2**20)
         segment = None if shared is None else self._shared_segment(shared)
-        state = self.export_weights(
-            describe, dtype, probe, None if segment is None else (segment, bucket_bytes)
-        )
+        state = self._export_bundle(dtype, probe, None if segment is None else (segment, bucket_bytes))
         if state is None:
             return 0
         if self._weight_group is None:
@@ -308,7 +319,10 @@ class LearnerRank:
         try:
             t0 = time.perf_counter()
             sent = broadcast_state(group, state, version, bucket_bytes, timeout_s, device, segment)
-            self._fingerprint["timings"]["send_s"] = time.perf_counter() - t0
+            send_s = time.perf_counter() - t0
+            # after the send: the probe from the bundle and the checksum overlap the receivers' loads
+            self._record_fingerprint(state, describe)
+            self._fingerprint["timings"]["send_s"] = send_s
             return sent
         except WeightBroadcastError as err:
             failure = str(err)  # raised below without this traceback, whose frames hold the group
@@ -436,10 +450,14 @@ class LearnerRank:
         return mine["client"]
 
     def shutdown(self) -> None:
-        """Leave the process group and delete any DeepSpeed /dev/shm buffer of this rank."""
+        """Leave the process group and delete any DeepSpeed /dev/shm buffer of this rank, and rank 0's
+        shared weight segment (`learner.shared_bundle`)."""
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self.engine = None
         if self._addr is not None:
             remove_shm_buffers(*self._addr, self.rank)
+        if self._segment is not None:  # rank 0's weight segment goes (another rank's is only closed)
+            self._segment.remove()
+            self._segment = None
