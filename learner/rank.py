@@ -36,6 +36,7 @@ from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
 from learner.sequences import check_packing_exact, probe_sequences, right_padded
 from learner.shared_bundle import SharedSegment, export_layout, segment_views, write_rank_part
+from learner.shared_bundle import room as shared_room
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -251,6 +252,13 @@ class LearnerRank:
         if self.world_size > 1:
             dist.barrier()  # every rank's part is in place before rank 0 reads the bundle
         return segment_views(layout, flat) if self.rank == 0 else None
+
+    def weight_segment_room(self, dtype: str | None) -> tuple[int, int]:
+        """(bytes a shared weight segment needs for the policy's bundle at `dtype`, bytes free where it
+        would be made): whether this node's /dev/shm can hold it (`learner.shared_bundle`)."""
+        state = self._require_engine().module.policy.state_dict(keep_vars=True)
+        cast = None if dtype is None else EXPORT_DTYPES[dtype]
+        return export_layout(state, 1 << 62, cast).segment_bytes(), shared_room()
 
     def _shared_segment(self, path: str) -> SharedSegment:
         """Rank 0's own segment (made by `join_weight_group`); on another rank, `path` opened (kept)."""

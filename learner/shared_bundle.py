@@ -42,6 +42,12 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+def room(directory: str = DEFAULT_DIR) -> int:
+    """Bytes free for segments in `directory` (a tmpfs: what the node's /dev/shm can still hold)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def remove_orphans(directory: str) -> list[str]:
     """Remove the segments in `directory` whose owner process is gone; returns their paths."""
     gone = []
@@ -85,6 +91,16 @@ class SharedSegment:
             fd = os.open(self.path, os.O_RDWR)
             try:
                 os.ftruncate(fd, nbytes)
+                if nbytes:  # reserved now: a full /dev/shm is an error here, not a SIGBUS on a write
+                    try:
+                        os.posix_fallocate(fd, 0, nbytes)
+                    except OSError as err:
+                        raise OSError(
+                            err.errno,
+                            f"the shared weight segment {self.path} cannot hold {nbytes / 2**20:.0f} MiB "
+                            f"({err.strerror}; {room(os.path.dirname(self.path)) / 2**20:.0f} MiB free there): "
+                            "give the node a larger /dev/shm, or set rollout.weight_transport: broadcast",
+                        ) from err
                 buffer = mmap.mmap(fd, nbytes) if nbytes else bytearray()
             finally:
                 os.close(fd)

@@ -213,7 +213,7 @@ class RolloutConfig(_Strict):
         "over the group (gloo or NCCL), from learner rank 0 after it gathered the bundle. 'shared_memory': "
         "every learner rank writes its part (its ZeRO-3 partitions, nothing gathered) into a /dev/shm segment "
         "that every member maps, and only the header is broadcast; needs every learner rank and worker on one "
-        "node with CPU weights. 'auto': shared_memory where that holds, else broadcast.",
+        "node with CPU weights and room in its /dev/shm. 'auto': shared_memory where that holds, else broadcast.",
     )
     weight_bucket_mb: float = Field(
         64.0,

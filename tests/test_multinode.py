@@ -317,30 +317,43 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 
 @ray.remote(num_cpus=0)
 class Member:
+    def __init__(self, need=0):
+        self.need = need
+
     def ping(self):
         return True
 
+    def weight_segment_room(self, dtype):  # as LearnerRank's: (bytes needed, bytes free in /dev/shm)
+        from learner.shared_bundle import room
+
+        return self.need, room()
+
 here = Member.options(resources={"a": 1}).remote()
 there, there_too = (Member.options(resources={"b": 1}).remote() for _ in range(2))
-ray.get([m.ping.remote() for m in (here, there, there_too)])
+too_big = Member.options(resources={"b": 1}).remote(1 << 60)
+ray.get([m.ping.remote() for m in (here, there, there_too, too_big)])
 deadline = time.monotonic() + 120
-def one_host(transport, ranks, workers, backend="gloo"):
-    return CollectiveWeightSync(backend=backend, transport=transport)._one_host(ranks, workers, deadline)
-assert one_host("auto", [there], [there_too])
-assert one_host("shared_memory", [there], [there_too])
-assert not one_host("auto", [here], [there]) and not one_host("auto", [there], [here, there_too])
-assert not one_host("broadcast", [there], [there_too]) and not one_host("auto", [there], [there_too], "nccl")
+def shared(transport, ranks, workers, backend="gloo"):
+    sync = CollectiveWeightSync(backend=backend, transport=transport)
+    return sync._use_shared_memory(ranks, workers, deadline, "bfloat16")
+assert shared("auto", [there], [there_too])
+assert shared("shared_memory", [there], [there_too])
+assert not shared("auto", [here], [there]) and not shared("auto", [there], [here, there_too])
+assert not shared("broadcast", [there], [there_too]) and not shared("auto", [there], [there_too], "nccl")
 with pytest.raises(WeightSyncError, match="on one node with CPU weights .gloo.; they are on 2 nodes"):
-    one_host("shared_memory", [there], [here])
+    shared("shared_memory", [there], [here])
+assert not shared("auto", [too_big], [there])  # no room in /dev/shm: the broadcast
+with pytest.raises(WeightSyncError, match="needs .* MiB in the node's /dev/shm and .* MiB are free"):
+    shared("shared_memory", [too_big], [there])
 print("transport checked")
 """
 
 
 def test_the_collective_path_shares_memory_only_within_one_node(tmp_path):
     """`rollout.weight_transport`: 'auto' takes shared memory only when every learner rank and worker is
-    on one Ray node with CPU weights, 'shared_memory' elsewhere is refused by name (real actors on a
-    2-node cluster, asked where they run)."""
-    with ray_cluster({"num_cpus": 1, "resources": {"a": 1}}, {"num_cpus": 1, "resources": {"b": 2}}) as (
+    on one Ray node with CPU weights and its /dev/shm has room for the bundle; 'shared_memory' elsewhere
+    is refused by name (real actors on a 2-node cluster, asked where they run)."""
+    with ray_cluster({"num_cpus": 1, "resources": {"a": 1}}, {"num_cpus": 1, "resources": {"b": 3}}) as (
         cluster,
         _,
     ):

@@ -22,7 +22,7 @@ from cluster.weights.push import (
     worker_method,
 )
 
-# rollout.weight_transport: how a bundle reaches the group's members (CollectiveWeightSync._one_host)
+# rollout.weight_transport: how a bundle reaches the group's members (CollectiveWeightSync._use_shared_memory)
 TRANSPORTS = {"auto", "broadcast", "shared_memory"}
 
 
@@ -42,7 +42,7 @@ class CollectiveWeightSync:
     place as it arrives; every worker acknowledges exactly as after an object-store push.
 
     When every learner rank and worker is on one node with CPU weights, the bundle can travel through
-    shared memory instead (`transport`: see `_one_host`; `learner.shared_bundle`): each learner rank
+    shared memory instead (`transport`: see `_use_shared_memory`; `learner.shared_bundle`): each learner rank
     writes its part of every tensor into a segment of rank 0's, and the group's broadcast carries only
     the header; the members read the segment. Acknowledgements, timeouts and lost members are the same.
 
@@ -72,10 +72,11 @@ class CollectiveWeightSync:
         self._members: tuple | None = None  # (timeout, actor ids) of the group formed
         self._shared: str | None = None  # its shared-memory segment, when the bundles travel through one
 
-    def _one_host(self, ranks: list[Any], workers: list[Any], deadline: float) -> bool:
+    def _use_shared_memory(self, ranks: list[Any], workers: list[Any], deadline: float, dtype: str) -> bool:
         """Whether the bundles go through shared memory (`learner.shared_bundle`): the transport asks for
-        it ('shared_memory'), or allows it ('auto') and every learner rank and worker is on one Ray node
-        with CPU buffers (gloo). 'shared_memory' where that is not so is a `WeightSyncError`."""
+        it ('shared_memory') or allows it ('auto'), every learner rank and worker is on one Ray node with
+        CPU buffers (gloo), and that node's /dev/shm has room for the bundle at `dtype`. 'shared_memory'
+        where that is not so is a `WeightSyncError`."""
         if self.transport == "broadcast" or (self.transport == "auto" and self.backend != "gloo"):
             return False
         calls = [r.__ray_call__.remote(_node_id) for r in ranks]
@@ -88,10 +89,25 @@ class CollectiveWeightSync:
                 f"with CPU weights (gloo); they are on {len(nodes)} nodes, backend {self.backend}: use 'auto' or "
                 "'broadcast'"
             )
-        return len(nodes) == 1
+        if len(nodes) > 1:
+            return False
+        need, free = ray.get(ranks[0].weight_segment_room.remote(dtype), timeout=_left(deadline))
+        if need > free and self.transport == "shared_memory":
+            raise WeightSyncError(
+                f"rollout.weight_transport='shared_memory': the bundle needs {need / 2**20:.0f} MiB in the node's "
+                f"/dev/shm and {free / 2**20:.0f} MiB are free: give it more (docker run --shm-size) or use "
+                "'auto' or 'broadcast'"
+            )
+        return need <= free
 
     def _form(
-        self, ranks: list[Any], workers: list[Any], names: list[str], timeout: float, deadline: float
+        self,
+        ranks: list[Any],
+        workers: list[Any],
+        names: list[str],
+        timeout: float,
+        deadline: float,
+        dtype: str,
     ) -> None:
         """(Re)form the group of learner rank 0 and `workers` (each taking its engine's `weight_receivers`
         ranks) unless it already is this one; every collective on it times out after `timeout`."""
@@ -101,7 +117,7 @@ class CollectiveWeightSync:
         if members == self._members:
             return
         self._members = None
-        shared = self._one_host(ranks, workers, deadline)
+        shared = self._use_shared_memory(ranks, workers, deadline, dtype)
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
         asks = [worker_method(w, "weight_receivers", self.cut_in).remote() for w in workers]
         _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
@@ -171,7 +187,7 @@ class CollectiveWeightSync:
         deadline: float,
         probe: bool,
     ) -> tuple[Fingerprint, dict[str, float]]:
-        self._form(ranks, workers, names, timeout, deadline)
+        self._form(ranks, workers, names, timeout, deadline, dtype)
         acks = [worker_method(w, "receive_weights", self.cut_in).remote(probe) for w in workers]
         refs = [
             r.broadcast_weights.remote(
