@@ -25,15 +25,20 @@ import json
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from learner.shared_bundle import SharedSegment
-
 ALIGN = 64  # bytes: every tensor starts at a multiple of this inside its bucket
+
+
+class Segment(Protocol):
+    """Shared memory every member can map (`learner.shared_bundle.SharedSegment`)."""
+
+    def resize(self, nbytes: int) -> torch.Tensor: ...  # its first `nbytes` bytes, flat uint8
+
+    def describe(self) -> dict: ...  # what a receiver maps it by: path and bytes
 
 
 class WeightBroadcastError(RuntimeError):
@@ -194,7 +199,7 @@ def broadcast_state(
     bucket_bytes: int,
     timeout_s: float,
     device: torch.device | str = "cpu",
-    segment: SharedSegment | None = None,  # learner.shared_bundle
+    segment: Segment | None = None,
 ) -> int:
     """Send `state` tagged `version` from rank 0 of `group`, one bucket at a time (built, sent, freed);
     with `segment` (every receiver on this host), the buckets are copied there and only the header is
