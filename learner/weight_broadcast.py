@@ -92,7 +92,7 @@ def plan_layout(specs: list[tuple[str, torch.dtype, tuple[int, ...], object]], b
             layout.entries.append({"name": name, "same_as": seen[tie]})
             continue
         seen[tie] = name
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         start = -(-layout.sizes[-1] // ALIGN) * ALIGN if layout.sizes else 0
         if not layout.sizes or (layout.sizes[-1] and start + nbytes > bucket_bytes):
             layout.sizes.append(0)

@@ -92,6 +92,7 @@ class WeightGroupMember:
             try:
                 size = os.fstat(fd).st_size
                 if size < nbytes:
+                    self.close()
                     raise WeightGroupError(
                         f"the shared weight segment {path} holds {size} bytes, not {nbytes}"
                     )

@@ -47,7 +47,8 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
     """No reference actor, in both pipelines; and (sync, deterministic) the run's numbers equal those of
     the same run with reference actors (reference.source='actors': a second copy of the initial model)
     and merged pushes (its engine loads W + B A alpha/r where the first run's applies the adapter alone:
-    rollout.lora_sync). Colocated: the learner rank's host holds the rollout worker and the scorer only.
+    rollout.lora_sync; through the collective path's shared memory, where the merged bundle is gathered
+    on rank 0 and copied into the segment). Colocated: the learner rank's host holds the rollout worker and the scorer only.
     Every push is acknowledged (digest and probe), so each run's engines computed the learner's policy."""
     steps = 3
     overrides = demo_overrides(demo_assets, steps, **SMALL_STEPS, **LORA, **PIPELINES[pipeline])
@@ -65,7 +66,9 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
     if pipeline != "sync":
         return
     assert cfg.learner.export_adapter
-    actors = load_config(CONFIG, [*overrides, "reference.source=actors", "rollout.lora_sync=merged"])
+    # merged pushes on the collective path, which on this one node writes them into shared memory
+    merged = ["reference.source=actors", "rollout.lora_sync=merged", "rollout.weight_sync=collective"]
+    actors = load_config(CONFIG, [*overrides, *merged])
     with_actors, pools, _, scaling = _run(actors, tmp_path / "actors", steps)
     assert pools == ["reference", "reward", "rollout"] and scaling is None
     for step, (a, b) in enumerate(zip(with_actors, rows, strict=True), start=1):
