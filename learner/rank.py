@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,6 +43,16 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 _STATE_KEY = "_learner_rank"
 ADAPTER_DIR = "adapter"  # final/adapter/: a LoRA run's adapter in PEFT's format, beside the merged model
+
+
+class Exported(NamedTuple):
+    """One export on this rank: the bundle (None off rank 0), the probe's logprobs when the training
+    engine scored them, whether rank 0 still scores them from the bundle, and the stages' seconds."""
+
+    bundle: dict[str, torch.Tensor] | None
+    scored: list[np.ndarray] | None
+    probe_from_bundle: bool
+    timings: dict[str, float]
 
 
 class LearnerRank:
@@ -82,7 +93,6 @@ class LearnerRank:
         self._fingerprint: dict | None = None  # what workers must acknowledge for the last export
         self._weight_group = None  # rank 0: broadcast group with the rollout workers (collective sync)
         self._segment: SharedSegment | None = None  # the shared weight segment: rank 0's own, or opened
-        self._pending: tuple = (None, False, {})  # the last export's fingerprint, until it is recorded
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port: called on rank 0, passed to every rank's `setup`."""
@@ -185,16 +195,16 @@ class LearnerRank:
         writes its own part of a policy without LoRA straight into the segment, nothing gathered, and
         rank 0's bundle is views of it; a LoRA policy is merged and gathered as above.
         """
-        bundle = self._export_bundle(dtype, probe, into)
-        if bundle is not None:
-            self._record_fingerprint(bundle, describe)
-        return bundle
+        exported = self._export_bundle(dtype, probe, into)
+        if exported.bundle is not None:
+            self._record_fingerprint(exported, describe)
+        return exported.bundle
 
     def _export_bundle(
         self, dtype: str | None, probe: bool, into: tuple[SharedSegment, int] | None
-    ) -> dict[str, torch.Tensor] | None:
+    ) -> Exported:
         """`export_weights` up to the bundle (and the probe where the training engine scores it); the rest
-        of the fingerprint waits in `self._pending` for `_record_fingerprint`."""
+        of the fingerprint is `_record_fingerprint`'s."""
         engine = self._require_engine()
         t0 = time.perf_counter()
         # A full bundle on a CPU learner is scored from its own tensors on rank 0 after the gather: over
@@ -205,24 +215,24 @@ class LearnerRank:
         scored = self._probe_logprobs() if on_engine else None
         t1 = time.perf_counter()
         cast = None if dtype is None else EXPORT_DTYPES[dtype]
-        if into is not None:
+        policy = engine.module.policy
+        if into is not None and not has_lora(policy):  # a LoRA policy is merged and gathered, then copied in
             out = self._export_into(*into, cast)
         else:
             export = adapter_bundle if self.config.export_adapter else merged_cpu_state_dict
-            out = export(engine.module.policy, self._bucket_bytes, keep=self.rank == 0, dtype=cast)
+            out = export(policy, self._bucket_bytes, keep=self.rank == 0, dtype=cast)
         timings = {"probe_s": t1 - t0, "gather_s": time.perf_counter() - t1}
-        self._pending = (scored, probe and not on_engine, timings)
-        return out
+        return Exported(out, scored, probe and not on_engine, timings)
 
     def _record_fingerprint(
-        self, bundle: dict[str, torch.Tensor], describe: Callable[[dict[str, torch.Tensor]], dict] | None
+        self, exported: Exported, describe: Callable[[dict[str, torch.Tensor]], dict] | None
     ) -> None:
-        """Rank 0: the fingerprint of the `bundle` just exported (`export_fingerprint`): the probe from the
+        """Rank 0: the fingerprint of the bundle just exported (`export_fingerprint`): the probe from the
         bundle where it is due, and `describe`'s facts."""
         engine = self._require_engine()
-        scored, from_bundle, timings = self._pending
+        bundle, scored, timings = exported.bundle, exported.scored, exported.timings
         t0 = time.perf_counter()
-        if from_bundle:
+        if exported.probe_from_bundle:
             scored = bundle_probe_logprobs(
                 engine.module.policy.config,
                 bundle,
@@ -238,13 +248,9 @@ class LearnerRank:
     def _export_into(
         self, segment: SharedSegment, bucket_bytes: int, dtype: torch.dtype | None
     ) -> dict[str, torch.Tensor] | None:
-        """`export_weights` into `segment` (all ranks): each rank's part written in place, then a barrier;
-        rank 0 returns the bundle as views of the segment. A LoRA policy is exported as usual (merged,
-        gathered) and copied in by the broadcast."""
-        policy = self._require_engine().module.policy
-        if has_lora(policy):
-            return merged_cpu_state_dict(policy, self._bucket_bytes, keep=self.rank == 0, dtype=dtype)
-        state = policy.state_dict(keep_vars=True)
+        """`export_weights` of a policy without LoRA into `segment` (all ranks): each rank's part written in
+        place, then a barrier; rank 0 returns the bundle as views of the segment."""
+        state = self._require_engine().module.policy.state_dict(keep_vars=True)
         layout = export_layout(state, bucket_bytes, dtype)
         flat = segment.resize(layout.segment_bytes())
         with torch.no_grad():
@@ -317,7 +323,8 @@ class LearnerRank:
 
         bucket_bytes = int(bucket_mb * 2**20)
         segment = None if shared is None else self._shared_segment(shared)
-        state = self._export_bundle(dtype, probe, None if segment is None else (segment, bucket_bytes))
+        exported = self._export_bundle(dtype, probe, None if segment is None else (segment, bucket_bytes))
+        state = exported.bundle
         if state is None:
             return 0
         if self._weight_group is None:
@@ -329,7 +336,7 @@ class LearnerRank:
             sent = broadcast_state(group, state, version, bucket_bytes, timeout_s, device, segment)
             send_s = time.perf_counter() - t0
             # after the send: the probe from the bundle and the checksum overlap the receivers' loads
-            self._record_fingerprint(state, describe)
+            self._record_fingerprint(exported, describe)
             self._fingerprint["timings"]["send_s"] = send_s
             return sent
         except WeightBroadcastError as err:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_workers.engines import ENGINES
 
 EngineName = Literal[ENGINES.names()]  # the registered engines (rollout_workers.engines)
+WeightTransport = Literal["auto", "broadcast", "shared_memory"]  # cluster.weights.collective reads them
 
 
 class _Strict(BaseModel):
@@ -207,7 +208,7 @@ class RolloutConfig(_Strict):
         "applies it (hf through PEFT; vLLM through its own LoRA support, for models it has LoRA for and without "
         "modules_to_save: docs/lora.md). Needs weight_sync='object_store'.",
     )
-    weight_transport: Literal["auto", "broadcast", "shared_memory"] = Field(
+    weight_transport: WeightTransport = Field(
         "auto",
         description="With weight_sync='collective': how a bundle reaches the group. 'broadcast': every byte "
         "over the group (gloo or NCCL), from learner rank 0 after it gathered the bundle. 'shared_memory': "

@@ -5,7 +5,7 @@ weights; acknowledged and verified as the object-store path (`cluster.weights.pu
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import ray
@@ -21,9 +21,10 @@ from cluster.weights.push import (
     verify_ack,
     worker_method,
 )
+from rollout_workers.config import WeightTransport
 
 # rollout.weight_transport: how a bundle reaches the group's members (CollectiveWeightSync._use_shared_memory)
-TRANSPORTS = {"auto", "broadcast", "shared_memory"}
+TRANSPORTS = frozenset(get_args(WeightTransport))
 
 
 class _LostMembers(Exception):
