@@ -268,6 +268,32 @@ def test_a_batch_is_taken_short_after_max_rounds_and_refused_when_nothing_is_kep
         buf.take(1)
 
 
+@pytest.mark.parametrize("eta", [0, 1])
+def test_a_short_batch_given_back_undoes_what_take_counted(eta):
+    """A short batch (max_rounds reached) whose chunk's objects were lost is given back: the slots
+    `take` used up for its missing groups and the groups filtered before it are counted as before the
+    take, so the buffer admits and takes exactly as if the batch had never been taken. At eta 0 the
+    same short batch is then taken again (before the fix: capacity 0 and no count to reach
+    max_rounds x P, so nothing could ever be admitted or taken)."""
+    P = 4
+    buf = _filtering_buffer(n_prompts=40, P=P, chunk=2, eta=eta, max_rounds=1)
+    a, b = buf.next_chunk(0), buf.next_chunk(0)  # prompts 0..3
+    _finish_rewards(buf, a, 0, flat={0})
+    _finish_rewards(buf, b, 0, flat={3})  # seen 4 = 1 x 4: 2 kept, a short batch of 2
+    before = (buf.capacity(0), buf.filtered_since_take)
+    taken = buf.take(0)
+    assert [p.index for p in taken.prompts] == [1, 2] and taken.filtered == 2 and taken.shortfall == 2
+    assert buf.give_back(taken, {a.index}) == 1  # prompt 1 generated again, prompt 2 back in the buffer
+    assert (buf.capacity(0), buf.filtered_since_take) == (before[0] + 1, before[1])
+    again = buf.next_chunk(0)
+    assert [p.index for p in again.prompts] == [1]
+    _finish_rewards(buf, again, 0, flat=set())
+    retaken = buf.take(0)
+    assert retaken is not None and sorted(p.index for p in retaken.prompts) == [1, 2]
+    # as after a short batch taken once: its step's P slots count as used, the next step's are free
+    assert retaken.filtered == 2 and buf.capacity(1) == (eta + 2) * P - P
+
+
 def test_restore_after_filtering_generates_only_the_outstanding_prompts():
     buf = _filtering_buffer(n_prompts=16, P=4, chunk=2, eta=1)
     a, b, c = (buf.next_chunk(0) for _ in range(3))  # prompts 0..5

@@ -48,6 +48,7 @@ class Taken:
     stale_prompts: int = 0
     staleness: list[int] = field(default_factory=list)  # per trained sample
     filtered: int = 0  # dynamic sampling: groups filtered since the previous batch was taken
+    shortfall: int = 0  # a short batch's missing groups, whose admission slots `take` used up
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -193,14 +194,22 @@ class StreamBuffer:
             positions.sort()
         staleness = [version - c.facts[j].version for c, pos in parts for j in pos]
         return Taken(
-            parts, items, stale_samples, stale_prompts, staleness, filtered
+            parts, items, stale_samples, stale_prompts, staleness, filtered, self.P - size
         )  # parts copied positions
 
     def give_back(self, taken: Taken, lost: set[int]) -> int:
         """A batch the learner could not train because the objects of the chunks `lost` (indices)
         are gone: their prompts, and those of the same chunks still buffered, are re-queued to be
         generated again (their admission slots given back); the rest of the batch returns to the
-        front of the buffer. Returns the number of prompts re-queued."""
+        front of the buffer. Returns the number of prompts re-queued.
+
+        Everything `take` did to the buffer's counts is undone, since no batch was trained: a short
+        batch's missing groups give back the slots `take` used up for them, and the groups filtered
+        before it count again towards the next short batch (`max_rounds`). Without that, a short batch
+        given back at max_staleness 0 left no slot to admit anything and no count that could reach
+        `max_rounds` x P: the learner waited for ever."""
+        self.admitted -= taken.shortfall
+        self.filtered_since_take += taken.filtered
         keep: collections.deque = collections.deque()
         requeued = 0
         for entry in [*taken.items, *self.ready]:
