@@ -11,7 +11,9 @@ Turns are batched over the episodes still running: the first turn is exactly a s
 `generate` of the prompts (n samples each, the caller's seed), so an environment that ends every
 episode after one turn gives the single-turn samples; turn t >= 1 generates each running episode once
 from its ids with seed `derive_seed(seed, t)`. Environment calls of a turn run concurrently, each with
-its own deadline (`EnvCaller`).
+its own deadline (`EnvCaller`); a `reset` that answers after its deadline (its episode failed as
+env_timeout) has its state closed when it comes (`environment.close`), counted in the worker's
+`env_late_answers`.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ class EpisodeRunner:
                 (lambda text=text, meta=meta: self.environment.reset(text, dict(meta)))
                 for text, meta in zip(texts, metas, strict=True)
                 for _ in range(n)
-            ]
+            ],
+            close_late=self.environment.close,  # a reset past its deadline: its episode failed, its state goes
         )
         for ep, result in zip(episodes, starts, strict=True):
             if result.ok:

@@ -351,12 +351,19 @@ class RolloutWorker:
         """Counters since start: prompts, samples and response tokens generated, weight loads, sleeps and
         wake-ups, busy seconds; and whether the engine sleeps now (`sleep_level`, 0 awake). With an
         environment: `env_busy_s` (seconds inside environment calls, summed over calls) and `env_wait_s`
-        (seconds the worker waited for them: calls of one turn run at once)."""
+        (seconds the worker waited for them: calls of one turn run at once), `env_late_answers` (calls
+        that answered after their deadline: a reset's state is then closed) and `env_late_close_errors`."""
         s = dict(self._stats)
         s["busy_s"] = s["generate_s"] + s["load_s"] + s["sleep_s"] + s["wake_s"]
         s["loads_inside_generation"] = self._gate.cut_ins
         if self._episodes is not None:
-            s.update(env_busy_s=self._episodes.caller.busy_s, env_wait_s=self._episodes.caller.waited_s)
+            caller = self._episodes.caller
+            s.update(
+                env_busy_s=caller.busy_s,
+                env_wait_s=caller.waited_s,
+                env_late_answers=caller.late,
+                env_late_close_errors=caller.late_close_errors,
+            )
         s.update(
             worker_index=self.worker_index,
             engine=self._engine.name,

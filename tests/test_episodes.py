@@ -54,6 +54,32 @@ class Echo(Environment):
         )
 
 
+@register_environment("test-slow-reset")
+class SlowReset(Environment):
+    """A prompt whose meta names 'slow' starts its episode (a sandbox, say) only when the test sets
+    `released`; every state `close` receives is recorded, and `late_closed` is set when the slow one's is."""
+
+    def __init__(self):
+        self.released, self.late_closed = threading.Event(), threading.Event()
+        self.opened: list[dict] = []
+        self.closed: list[dict] = []
+
+    def reset(self, prompt, meta):
+        if meta.get("mode") == "slow":
+            self.released.wait()
+        state = {"mode": meta.get("mode")}
+        self.opened.append(state)
+        return state
+
+    def step(self, model_turn, state):
+        return "", 1.0, True
+
+    def close(self, state):
+        self.closed.append(state)
+        if state["mode"] == "slow":
+            self.late_closed.set()
+
+
 def make_worker(path: str, engine: str, **env) -> RolloutWorker:
     cfg = (
         RolloutConfig(engine=engine, environment=EnvironmentConfig(**env))
@@ -188,6 +214,29 @@ def test_environment_errors_and_time_outs_fail_their_episodes_only(policies):  #
     assert status == ["env_error"] * 2 + ["env_timeout"] * 2 + ["done"] * 2
     assert "sandbox crashed" in samples[0].episode.error and "timed out" in samples[2].episode.error
     assert all(len(s.response_ids) >= 1 for s in samples)
+
+
+def test_a_reset_past_its_deadline_has_its_state_closed_when_it_comes(policies):  # noqa: F811
+    """The slow reset's episode fails as a time-out at once; the state its reset returns afterwards (a
+    sandbox that would otherwise live on) goes to the environment's close and is counted."""
+    worker = make_worker(policies[0], "hf", name="test-slow-reset", timeout_s=0.5, max_total_tokens=60)
+    env = worker._episodes.environment
+    try:
+        samples = worker.generate(
+            INDICES,
+            PROMPTS,
+            seed=2,
+            sampling=SamplingConfig(n=1, max_new_tokens=4),
+            metas=[{}, {"mode": "slow"}, {}],
+        )
+        assert [s.episode.status for s in samples] == ["done", "env_timeout", "done"]
+        assert [state["mode"] for state in env.closed] == [None, None]  # the slow reset has not answered
+    finally:
+        env.released.set()  # the blocked reset answers now, long past its deadline
+    assert env.late_closed.wait(60), "the state of the reset that answered late was never closed"
+    assert sorted(map(id, env.closed)) == sorted(map(id, env.opened))  # every state closed, once
+    stats = worker.stats()
+    assert stats["env_late_answers"] == 1 and stats["env_late_close_errors"] == 0
 
 
 def test_the_documented_environment_example_runs_in_episodes(policies, tmp_path):  # noqa: F811
