@@ -14,18 +14,30 @@ flattened tensor, p = `ds_tensor.ds_numel`, the last partition padded: DeepSpeed
 `partition_parameters`), read where it lies, nothing gathered; a full tensor (ZeRO-1/2, a buffer) is
 split into `world` equal element ranges, so the ranks share the cast.
 
-The segment is kept from push to push (its pages are faulted in once). Learner rank 0 owns it: the
-file name carries its pid, it is removed when rank 0's segment is dropped or its process exits, and a
-segment whose owner died without removing it is removed when a new one is made.
+The segment is kept from push to push (its pages are faulted in once). Learner rank 0 owns it, and it
+never outlives its owner, however the owner ends (`Owner`): the owner removes it when it is dropped,
+closed or the process exits; a small watcher process the owner starts (in a session of its own, out of
+reach of a kill of the owner's process group) removes it when the owner is gone, a SIGKILL or an OOM
+kill included; and the owner holds an exclusive `flock` on the file for its life, which the kernel
+releases when the owner dies, so a segment nobody holds the lock of is an orphan, removed when a new
+one is made (`remove_orphans`). The lock, not the pid in the file name (kept for people), says whether
+the owner lives: a pid means nothing in another PID namespace (`docker --ipc=host`, Kubernetes
+`hostIPC` share /dev/shm, not pids), where a dead-looking pid can be another run's live owner. (A
+process forked from the owner without exec inherits the lock and the watcher's pipe: the segment then
+lives until that child ends too.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import subprocess
+import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,40 +60,111 @@ def room(directory: str = DEFAULT_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _names_file(fd: int, path: str | Path) -> bool:
+    """Whether `path` still names the file open as `fd` (not removed, not replaced)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 def remove_orphans(directory: str) -> list[str]:
-    """Remove the segments in `directory` whose owner process is gone; returns their paths."""
+    """Remove the segments in `directory` whose owner is gone: no process holds their lock (in any PID
+    namespace); returns their paths. Another user's segment, which this process cannot open, stays."""
     gone = []
     for path in Path(directory).glob(f"{PREFIX}*"):
-        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
-        if not pid.isdigit():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, PermissionError):  # removed meanwhile, or not ours to judge
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            _unlink(str(path))
-            gone.append(str(path))
-        except PermissionError:  # alive, another user's
-            pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its owner holds it: alive
+            os.close(fd)
+            continue
+        try:  # ours now: an owner that just made it waits for this lock, then finds its name gone
+            if _names_file(fd, path):
+                _unlink(str(path))
+                gone.append(str(path))
+        finally:
+            os.close(fd)
     return gone
+
+
+# The watcher: waits for the end of its stdin, a pipe only the owner holds the other end of (the owner
+# closes it, or the kernel does when the owner dies), then removes the segment.
+_WATCHER = (
+    "import os,sys\nsys.stdin.buffer.read()\ntry: os.unlink(sys.argv[1])\nexcept FileNotFoundError: pass\n"
+)
+
+
+@dataclass
+class Owner:
+    """What keeps a segment tied to its owner's life: the file open with its `flock` held, and the
+    write end of the pipe its watcher process reads."""
+
+    lock_fd: int
+    pipe_fd: int
+    watcher: subprocess.Popen
+
+    @classmethod
+    def take(cls, path: str, lock_fd: int) -> Owner:
+        """Start the watcher of `path`, whose lock `lock_fd` holds."""
+        read, write = os.pipe()
+        try:
+            watcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHER, path],
+                stdin=read,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # not in the owner's process group, which Ray kills with a worker
+            )
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        return cls(lock_fd, write, watcher)
+
+
+def _release(path: str, owner: Owner) -> None:
+    """The owner's end: the file removed, its lock let go, the watcher told (it exits at once)."""
+    _unlink(path)
+    os.close(owner.lock_fd)
+    os.close(owner.pipe_fd)
+    owner.watcher.wait()
 
 
 class SharedSegment:
     """A file under /dev/shm mapped read-write: `resize(n)` gives its first n bytes as a flat uint8
     tensor (mapped again only when n changes). `create` makes a new one owned by this process (removed
-    when the object is dropped or the process exits); `SharedSegment(path)` opens an existing one."""
+    when the object is dropped or the process ends, however: see the module docstring);
+    `SharedSegment(path)` opens an existing one."""
 
-    def __init__(self, path: str, owner: bool = False) -> None:
+    def __init__(self, path: str, owner: Owner | None = None) -> None:
         self.path = str(path)
         self._size = -1
         self._tensor: torch.Tensor | None = None
-        self._finalizer = weakref.finalize(self, _unlink, self.path) if owner else None
+        self._finalizer = weakref.finalize(self, _release, self.path, owner) if owner is not None else None
 
     @classmethod
     def create(cls, directory: str = DEFAULT_DIR) -> SharedSegment:
         remove_orphans(directory)
-        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        return cls(path, owner=True)
+        while True:
+            path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for the segment's life; waits out a sweep that took it
+            if _names_file(fd, path):
+                break
+            os.close(fd)  # swept between its making and the lock: another name
+        try:
+            return cls(path, owner=Owner.take(path, fd))
+        except BaseException:
+            _unlink(path)
+            os.close(fd)
+            raise
 
     def resize(self, nbytes: int) -> torch.Tensor:
         """The segment's first `nbytes` bytes (the file is grown or cut to exactly that: every writer

@@ -7,8 +7,10 @@ segment's life."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +100,91 @@ def test_the_owner_removes_its_segment_and_a_dead_owners_is_swept(tmp_path):
     assert remove_orphans(str(tmp_path)) == []  # a living owner's stays
     alive.remove()
     assert not os.path.exists(alive.path)
+
+
+OWNER = """
+import sys
+from learner.shared_bundle import SharedSegment
+segment = SharedSegment.create(sys.argv[1])
+segment.resize(1 << 16).fill_(1)
+print(segment.path, flush=True)
+sys.stdin.readline()  # until the test ends it
+"""
+
+
+def _wait_gone(path: str, timeout_s: float = 60.0) -> bool:
+    """Whether `path` is removed within `timeout_s` (the watcher's unlink is the event waited on)."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_segment_goes_when_its_owner_is_killed(tmp_path):
+    """SIGKILL runs no finaliser: the owner's watcher process removes the segment, no new segment needed."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        path = owner.stdout.readline().strip()
+        assert os.path.getsize(path) == 1 << 16 and remove_orphans(str(tmp_path)) == []  # alive: kept
+    finally:
+        owner.kill()  # SIGKILL
+        owner.wait()
+    assert _wait_gone(path), f"{path} outlived its SIGKILLed owner"
+
+
+def test_a_killed_learner_actors_segment_goes(ray_local, tmp_path):
+    """The same with the owner a Ray actor killed with SIGKILL: Ray's clean-up of the dead worker's process
+    group does not take the watcher (its own session) before it has removed the segment."""
+    ray = ray_local
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def make(self, directory: str) -> tuple[str, int]:
+            self.segment = SharedSegment.create(directory)
+            self.segment.resize(1 << 16).fill_(1)
+            return self.segment.path, os.getpid()
+
+    actor = Owner.remote()
+    path, pid = ray.get(actor.make.remote(str(tmp_path)), timeout=120)
+    assert os.path.exists(path)
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone(path), f"{path} outlived its SIGKILLed Ray actor"
+    ray.kill(actor)
+
+
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_live_owner_whose_pid_is_not_alive_here_keeps_its_segment(tmp_path):
+    """An owner in another PID namespace (`docker --ipc=host`): the pid in the name is dead here, but the
+    owner is alive and holds the segment's lock: the sweep keeps it; once the owner is gone, it is swept."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    path = tmp_path / f"{PREFIX}{int(dead.stdout)}-otherns"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert remove_orphans(str(tmp_path)) == []
+        mine = SharedSegment.create(str(tmp_path))  # making one sweeps too
+        assert path.exists()
+        mine.remove()
+    finally:
+        holder.stdin.close()  # the owner ends: the kernel lets go of its lock
+        holder.wait()
+    assert remove_orphans(str(tmp_path)) == [str(path)] and not path.exists()
