@@ -34,20 +34,7 @@ def length_line(prompts: list[Prompt], cfg: DataSection) -> str:
 
 
 def dropped_lines(stats: DataStats, kept: int, cfg: DataSection) -> list[str]:
-    lines = [f"rows: {stats.rows}, used {kept}"]
-    if stats.empty:
-        lines.append(f"  dropped {stats.empty} empty (a blank string or no messages)")
-    if stats.skipped_long:
-        lines.append(
-            f"  skipped {stats.skipped_long} over data.max_prompt_tokens={cfg.max_prompt_tokens} (the longest "
-            f"{stats.longest_skipped} tokens; raise data.max_prompt_tokens to keep them), e.g. "
-            + "; ".join(stats.skipped_rows)
-        )
-    if stats.truncated:
-        lines.append(
-            f"  cut {stats.truncated} plain-text prompts to their last tokens (data.long_prompt='truncate')"
-        )
-    return lines
+    return [f"rows: {stats.rows}, used {kept}", *(f"  {line}" for line in stats.lines(cfg))]
 
 
 def meta_lines(prompts: list[Prompt]) -> list[str]:

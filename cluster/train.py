@@ -30,6 +30,7 @@ from cluster.run.job_env import (
     in_place_working_dir,
     override_job_runtime_env,
 )
+from cluster.run.local_ray import dashboard_port, moved_dashboard
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -37,9 +38,11 @@ EXIT_INTERRUPTED = 130
 
 
 def preflight(cfg: RunConfig) -> RunPrompts:
-    """Build the demo assets if asked, check every path the actors will open, then read and render the
-    prompts (`cluster.pipeline.data`, as `python -m cluster.data` shows them): a bad row is found before
-    any actor starts. Returns the prompts, which the run then uses instead of reading them again."""
+    """Build the demo assets if asked, check every path the actors will open, then check a chat
+    environment's template, then read and render the prompts (`cluster.pipeline.data`, as `python -m
+    cluster.data` shows them): a bad row is found before any actor starts, and rows dropped, cut or read
+    as JSON messages are said on stderr (`RunPrompts.announce`). Returns the prompts, which the run then
+    uses instead of reading them again."""
     if cfg.model.demo_assets:
         from cluster.demo_assets import DemoAssetsError, build_demo_assets
 
@@ -77,7 +80,35 @@ def preflight(cfg: RunConfig) -> RunPrompts:
             load_functions(cfg.reward)
         except (ValueError, ImportError) as err:  # the message names the field
             raise ConfigError(str(err)) from None
-    return load_run_prompts(cfg, load_tokenizer(cfg))
+    check_observation_template(cfg)
+    prompts = load_run_prompts(cfg, load_tokenizer(cfg))
+    prompts.announce(cfg)  # rows dropped, cut or read as JSON messages: said before step 1
+    return prompts
+
+
+def check_observation_template(cfg: RunConfig) -> None:
+    """A chat environment's observations (`observation_format: chat`) are rendered by the policy's
+    tokenizer with the prompts' template: a template the workers would refuse
+    (`rollout_workers.chat_turns.check_chat_template`: a role it cannot render, past turns rewritten) is
+    refused here, before any actor starts, with the same message."""
+    if not (cfg.rollout.environment.enabled and cfg.rollout.environment.observation_format == "chat"):
+        return
+    from transformers import AutoTokenizer
+
+    from cluster.placement.rollout_gpus import worker_config
+    from rollout_workers.chat_turns import check_chat_template
+
+    try:
+        env = worker_config(cfg).environment  # the template and kwargs the workers are sent
+    except ValueError as err:  # the message names the field
+        raise ConfigError(str(err)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path, local_files_only=True)
+        check_chat_template(tokenizer, env.observation_role, env.chat_template, env.chat_template_kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{err} (the policy's tokenizer, model.policy_path={cfg.model.policy_path})"
+        ) from None
 
 
 def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
@@ -92,7 +123,9 @@ def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
 
 
 def init_ray(cfg: RunConfig) -> str | None:
-    """Connect to the configured cluster, or start a local one; returns the dashboard URL."""
+    """Connect to the configured cluster, or start a local one; returns the dashboard URL. A local
+    Ray's dashboard port set in the config and taken is a ConfigError before Ray starts; unset, Ray takes
+    8265 or the next free one, and a moved port is printed (`cluster.run.local_ray`)."""
     import ray
 
     if ray.is_initialized():
@@ -110,16 +143,21 @@ def init_ray(cfg: RunConfig) -> str | None:
         check_every_node_shares(in_place, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
         return context.dashboard_url
     cpus, custom = local_resources(cfg)
-    return ray.init(
+    port = dashboard_port(cfg.cluster)
+    url = ray.init(
         address="local",  # a new Ray even where `ray start` left one: no address would join it
         num_cpus=cfg.cluster.num_cpus or cpus,
         resources=custom or None,
         num_gpus=cfg.cluster.num_gpus,
         include_dashboard=cfg.cluster.dashboard,
         dashboard_host=cfg.cluster.dashboard_host,
-        dashboard_port=cfg.cluster.dashboard_port,
+        dashboard_port=port,
         log_to_driver=True,
     ).dashboard_url
+    moved = moved_dashboard(url, cfg.cluster)
+    if moved:
+        print(moved, flush=True)
+    return url
 
 
 def run_dir_for(cfg: RunConfig, explicit: str | None, resolve: bool = True) -> Path:
@@ -223,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except SharedSessionError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except ConfigError as err:  # before Ray started: cluster.dashboard_port taken
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     clock.mark("ray.init")
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)

@@ -31,6 +31,19 @@ def write_dataset(path: Path, rows: list) -> Path:
     return path
 
 
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    """A CSV file with a header line; every value must already be a string (CSV holds only text)."""
+    import csv
+
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            assert all(isinstance(v, str) for v in row.values()), row
+            writer.writerow(row)
+    return path
+
+
 WRITERS = {"jsonl": write_jsonl, "json": write_json, "parquet": write_parquet, "dataset": write_dataset}
 
 

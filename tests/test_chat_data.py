@@ -100,9 +100,11 @@ def test_several_files_and_globs_concatenate_with_stable_row_identities(tmp_path
     ]
     with pytest.raises(ConfigError, match=r"data.prompts_path: no file matches .*\*.parquet"):
         read_prompts(section(str(tmp_path / "*.parquet")))
-    (tmp_path / "p.csv").write_text("prompt\nhi\n")
-    with pytest.raises(ConfigError, match=r"p.csv: unknown format '.csv'; allowed: .jsonl, .json, .parquet"):
-        read_prompts(section(tmp_path / "p.csv"))
+    (tmp_path / "p.txt").write_text("prompt\nhi\n")
+    with pytest.raises(
+        ConfigError, match=r"p.txt: unknown format '.txt'; allowed: .jsonl, .json, .parquet, .csv"
+    ):
+        read_prompts(section(tmp_path / "p.txt"))
 
 
 # ------------------------------------------------------------------ rendering

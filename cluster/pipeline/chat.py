@@ -16,6 +16,8 @@ with the same variables.
 
 from __future__ import annotations
 
+import ast
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,40 @@ def check_messages(value: list, where: str, column: str) -> list[dict[str, Any]]
             raise ConfigError(f"{at}: message {i} has tool_calls that are not a list of objects")
         messages.append(kept)
     return messages
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def json_messages(value: str, where: str, column: str) -> list[dict[str, Any]] | None:
+    """A string prompt holding chat messages as text: JSON of a non-empty list of objects that each have a
+    "role" is those messages, checked as a list column is (`check_messages`); the same list written as
+    Python's repr (single quotes: `str()` of a list, pandas' `to_csv`) is a ConfigError naming the fix.
+    Any other string is plain text: None."""
+    text = value.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        decoded = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            repr_messages = _is_messages(ast.literal_eval(text))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            repr_messages = False
+        if repr_messages:
+            raise ConfigError(
+                f"{where}: field {column!r} (data.prompt_key) holds chat messages written as Python text "
+                "(single quotes, as str() of a list or pandas' to_csv write them), not JSON: write the column "
+                "as JSON text (json.dumps of each list) or as a list column (parquet, JSONL)"
+            ) from None
+        return None
+    if not _is_messages(decoded):
+        return None
+    try:
+        return check_messages(decoded, where, column)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (the field is a string, read as JSON chat messages)") from None
 
 
 @dataclass(frozen=True)

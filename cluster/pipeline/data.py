@@ -1,24 +1,26 @@
 """Prompt data: read, render, tokenize and validate once; hand out batches in a seeded, resumable order.
 
-A row's prompt column (`data.prompt_key`) holds a string (plain text) or a list of chat messages; every
-other column is the prompt's meta, handed as is to rule/remote rewards and environments. Files and row
+A row's prompt column (`data.prompt_key`) holds a string (plain text), a list of chat messages, or those
+messages as JSON text (`chat.json_messages`: read as messages and counted); every other column is the prompt's meta, handed as is to rule/remote rewards and environments. Files and row
 identity: `cluster.pipeline.prompt_files`; messages and templates: `cluster.pipeline.chat`.
 
 Plain text is tokenized without special tokens, then the BOS is prepended (`data.add_bos`); an
 over-long one is cut from the left or skipped (`data.long_prompt`). A chat prompt (messages, or a string
 with `data.wrap_string_prompts`) is the chat template's rendering, ids exactly as apply_chat_template
-gives them; an over-long one is skipped, never cut. Both are counted (`DataStats`).
+gives them; an over-long one is skipped, never cut. Both are counted (`DataStats`), and said before
+the run starts (`RunPrompts.notices`: what `cluster.train` prints and `cluster.data` shows).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from cluster.config.schema import ConfigError, DataSection, RunConfig
-from cluster.pipeline.chat import ChatTemplate, chat_template, check_messages
+from cluster.pipeline.chat import ChatTemplate, chat_template, check_messages, json_messages
 from cluster.pipeline.prompt_files import read_rows
 
 JSON_SCALARS = (str, int, float, bool, type(None))
@@ -43,12 +45,37 @@ class DataStats:
     skipped_long: int = 0  # over data.max_prompt_tokens: chat prompts always, plain text with 'skip'
     longest_skipped: int = 0  # tokens of the longest skipped prompt
     skipped_rows: list[str] = field(default_factory=list)  # where the first SHOWN_SKIPPED skipped rows are
+    json_messages: int = 0  # string prompts read as JSON chat messages (`chat.json_messages`)
 
     def skip(self, where: str, tokens: int) -> None:
         self.skipped_long += 1
         self.longest_skipped = max(self.longest_skipped, tokens)
         if len(self.skipped_rows) < SHOWN_SKIPPED:
             self.skipped_rows.append(where)
+
+    def lines(self, cfg: DataSection) -> list[str]:
+        """What was dropped, cut or read otherwise than as written, one line each, each naming the setting
+        that decides it and what to set; [] when every row was used as written."""
+        lines = []
+        if self.empty:
+            lines.append(f"dropped {self.empty} empty (a blank string or no messages)")
+        if self.skipped_long:
+            lines.append(
+                f"skipped {self.skipped_long} over data.max_prompt_tokens={cfg.max_prompt_tokens} (the longest "
+                f"{self.longest_skipped} tokens; set data.max_prompt_tokens to {self.longest_skipped} or more to "
+                "keep them), e.g. " + "; ".join(self.skipped_rows)
+            )
+        if self.truncated:
+            lines.append(
+                f"cut {self.truncated} plain-text prompts to their last tokens (data.long_prompt='truncate'; "
+                "'skip' drops them instead)"
+            )
+        if self.json_messages:
+            lines.append(
+                f"read {self.json_messages} string prompts (field {cfg.prompt_key!r}) as chat messages written "
+                "as JSON text, rendered with the chat template"
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,7 @@ class PromptRow:
     text: str | None  # a string prompt
     messages: list[dict[str, Any]] | None  # a chat-messages prompt
     meta: dict[str, Any]
+    from_json: bool = False  # messages read from a string of JSON text (`chat.json_messages`)
 
 
 def _check_meta(value: Any, where: str, column: str) -> None:
@@ -92,7 +120,10 @@ def read_prompts(cfg: DataSection, option: str = "data.prompts_path") -> list[Pr
         if missing:
             raise ConfigError(f"{raw.where}: missing field {missing[0]!r} (listed in data.meta_keys)")
         value = raw.columns[key]
-        if isinstance(value, str):
+        decoded = json_messages(value, raw.where, key) if isinstance(value, str) else None
+        if decoded is not None:
+            text, messages = None, decoded
+        elif isinstance(value, str):
             text, messages = value, None
         elif isinstance(value, list):
             text, messages = None, check_messages(value, raw.where, key)
@@ -104,7 +135,7 @@ def read_prompts(cfg: DataSection, option: str = "data.prompts_path") -> list[Pr
         meta = {k: v for k, v in raw.columns.items() if k != key}
         for column, v in meta.items():
             _check_meta(v, raw.where, column)
-        rows.append(PromptRow(raw.index, raw.where, text, messages, meta))
+        rows.append(PromptRow(raw.index, raw.where, text, messages, meta, decoded is not None))
     if not rows:
         raise ConfigError(f"{option}: {cfg.prompts_path} holds no prompts")
     return rows
@@ -162,7 +193,7 @@ def tokenize_prompts(
     rows: list[PromptRow], tokenizer, cfg: DataSection, option: str = "data.prompts_path"
 ) -> tuple[list[Prompt], DataStats]:
     """Empty prompts are dropped and over-long ones skipped or (plain text) truncated, all counted."""
-    stats = DataStats(rows=len(rows))
+    stats = DataStats(rows=len(rows), json_messages=sum(r.from_json for r in rows))
     template: ChatTemplate = chat_template(cfg, tokenizer)
     prompts: list[Prompt] = []
     for row in rows:
@@ -204,6 +235,23 @@ class RunPrompts:
     stats: DataStats
     eval: list[Prompt]  # held-out (eval.prompts_path, its first eval.max_prompts); [] when evaluation is off
     eval_stats: DataStats | None = None
+
+    def notices(self, cfg: RunConfig) -> list[str]:
+        """What start-up says about the prompts before step 1: per set (training, held-out), each line of
+        its `DataStats.lines`, naming the option and its files, the rows read and the prompts used."""
+        sets = [("data.prompts_path", cfg.data.prompts_path, self.stats, len(self.train))]
+        if self.eval_stats is not None:
+            sets.append(("eval.prompts_path", cfg.eval.prompts_path, self.eval_stats, len(self.eval)))
+        out = []
+        for option, spec, stats, used in sets:
+            head = f"{option} ({spec}): {stats.rows} rows, {used} prompts used"
+            out += [f"{head}: {line}" for line in stats.lines(cfg.data)]
+        return out
+
+    def announce(self, cfg: RunConfig) -> None:
+        """The `notices`, each a `warning:` line on stderr (a run's start-up, before any actor starts)."""
+        for line in self.notices(cfg):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def load_run_prompts(cfg: RunConfig, tokenizer) -> RunPrompts:

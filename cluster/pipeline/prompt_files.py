@@ -10,7 +10,10 @@ One reader per format (`FORMATS`, by suffix; a folder is a saved dataset):
 - `.jsonl`: one JSON object per line, `.json`: one JSON list of objects. Python's json reads them: each
   value as written, a missing key missing (a columnar reader would infer one type per column, fill
   absent keys with null and fail on mixed types without naming the row);
-- `.parquet`: pyarrow; a folder: `datasets.load_from_disk` (one split: a DatasetDict names its splits).
+- `.parquet`: pyarrow; a folder: `datasets.load_from_disk` (one split: a DatasetDict names its splits);
+- `.csv`: Python's csv, a header line then one row per record; every value is a string (a chat-messages
+  column is then JSON text, read as messages by `cluster.pipeline.chat.json_messages`), and a row whose
+  field count differs from the header's is an error naming it.
 Values come out as plain Python (`to_pylist`: str, int, float, bool, None, lists and dicts), never
 numpy scalars. Nothing is downloaded.
 """
@@ -91,6 +94,24 @@ def _read_saved_dataset(path: Path) -> tuple[list[tuple[int, Any]], int]:
     return list(enumerate(rows)), len(rows)
 
 
+def _read_csv(path: Path) -> tuple[list[tuple[int, Any]], int]:
+    import csv
+
+    with path.open(encoding="utf-8", newline="") as f:
+        records = list(csv.reader(f))
+    if not records:
+        return [], 0
+    header, rows = records[0], []
+    for position, record in enumerate(records[1:]):
+        if len(record) != len(header):
+            raise ConfigError(
+                f"{path} row {position}: {len(record)} fields, but the header line has {len(header)} "
+                f"({', '.join(header)}): quote fields holding commas or newlines"
+            )
+        rows.append((position, dict(zip(header, record, strict=True))))
+    return rows, len(rows)
+
+
 @dataclass(frozen=True)
 class FileFormat:
     name: str
@@ -105,6 +126,7 @@ FORMATS: dict[str, FileFormat] = {
     ".jsonl": FileFormat("jsonl", _read_jsonl, by_line=True),
     ".json": FileFormat("json", _read_json, by_line=False),
     ".parquet": FileFormat("parquet", _read_parquet, by_line=False),
+    ".csv": FileFormat("csv", _read_csv, by_line=False),
 }
 SAVED_DATASET = FileFormat("datasets folder", _read_saved_dataset, by_line=False)
 ALLOWED = f"{', '.join(FORMATS)} or a folder written by datasets' save_to_disk"
