@@ -107,10 +107,7 @@ class Run:
         if cfg.cluster.placement == "colocated":  # the hosts import and load while the driver tokenizes
             self.roles = launch_colocated(cfg, self.run_id)
         self.tokenizer = load_tokenizer(cfg)
-        data = self.data
-        if data is None:  # not handed over by `cluster.train`'s preflight, which announced its own
-            data = load_run_prompts(cfg, self.tokenizer)
-            data.announce(cfg)
+        data = self.data or load_run_prompts(cfg, self.tokenizer)
         prompts, self.data_stats = data.train, data.stats
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
