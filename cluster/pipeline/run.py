@@ -43,7 +43,6 @@ from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_
 from cluster.placement.plan import on_driver_node
 from cluster.run.folder import check_ranks_see_run_folder
 from cluster.run.metrics import held_out_only, truncate_metrics
-from cluster.run.reward_failures import RewardFailureLog
 from cluster.run.startup import StartupClock
 from cluster.run.summary import RunSummary
 from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
@@ -85,7 +84,6 @@ class Run:
         self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
         self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
-        self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
 
     @property
     def version(self) -> int:
@@ -107,7 +105,10 @@ class Run:
         if cfg.cluster.placement == "colocated":  # the hosts import and load while the driver tokenizes
             self.roles = launch_colocated(cfg, self.run_id)
         self.tokenizer = load_tokenizer(cfg)
-        data = self.data or load_run_prompts(cfg, self.tokenizer)
+        data = self.data
+        if data is None:  # not handed over by `cluster.train`'s preflight, which announced its own
+            data = load_run_prompts(cfg, self.tokenizer)
+            data.announce(cfg)
         prompts, self.data_stats = data.train, data.stats
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
@@ -136,7 +137,6 @@ class Run:
         )
         if self.resume_from is not None:
             self.restore(self.resume_from)
-            self.failures,
         parts = RunParts(
             cfg=cfg,
             roles=self.roles,
@@ -151,7 +151,6 @@ class Run:
         )
         self.pipeline = self.pipeline_class(parts, self.resume_state)
         self.open_log()
-            failures=self.failures,
         self.checkpoints.cadence.written()  # the minutes count from the end of set-up
         self.clock.mark("actors")
         if self.roles.hosts:
