@@ -8,9 +8,11 @@ loaded into the base architecture as the learner loads it (dropout off, the fuse
 holds only adapters, merged here into the base policy's weights (`policy_from_weights`). Every parameter must be
 accounted for: a weight the model lacks, or a parameter the checkpoint lacks, is an error naming them.
 They are cast to `--dtype` and written with `save_pretrained` (safetensors, config, generation
-config); the tokenizer is saved beside them carrying the chat template the run rendered its prompts
-with (`data.chat_template`: the tokenizer's own, or the Jinja file's, then written into the folder).
-`--value-head` also writes the critic's `value_head.safetensors`. `export.json` records the source.
+config); the tokenizer is saved beside them carrying how the run prompted (`cluster.pipeline.prompting`:
+the chat template of `data.chat_template`, the tokenizer's own or the Jinja file's, with
+`data.chat_template_kwargs` and `data.system_prompt` as its defaults where it allows, and
+`prompting.json`).
+`--value-head` also writes the critic's `value_head.safetensors`. `export.json` records the source and how the run prompted.
 Nothing here starts Ray or DeepSpeed: it runs wherever the run folder is readable.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -100,8 +103,8 @@ def export(
     import torch
     from safetensors.torch import save_file
 
-    from cluster.pipeline.chat import save_tokenizer
     from cluster.pipeline.checkpoint import LEARNER_DIR, CheckpointError, read_state
+    from cluster.pipeline.prompting import save_tokenizer
     from learner.consolidated_checkpoint import read_weights
     from learner.model import VALUE_HEAD_FILE
 
@@ -116,7 +119,7 @@ def export(
     model = load_policy(cfg, checkpoint).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    template = save_tokenizer(cfg.data, cfg.tokenizer_path, out)
+    prompting = save_tokenizer(cfg.data, cfg.tokenizer_path, out)
     if value_head:
         head = read_weights(checkpoint / LEARNER_DIR, "value_head.")
         save_file({k: v.contiguous() for k, v in head.items()}, str(out / VALUE_HEAD_FILE))
@@ -126,11 +129,14 @@ def export(
         "base_policy": cfg.model.policy_path,
         "dtype": dtype,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "chat_template": template,
+        "chat_template": prompting.chat_template,
+        # how the run prompted: data.chat_template_kwargs, data.system_prompt (the template's defaults where
+        # it allows: defaults_in_template), data.tools; also in prompting.json
+        "prompting": asdict(prompting),
         "value_head": value_head,
         "lora_rank": cfg.learner.lora.rank,  # > 0: the adapters are merged into the exported weights
     }
-    (out / "export.json").write_text(json.dumps(record, indent=1))
+    (out / "export.json").write_text(json.dumps(record, indent=1, default=str))
     return record
 
 

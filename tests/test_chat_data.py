@@ -196,7 +196,7 @@ def test_a_jinja_file_replaces_the_tokenizers_template(tmp_path):
     # The folders a run writes (final/, cluster.export's) carry that template with the tokenizer.
     from transformers import AutoTokenizer
 
-    from cluster.pipeline.chat import save_tokenizer
+    from cluster.pipeline.prompting import save_tokenizer
 
     tok.save_pretrained(tmp_path / "tok")
     assert save_tokenizer(section(path, chat_template=str(jinja)), str(tmp_path / "tok"), tmp_path / "out")

@@ -173,17 +173,3 @@ def chat_template(cfg: DataSection, tokenizer: Any) -> ChatTemplate:
     if not path.is_file():
         raise ConfigError(f"data.chat_template: file not found: {cfg.chat_template} (or use 'auto' / 'none')")
     return ChatTemplate(path.read_text(encoding="utf-8"), f"the chat template {path}", **extra)
-
-
-def save_tokenizer(cfg: DataSection, tokenizer_path: str, out: str | Path) -> str:
-    """The run's tokenizer into the model folder `out`, carrying the template the run rendered its
-    prompts with: a `data.chat_template` Jinja file is written into it (the tokenizer's own template
-    travels as is). Returns where the template came from."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    source = cfg.chat_template_file or "the tokenizer's own"
-    if cfg.chat_template_file:
-        tokenizer.chat_template = Path(cfg.chat_template_file).expanduser().read_text(encoding="utf-8")
-    tokenizer.save_pretrained(out)
-    return source

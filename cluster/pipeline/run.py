@@ -20,7 +20,6 @@ import ray
 import yaml
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chat import save_tokenizer
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, RunControl, control_name, current_run_id
 from cluster.pipeline.data import (
@@ -36,6 +35,7 @@ from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.pipelines import Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
+from cluster.pipeline.prompting import save_tokenizer
 from cluster.pipeline.stopping import StopRequest
 from cluster.pipeline.stream_pipeline import StreamPipeline
 from cluster.pipeline.sync_pipeline import SyncPipeline
@@ -292,8 +292,8 @@ class Run:
             [r.save_pretrained.remote(str(final_dir), self.cfg.tokenizer_path) for r in self.roles.ranks],
             timeout=self.cfg.timeouts.train_s,
         )
-        if self.cfg.data.chat_template_file:  # the Jinja file the prompts were rendered with
-            save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
+        # how the prompts were rendered: the template, its kwargs and system prompt, and prompting.json
+        save_tokenizer(self.cfg.data, self.cfg.tokenizer_path, final_dir)
         self.pipeline.workers_to_current()
         after = self.evaluator.report("after")
         if after is not None:  # the curves' last point (a row after the last step's) and the summary's
