@@ -152,15 +152,17 @@ RESERVED_TEMPLATE_KWARGS = (
 class DataSection(_Strict):
     prompts_path: str | list[str] = Field(
         ...,
-        description="The prompts: a file (.jsonl: one object per line; .json: a list of objects; .parquet), a "
-        "folder saved by datasets' save_to_disk, a glob of them (sorted), or a list of any of these, read in "
-        "order and concatenated. Each row's identity is its position in that concatenation (a JSONL file's "
+        description="The prompts: a file (.jsonl: one object per line; .json: a list of objects; .parquet; "
+        ".csv: a header line, every value a string), a folder saved by datasets' save_to_disk, a glob of them "
+        "(sorted), or a list of any of these, read in order and concatenated. Each row's identity is its position in that concatenation (a JSONL file's "
         "line number, blank lines included). See docs/data.md.",
     )
     prompt_key: str = Field(
         "prompt",
         description="Column holding the prompt: a string, or a list of chat messages ({role: system|user|"
-        "assistant|tool, content: string, optional tool_calls}) rendered with data.chat_template. Every other "
+        "assistant|tool, content: string, optional tool_calls}) rendered with data.chat_template; a string "
+        "holding such a list as JSON text (a CSV cell, an export's string column) is read as those messages "
+        "and counted. Every other "
         "column of the row is the prompt's meta (handed to rule/remote rewards and environments).",
     )
     meta_keys: list[str] = Field(
