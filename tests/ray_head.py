@@ -105,13 +105,14 @@ def ray_head(
     num_cpus: int = 2,
     env_vars: dict[str, str] | None = None,
     workers: Sequence[dict[str, Any]] = (),
+    dashboard_port: int | None = None,
 ) -> Iterator[RayHead]:
-    """`ray start --head` with the dashboard, free ports and a temp dir of its own; then each of
-    `workers` ({'num_cpus': .., 'resources': {..}}) joins it with `ray start --address` on this
-    machine, as a user starts a multi-node cluster (joining nodes take the head's temp dir, Ray's
-    default: every raylet shares one session folder)."""
+    """`ray start --head` with the dashboard (on `dashboard_port`, else a free port), free ports and a
+    temp dir of its own; then each of `workers` ({'num_cpus': .., 'resources': {..}}) joins it with
+    `ray start --address` on this machine, as a user starts a multi-node cluster (joining nodes take the
+    head's temp dir, Ray's default: every raylet shares one session folder)."""
     temp_dir = tempfile.mkdtemp(prefix="rpj", dir="/tmp")  # short: Ray's unix sockets live under it
-    gcs, dashboard = free_port(), free_port()
+    gcs, dashboard = free_port(), dashboard_port or free_port()
     env = {**ray_env(), **(env_vars or {})}
     head = [
         "--head",

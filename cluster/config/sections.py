@@ -325,7 +325,13 @@ class ClusterSection(_Strict):
         "127.0.0.1",
         description="Dashboard bind address; the job API runs arbitrary code, keep it on loopback.",
     )
-    dashboard_port: int = Field(8265, ge=1, le=65535, description="Dashboard port.")
+    dashboard_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Dashboard port of a local Ray. None: 8265, or the next free one when another run holds it "
+        "(the run prints it). A port set here must be free: taken, the run stops before Ray starts.",
+    )
     placement: Literal["separate", "colocated"] = Field(
         "separate",
         description="'separate': one Ray actor per role replica (each scales and fails on its own; needed by "
