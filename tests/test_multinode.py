@@ -335,7 +335,7 @@ ray.get([m.ping.remote() for m in (here, there, there_too, too_big)])
 deadline = time.monotonic() + 120
 def shared(transport, ranks, workers, backend="gloo"):
     sync = CollectiveWeightSync(backend=backend, transport=transport)
-    return sync._use_shared_memory(ranks, workers, deadline, "bfloat16")
+    return sync._use_shared_memory(ranks, workers, [f"w{i}" for i in range(len(workers))], deadline, "bfloat16")
 assert shared("auto", [there], [there_too])
 assert shared("shared_memory", [there], [there_too])
 assert not shared("auto", [here], [there]) and not shared("auto", [there], [here, there_too])

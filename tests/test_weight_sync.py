@@ -247,6 +247,46 @@ def test_collective_push_survives_a_receiver_killed_mid_broadcast_and_names_a_si
             ray.kill(w)
 
 
+def _kill_for_certain(ray, actor) -> None:
+    """Kill `actor` and return once Ray says it is dead (a call on it fails): `ray.kill` only asks, and a
+    call made at once may still be answered. Whatever runs next finds it dead, without racing the kill."""
+    import time
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+    raise AssertionError(f"{actor} still answers 60 s after ray.kill")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["auto", "shared_memory"])
+def test_a_member_dead_when_the_group_asks_the_nodes_is_lost_not_raised(
+    ray_local, learner_rank, tiny_policy_dir, transport
+):
+    """On one node the group's forming first asks every member's node (the shared-memory check). A
+    worker killed before that call (dead for certain: its own call fails first, nothing races) is a
+    lost member there as everywhere else in the push: reported in `lost` for the caller to replace,
+    and the push is retried without it; the others load the version through shared memory. Before,
+    the check's plain `ray.get` let the `ActorDiedError` out of the push (and the run)."""
+    ray, rank = ray_local, learner_rank
+    gone, alive = _worker(ray, tiny_policy_dir), _worker(ray, tiny_policy_dir)
+    sync = CollectiveWeightSync(transport=transport)
+    try:
+        ray.get([gone.ping.remote(), alive.ping.remote()], timeout=120)  # both started
+        _kill_for_certain(ray, gone)
+        result, _ = sync.push([rank], [gone, alive], ["gone", "alive"], 7, "float32", 120)
+        assert result.lost == [0] and result.version == 7 and result.expected is not None
+        assert ray.get(alive.version.remote(), timeout=60) == 7
+        assert sync._shared is not None and Path(sync._shared).parent == Path("/dev/shm")
+    finally:
+        for w in (gone, alive):
+            ray.kill(w)
+
+
 @pytest.mark.slow
 def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
     ray_local, demo_assets, tmp_path

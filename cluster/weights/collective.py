@@ -73,17 +73,24 @@ class CollectiveWeightSync:
         self._members: tuple | None = None  # (timeout, actor ids) of the group formed
         self._shared: str | None = None  # its shared-memory segment, when the bundles travel through one
 
-    def _use_shared_memory(self, ranks: list[Any], workers: list[Any], deadline: float, dtype: str) -> bool:
+    def _use_shared_memory(
+        self, ranks: list[Any], workers: list[Any], names: list[str], deadline: float, dtype: str
+    ) -> bool:
         """Whether the bundles go through shared memory (`learner.shared_bundle`): the transport asks for
         it ('shared_memory') or allows it ('auto'), every learner rank and worker is on one Ray node with
         CPU buffers (gloo), and that node's /dev/shm has room for the bundle at `dtype`. 'shared_memory'
-        where that is not so is a `WeightSyncError`."""
+        where that is not so is a `WeightSyncError`. A worker that died before answering is lost
+        (`_LostMembers`), as in the rest of the group's forming."""
         if self.transport == "broadcast" or (self.transport == "auto" and self.backend != "gloo"):
             return False
-        calls = [r.__ray_call__.remote(_node_id) for r in ranks]
-        calls += [worker_method(w, "__ray_call__", self.cut_in).remote(_node_id) for w in workers]
-        _drop_silent([], calls[len(ranks) :], workers, deadline, 0.0, "asking the workers' nodes")
-        nodes = set(ray.get(calls, timeout=_left(deadline)))
+        on_ranks = [r.__ray_call__.remote(_node_id) for r in ranks]
+        asks = [worker_method(w, "__ray_call__", self.cut_in).remote(_node_id) for w in workers]
+        _drop_silent(on_ranks, asks, workers, deadline, 0.0, "asking the learner's and workers' nodes")
+        nodes = set(_answers(asks, names, "could not report its node"))
+        try:
+            nodes |= set(ray.get(on_ranks))
+        except ray.exceptions.RayError as err:
+            raise WeightSyncError(f"a learner rank could not report its node: {err}") from err
         if self.transport == "shared_memory" and (len(nodes) > 1 or self.backend != "gloo"):
             raise WeightSyncError(
                 "rollout.weight_transport='shared_memory' needs every learner rank and rollout worker on one node "
@@ -118,7 +125,7 @@ class CollectiveWeightSync:
         if members == self._members:
             return
         self._members = None
-        shared = self._use_shared_memory(ranks, workers, deadline, dtype)
+        shared = self._use_shared_memory(ranks, workers, names, deadline, dtype)
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
         asks = [worker_method(w, "weight_receivers", self.cut_in).remote() for w in workers]
         _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
