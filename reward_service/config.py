@@ -261,6 +261,14 @@ class RewardConfig(_Strict):
         le=1.0,
         description="Abort the run when more than this fraction of a step's rewards fail.",
     )
+    function_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="kind='rule': longest one reward function call may take (one sample's, or one batched "
+        "call's); a call past it stops the run with an error naming the function, the prompt row and this "
+        "timeout (a hung call cannot be interrupted). Must be below timeouts.score_s (the whole scoring call's "
+        "deadline); None: half of it.",
+    )
     num_replicas: int = Field(1, ge=1, description="Reward scorer actors.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs per reward actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per reward actor.")

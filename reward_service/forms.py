@@ -12,6 +12,10 @@ A config's `style` names the form outright (a function that cannot be decorated)
 calls' together (`asyncio.gather`). A call that raises, or a batched result that is no list of one entry
 per input, is a `Failed` entry for each sample it was meant for; the values themselves are checked by
 the caller (`reward_service.values`).
+
+Every call has a deadline (`timeout`, reward.function_timeout_s): it runs in a helper thread, and a call
+that has not returned by then raises `Hung` naming the inputs it was meant for (a hung thread cannot be
+stopped, so the caller stops: the scorer's error names the function, the row and the timeout).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +62,38 @@ class Failed:
     """A sample a function gave no result for; `why` follows the function's name in the message."""
 
     why: str
+
+
+class Hung(Exception):
+    """A call did not return within `timeout` seconds; `positions` are the inputs it was meant for."""
+
+    def __init__(self, positions: list[int], timeout: float) -> None:
+        super().__init__(f"no result within {timeout:g} s for inputs {positions}")
+        self.positions, self.timeout = positions, timeout
+
+
+def within(timeout: float | None, thunk: Callable[[], Any], positions: list[int]) -> Any:
+    """thunk()'s value (its exception re-raised), run in a daemon helper thread; `Hung(positions)` when it
+    has not returned after `timeout` seconds. None: called right here, without a deadline."""
+    if timeout is None:
+        return thunk()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = thunk()
+        except BaseException as e:  # handed to the caller as it is
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="reward-function", daemon=True).start()
+    if not done.wait(timeout):
+        raise Hung(positions, timeout)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def detect_form(fn: Callable, style: str, field: str) -> str:
@@ -98,33 +135,56 @@ def _binds(sig: inspect.Signature, n: int) -> bool:
     return True
 
 
-def call_form(fn: Callable, form: Form, inputs: list[RewardInput]) -> list[Any]:
-    """One result per input: the score as the function gave it (unchecked), or `Failed`."""
+def call_form(fn: Callable, form: Form, inputs: list[RewardInput], timeout: float | None = None) -> list[Any]:
+    """One result per input: the score as the function gave it (unchecked), or `Failed`. Each call (a
+    batched call with its await, one sample's call, the per-sample awaitables together) has `timeout`
+    seconds (`within`)."""
     if form.batched:
-        return _call_batched(fn, form, inputs)
+        return _call_batched(fn, form, inputs, timeout)
     results: list[Any] = []
     pending: dict[int, Any] = {}
     for k, x in enumerate(inputs):
         try:
-            result = form.call(fn, x)
+            result = within(timeout, lambda x=x: form.call(fn, x), [k])
+        except Hung:
+            raise
         except Exception as e:  # one bad sample must not sink the others
             result = _raised(e)
         if inspect.isawaitable(result):
             pending[k] = result
         results.append(result)
-    for k, value in zip(pending, run_awaitables(list(pending.values())), strict=True):
+    if not pending:
+        return [r if isinstance(r, Failed) else _score(form, r) for r in results]
+    finished: set[int] = set()
+
+    async def tracked(k: int, aw: Any) -> Any:
+        value = await aw
+        finished.add(k)
+        return value
+
+    awaited = [tracked(k, aw) for k, aw in pending.items()]
+    try:
+        values = within(timeout, lambda: run_awaitables(awaited), list(pending))
+    except Hung as hung:
+        raise Hung([k for k in pending if k not in finished], hung.timeout) from None
+    for k, value in zip(pending, values, strict=True):
         results[k] = value
     return [r if isinstance(r, Failed) else _score(form, r) for r in results]
 
 
-def _call_batched(fn: Callable, form: Form, inputs: list[RewardInput]) -> list[Any]:
+def _call_batched(fn: Callable, form: Form, inputs: list[RewardInput], timeout: float | None) -> list[Any]:
     n = len(inputs)
-    try:
+
+    def call() -> Any:
         result = form.call(fn, inputs)
+        return run_awaitables([result])[0] if inspect.isawaitable(result) else result
+
+    try:
+        result = within(timeout, call, list(range(n)))
+    except Hung:
+        raise
     except Exception as e:
         return [_raised(e)] * n
-    if inspect.isawaitable(result):
-        result = run_awaitables([result])[0]
     if isinstance(result, Failed):
         return [result] * n
     if isinstance(result, (str, bytes, dict)) or not isinstance(result, (Sequence, np.ndarray)):

@@ -33,7 +33,9 @@ class ScoreBatch:
     token), with any other kind from the score alone (NONE of the environment's rewards is trained).
 
     `function_values` (reward functions, kind='rule'): each function's own value per sample, unweighted,
-    NaN where it failed or did not run; the score is their weighted sum (`reward_service.weighted`)."""
+    NaN where it failed or did not run; the score is their weighted sum (`reward_service.weighted`).
+    `function_failures`: per function, True where it ran and failed (what the per-function failure counts
+    count)."""
 
     scores: np.ndarray  # float32 [n]
     returns: np.ndarray  # float32 [n]
@@ -41,6 +43,7 @@ class ScoreBatch:
     errors: list[str | None] = field(default_factory=list)
     turn_rewards: bool = False  # the episodes' earlier-turn rewards are trained beside the score
     function_values: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 [n]
+    function_failures: dict[str, np.ndarray] = field(default_factory=dict)  # name -> bool [n]
 
     @classmethod
     def empty(cls, n: int) -> ScoreBatch:
@@ -139,6 +142,7 @@ class RewardScorer:
         prompt_texts: list[str] | None = None,
         messages: list[list[dict] | None] | None = None,
         finish_reasons: list[str] | None = None,
+        rows: list[int] | None = None,
     ) -> ScoreBatch:
         """One score per sample. `episodes[i]` (a `rollout_workers.environment.Episode`, or None) is the
         multi-turn record of sample i: an episode whose environment failed is failed here (dropped and
@@ -149,11 +153,18 @@ class RewardScorer:
 
         Reward functions (kind='rule') also see each prompt's rendered text and chat messages and each
         response's finish reason (`RewardInput`): a run passes them all; a direct caller without
-        `prompt_texts` has the prompt ids decoded instead, without `messages` or `finish_reasons` None."""
+        `prompt_texts` has the prompt ids decoded instead, without `messages` or `finish_reasons` None.
+        `rows[i]` is sample i's prompt row (its index in the prompts files), named when a reward function
+        hangs on it (reward.function_timeout_s)."""
         n = len(prompts)
         meta = [{} for _ in range(n)] if meta is None else list(meta)
         episodes = [None] * n if episodes is None else list(episodes)
-        given = {"prompt texts": prompt_texts, "messages": messages, "finish reasons": finish_reasons}
+        given = {
+            "prompt texts": prompt_texts,
+            "messages": messages,
+            "finish reasons": finish_reasons,
+            "rows": rows,
+        }
         lengths = [len(meta), len(episodes), *(len(v) for v in given.values() if v is not None)]
         if len(responses) != n or any(k != n for k in lengths):
             described = "".join(f", {len(v)} {k}" for k, v in given.items() if v is not None)
@@ -197,7 +208,11 @@ class RewardScorer:
             if self._judge is not None:
                 self._score_judge(inputs, live, out)
             else:
-                self._score_functions(inputs, live, out)
+                names = [
+                    _row_name(f"sample {i}" if rows is None else f"prompt row {rows[i]}", x.prompt)
+                    for i, x in zip(live, inputs, strict=True)
+                ]
+                self._score_functions(inputs, live, out, names)
         else:
             self._score_remote(prompt_text, response_text, meta, live, out)
         self._count(n, out, start)
@@ -235,10 +250,14 @@ class RewardScorer:
         scores, errors = self._classifier.score_texts(texts)
         _file(out, index, scores, errors, "reward model")
 
-    def _score_functions(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
-        """The weighted sum of the reward functions as each sample's score, and each function's values."""
+    def _score_functions(
+        self, inputs: list[RewardInput], index: list[int], out: ScoreBatch, rows: list[str]
+    ) -> None:
+        """The weighted sum of the reward functions as each sample's score, each function's values and
+        where it failed; a function that hangs past reward.function_timeout_s raises, naming its `rows`."""
         assert self._functions is not None
-        scored = score_functions(self._functions, inputs, self.config.batch_size)
+        timeout = self.config.function_timeout_s
+        scored = score_functions(self._functions, inputs, self.config.batch_size, timeout, rows)
         for k, i in enumerate(index):
             if scored.errors[k] is not None:
                 out.fail(i, scored.errors[k])
@@ -248,6 +267,9 @@ class RewardScorer:
             column = np.full(len(out.ok), np.nan, dtype=np.float32)
             column[index] = values
             out.function_values[name] = column
+            failed = np.zeros(len(out.ok), dtype=bool)
+            failed[index] = scored.failed[name]
+            out.function_failures[name] = failed
 
     def _score_judge(self, inputs: list[RewardInput], index: list[int], out: ScoreBatch) -> None:
         assert self._judge is not None
@@ -274,6 +296,12 @@ class RewardScorer:
                     out.fail(i, "remote reward returned null for this sample")
                 else:
                     out.set(i, s, "remote reward")
+
+
+def _row_name(label: str, prompt: str) -> str:
+    """A sample as messages name it: `label` (its prompt row) and the start of its prompt's text."""
+    text = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+    return f"{label} ({text!r})"
 
 
 def _file(out: ScoreBatch, index: list[int], scores, errors: list[str | None], source: str) -> None:

@@ -5,7 +5,8 @@ A sample's score is sum(weight * value) over the functions; every function runs 
 keeps its own values (unweighted: the reward/<name> metrics). A function that raises, returns no
 finite number, or (batched) returns no list of one score per input fails the samples it was meant for;
 a sample any function failed on has no score (NaN) and carries every such function's message.
-Loading errors are ValueErrors naming the config field.
+A call that does not return within reward.function_timeout_s raises `RewardFunctionTimeout` naming the
+function, the rows it was scoring and the timeout. Loading errors are ValueErrors naming the config field.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reward_service.config import FunctionEntry, RewardConfig
-from reward_service.forms import FORMS, Failed, call_form, detect_form
+from reward_service.forms import FORMS, Failed, Hung, call_form, detect_form
 from reward_service.functions import RewardInput
 from reward_service.rules import get_reward, import_user_module
 from reward_service.values import score_problem
@@ -30,6 +31,11 @@ class RewardFunction:
     form: str  # a key of reward_service.forms.FORMS
 
 
+class RewardFunctionTimeout(RuntimeError):
+    """A reward function did not return within reward.function_timeout_s (the run stops: a hung call
+    cannot be interrupted)."""
+
+
 @dataclass
 class WeightedScores:
     """Scores of n inputs: the weighted sum (NaN where any function failed), each function's own values
@@ -38,6 +44,7 @@ class WeightedScores:
     total: np.ndarray  # float64 [n]
     values: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float64 [n]
     errors: list[str | None] = field(default_factory=list)
+    failed: dict[str, np.ndarray] = field(default_factory=dict)  # name -> bool [n]: the function failed there
 
 
 def load_functions(config: RewardConfig) -> list[RewardFunction]:
@@ -80,15 +87,32 @@ def resolve(entry: FunctionEntry) -> Callable:
 
 
 def score_functions(
-    functions: list[RewardFunction], inputs: list[RewardInput], batch_size: int
+    functions: list[RewardFunction],
+    inputs: list[RewardInput],
+    batch_size: int,
+    timeout: float | None = None,
+    rows: list[str] | None = None,
 ) -> WeightedScores:
-    """Every function on every input (a batched one `batch_size` inputs per call), weighted and summed."""
+    """Every function on every input (a batched one `batch_size` inputs per call), weighted and summed.
+    Each call has `timeout` seconds; `rows[i]` names input i's prompt row in a timeout's message."""
     n = len(inputs)
+    rows = rows if rows is not None else [f"sample {i} of the call" for i in range(n)]
     out = WeightedScores(np.zeros(n), {}, [None] * n)
     failed: list[list[str]] = [[] for _ in range(n)]
     for f in functions:
         step = batch_size if FORMS[f.form].batched else max(n, 1)
-        results = [r for k in range(0, n, step) for r in call_form(f.fn, FORMS[f.form], inputs[k : k + step])]
+        results = []
+        for k in range(0, n, step):
+            try:
+                results += call_form(f.fn, FORMS[f.form], inputs[k : k + step], timeout)
+            except Hung as hung:
+                where = "; ".join(rows[k + i] for i in hung.positions)
+                raise RewardFunctionTimeout(
+                    f"reward function {f.name!r} did not return within {hung.timeout:g} s "
+                    f"(reward.function_timeout_s) on {where}: the run stops, since a hung call cannot be "
+                    "interrupted; make the function return (or raise) on that row, or raise "
+                    "reward.function_timeout_s"
+                ) from None
         values = np.full(n, np.nan)
         for i, r in enumerate(results):
             problem = r.why if isinstance(r, Failed) else score_problem(r)
@@ -97,6 +121,7 @@ def score_functions(
             else:
                 failed[i].append(f"reward function {f.name!r} {problem}")
         out.values[f.name] = values
+        out.failed[f.name] = np.isnan(values)
         out.total += f.weight * values
     for i, messages in enumerate(failed):
         if messages:

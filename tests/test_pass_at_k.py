@@ -186,15 +186,16 @@ def test_the_correct_threshold_is_reward_at_least_correct_at():
     assert default["eval/pass@1"] == 0.0 and default["eval/mean@2"] == 0.0  # default correct_at 1.0
 
 
-def test_a_prompt_whose_rewards_failed_counts_only_for_the_k_it_still_has_samples_for():
+def test_a_sample_whose_reward_failed_is_a_wrong_answer_never_left_out():
+    """Issue 56 item 8: leaving failed samples out inflated the held-out numbers (here 3/5 and 2/3)."""
     cfg = config(samples_per_prompt=3, pass_k=[1, 3])
     rewards = {100: [1.0, 0.0, 0.0], 101: [1.0, 1.0, 0.0]}
-    m = score_like_a_worker(EvalRound(1, prompts(2), cfg), rewards, failed={(101, 2)})
-    # prompt 100: c = 1 of 3; prompt 101: c = 2 of its 2 scored samples
-    # pass@1 = mean(1/3, 1) = 2/3; pass@3 only prompt 100: 1 (n - c = 2 < 3); mean@3 = mean(1/3, 1) = 2/3
-    assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/pass@3"] == pytest.approx(1.0)
-    assert m["eval/mean@3"] == pytest.approx(2 / 3)
-    assert m["eval/accuracy"] == pytest.approx(3 / 5) and m["eval/reward_failures"] == 1.0
+    m = score_like_a_worker(EvalRound(1, prompts(2), cfg), rewards, failed={(101, 1)})
+    # prompt 100: c = 1 of 3; prompt 101: c = 1 of 3 (its failed sample, which scored 1.0 otherwise, is wrong)
+    # pass@1 = mean(1/3, 1/3) = 1/3; pass@3: 1 for both (n - c = 2 < 3); mean@3 = 1/3
+    assert m["eval/pass@1"] == pytest.approx(1 / 3) and m["eval/pass@3"] == pytest.approx(1.0)
+    assert m["eval/mean@3"] == pytest.approx(1 / 3)
+    assert m["eval/accuracy"] == pytest.approx(2 / 6) and m["eval/reward_failures"] == 1.0
 
 
 def test_no_pass_at_k_for_rewards_that_are_not_rules():
@@ -212,7 +213,7 @@ def test_no_pass_at_k_for_rewards_that_are_not_rules():
 
 def test_held_out_episode_metrics_count_the_failed_episodes_too():
     """eval/env/*, as env/* in training: an episode whose environment failed is dropped from the scores
-    (eval/samples) but counted among the episodes and in eval/env/failures."""
+    (eval/samples) but counted among the episodes and in eval/env/failures, and is a wrong answer."""
     chunk = Chunk(0, prompts(3), seed=0)
     chunk.facts = [
         SampleFacts(100 + i, 3, 5, "stop", EpisodeFacts(2, status, 5, 3, 0.5, {"tool_calls": 1}))
@@ -223,7 +224,7 @@ def test_held_out_episode_metrics_count_the_failed_episodes_too():
     chunk.scores.fail(1, "environment raised")
     chunk.scores.fail(2, "environment timed out")
     m = eval_metrics(config(), every_sample([chunk]))
-    assert m["eval/samples"] == 1.0 and m["eval/accuracy"] == 1.0
+    assert m["eval/samples"] == 1.0 and m["eval/accuracy"] == pytest.approx(1 / 3)
     assert m["eval/env/episodes"] == 3.0 and m["eval/env/failures"] == 2.0
     assert m["eval/env/status/env_error"] == 1.0 and m["eval/env/status/env_timeout"] == 1.0
     assert m["eval/env/status/done"] == 1.0 and m["eval/env/turns"] == 2.0

@@ -113,6 +113,14 @@ class RunConfig(_Strict):
             )
         if (missing := self.reward.missing()) is not None:
             raise ValueError(missing)
+        if self.reward.function_timeout_s is None:
+            self.reward.function_timeout_s = self.timeouts.score_s / 2
+        elif self.reward.function_timeout_s >= self.timeouts.score_s:
+            raise ValueError(
+                f"reward.function_timeout_s={self.reward.function_timeout_s:g} must be below timeouts.score_s="
+                f"{self.timeouts.score_s:g} (the whole scoring call's deadline), or a hung reward function is "
+                "found as a stuck scorer instead of by name: lower it or raise timeouts.score_s"
+            )
         return self
 
     def _environment(self) -> None:

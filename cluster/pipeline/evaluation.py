@@ -23,7 +23,8 @@ from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.data import Prompt
-from cluster.run.metrics import episode_metrics, function_metrics
+from cluster.run.metrics import episode_metrics, function_failure_metrics, function_metrics
+from cluster.run.reward_failures import RewardFailureLog
 from cluster.run.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
 
@@ -55,12 +56,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def correctness_metrics(
     prompts: list[object], correct: list[bool], pass_k: list[int], n: int
 ) -> dict[str, float]:
-    """eval/pass@k for each k of `pass_k` and eval/mean@n, from one correctness flag per scored sample and
-    its prompt's key (samples of a prompt need not be adjacent).
+    """eval/pass@k for each k of `pass_k` and eval/mean@n, from one correctness flag per sample and its
+    prompt's key (samples of a prompt need not be adjacent; `eval_metrics` gives every sample, a failed
+    one as wrong).
 
-    A prompt with c correct of its m scored samples adds pass_at_k(m, c, k) to pass@k (prompts with m < k,
-    whose samples' rewards failed, are left out of that k) and c/m to mean@n: both are averages over
-    prompts, NaN when no prompt counts. With every reward scored, mean@n equals eval/accuracy."""
+    A prompt with c correct of its m samples adds pass_at_k(m, c, k) to pass@k (prompts with m < k are
+    left out of that k) and c/m to mean@n: both are averages over prompts, NaN when no prompt counts.
+    With the same number of samples for every prompt, mean@n equals eval/accuracy."""
     counts: dict[object, list[int]] = collections.defaultdict(lambda: [0, 0])  # prompt -> [m, c]
     for key, ok in zip(prompts, correct, strict=True):
         counts[key][0] += 1
@@ -75,10 +77,12 @@ def correctness_metrics(
 
 
 def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
-    """eval/reward_mean and eval/response_length; eval/accuracy (per sample), eval/pass@k (each k of
-    eval.pass_k) and eval/mean@n (n = eval.samples_per_prompt) for rule rewards, a sample being correct when
-    its reward >= eval.correct_at; eval/reward_prob_mean for classifier rewards; eval/policy_version: the
-    oldest weights that answered; eval/reward_failures: samples whose reward failed (not counted in the others)."""
+    """eval/reward_mean and eval/response_length over the scored samples; eval/accuracy (per sample),
+    eval/pass@k (each k of eval.pass_k) and eval/mean@n (n = eval.samples_per_prompt) for rule rewards over
+    EVERY sample, a sample being correct when its reward was scored and >= eval.correct_at (a sample whose
+    reward or environment failed is a wrong answer, never left out); eval/reward_prob_mean for classifier
+    rewards; eval/policy_version: the oldest weights that answered; eval/reward_failures: samples whose
+    reward failed, and eval/reward_failures/<name> per reward function."""
     scored = kept(parts)
     scores = np.array([float(c.scores.scores[j]) for c, j in scored])
     lengths = np.array([c.facts[j].length for c, j in scored])
@@ -91,15 +95,16 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
         "eval/reward_failures": float(sum(len(pos) for _c, pos in parts) - len(scored)),
     }
     if cfg.reward.kind in ("rule", "environment"):
-        correct = scores >= cfg.eval.correct_at
-        m["eval/accuracy"] = float(np.mean(correct)) if len(scores) else float("nan")
-        prompts = [
-            (c.index, c.facts[j].prompt_index) for c, j in scored
-        ]  # a chunk never splits a prompt's samples
-        m.update(correctness_metrics(prompts, correct.tolist(), cfg.eval.pass_k, cfg.eval.samples_per_prompt))
+        every = [(c, j) for c, pos in parts for j in pos]
+        correct = [bool(c.scores.ok[j]) and c.scores.scores[j] >= cfg.eval.correct_at for c, j in every]
+        m["eval/accuracy"] = float(np.mean(correct)) if every else float("nan")
+        # a chunk never splits a prompt's samples
+        prompts = [(c.index, c.facts[j].prompt_index) for c, j in every]
+        m.update(correctness_metrics(prompts, correct, cfg.eval.pass_k, cfg.eval.samples_per_prompt))
     # every episode, failed ones included (as in training: eval/env/failures counts them)
     m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos], prefix="eval/"))
     m.update(function_metrics(scored, prefix="eval/"))
+    m.update(function_failure_metrics(parts, prefix="eval/"))
     probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")
@@ -129,8 +134,12 @@ class EvalRound:
     """One held-out evaluation of the streaming mode: its chunks (tagged `eval`, so they are scored by
     the reward only and never enter the trajectory buffer), and the metrics once all are scored."""
 
-    def __init__(self, step: int, prompts: list[Prompt], cfg: RunConfig) -> None:
+    def __init__(
+        self, step: int, prompts: list[Prompt], cfg: RunConfig, failures: RewardFailureLog | None = None
+    ) -> None:
+        """`failures`: where the round's reward failures are shown and kept (None: printed only)."""
         self.step, self.cfg, self.t0, self.done = step, cfg, time.perf_counter(), 0
+        self.failures = failures or RewardFailureLog(None)
         size, sampling = cfg.rollout.chunk_size, eval_sampling(cfg)
         self.chunks = [
             Chunk(
@@ -150,7 +159,9 @@ class EvalRound:
         self.done += 1
         if self.done < len(self.chunks):
             return None
-        m = eval_metrics(self.cfg, every_sample(self.chunks))
+        parts = every_sample(self.chunks)
+        self.failures.record(parts, f"held-out evaluation at step {self.step}")
+        m = eval_metrics(self.cfg, parts)
         m["eval/requested_at_step"] = float(self.step)
         m["time/eval"] = time.perf_counter() - self.t0
         return m
@@ -233,8 +244,11 @@ class Evaluator:
         eval_prompts: list[Prompt],
         train_prompts: list[Prompt],
         make_collector: Callable[[], RolloutCollector],
+        failures: RewardFailureLog | None = None,
     ) -> None:
+        """`failures`: where reward failures are shown and kept (None: printed only)."""
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.failures = failures or RewardFailureLog(None)
         self.prompts, self.train_prompts = eval_prompts, train_prompts
         self.make_collector = make_collector
         self.before: dict[str, float] | None = None  # held-out metrics of the initial weights
@@ -246,16 +260,19 @@ class Evaluator:
         every = self.cfg.eval.every_steps
         return bool(self.prompts) and every > 0 and step % every == 0 and step < self.cfg.run.steps
 
-    def evaluate(self) -> tuple[dict[str, float], RolloutBatch]:
-        """Score the held-out prompts with the weights the workers hold now; never trained on."""
-        return evaluate(self.make_collector(), self.prompts, self.cfg)
+    def evaluate(self, when: str = "held-out evaluation") -> tuple[dict[str, float], RolloutBatch]:
+        """Score the held-out prompts with the weights the workers hold now; never trained on. Reward
+        failures go to `failures` as `when`'s."""
+        m, batch = evaluate(self.make_collector(), self.prompts, self.cfg)
+        self.failures.record(batch.parts, when)
+        return m, batch
 
     def report(self, when: str) -> dict[str, float] | None:
         """Before/after training: the held-out evaluation (returned, and kept as `before`/`after`), or
         without held-out prompts the first training prompts sampled with a fixed seed (printed only)."""
         m = None
         if self.prompts:
-            m, batch = self.evaluate()
+            m, batch = self.evaluate(f"held-out evaluation {when} training")
             print_eval(f"held-out prompts {when} training", m, batch, self.tokenizer, self.cfg)
         elif self.cfg.run.sample_log_count:
             fixed = self.train_prompts[: self.cfg.run.sample_log_count]

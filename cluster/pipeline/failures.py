@@ -1,11 +1,14 @@
 """The step's failure budgets, one rule for both pipelines: a step stops the run when more than
 `reward.max_failure_frac` of its samples' rewards failed, or more than
-`rollout.environment.max_failure_frac` of its episodes' environments failed."""
+`rollout.environment.max_failure_frac` of its episodes' environments failed. The failures below the
+threshold are recorded first (the first ones printed with their prompt row and kept in the run folder,
+`cluster.run.reward_failures`), so that an abort's too."""
 
 from __future__ import annotations
 
 from cluster.config.schema import RunConfig
 from cluster.pipeline.chunks import Parts, env_errors, reward_errors
+from cluster.run.reward_failures import RewardFailureLog
 
 
 class RewardFailureError(RuntimeError):
@@ -16,8 +19,10 @@ class EnvironmentFailureError(RuntimeError):
     """Too many episodes of one step failed in their environment (rollout.environment.max_failure_frac)."""
 
 
-def check_failures(cfg: RunConfig, step: int, parts: Parts, total: int) -> None:
-    """Raise when the failures among the step's `total` samples pass either budget."""
+def check_failures(cfg: RunConfig, step: int, parts: Parts, total: int, log: RewardFailureLog) -> None:
+    """Record the step's reward failures in `log`, then raise when the failures among the step's `total`
+    samples pass either budget."""
+    log.record(parts, f"step {step}")
     for errors, frac, field, what, error in (
         (
             reward_errors(parts),

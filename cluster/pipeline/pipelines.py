@@ -29,6 +29,7 @@ from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.progress import RunProgress
 from cluster.placement.actors import Roles
+from cluster.run.reward_failures import RewardFailureLog
 from cluster.weights.publisher import WeightPublisher
 
 
@@ -46,6 +47,7 @@ class RunParts:
     progress: RunProgress
     data_stats: Any
     group_filter: Any  # dynamic sampling's filter (`resolve_filter`); None when it is off
+    failures: RewardFailureLog  # the run's reward failures, the first ones shown and kept
 
     def collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over the run's pools, time-outs and weight preparation."""

@@ -43,6 +43,7 @@ from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_
 from cluster.placement.plan import on_driver_node
 from cluster.run.folder import check_ranks_see_run_folder
 from cluster.run.metrics import held_out_only, truncate_metrics
+from cluster.run.reward_failures import RewardFailureLog
 from cluster.run.startup import StartupClock
 from cluster.run.summary import RunSummary
 from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
@@ -84,6 +85,7 @@ class Run:
         self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
         self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
+        self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
 
     @property
     def version(self) -> int:
@@ -134,6 +136,7 @@ class Run:
             data.eval,
             prompts,
             lambda: collector_for(RolloutCollector, self.roles, cfg, self.weights),
+            self.failures,
         )
         if self.resume_from is not None:
             self.restore(self.resume_from)
@@ -148,6 +151,7 @@ class Run:
             progress=self.progress,
             data_stats=self.data_stats,
             group_filter=self.group_filter,
+            failures=self.failures,
         )
         self.pipeline = self.pipeline_class(parts, self.resume_state)
         self.open_log()

@@ -195,7 +195,9 @@ class StreamPipeline:
         that load the newest weights first (as before any chunk). One round at a time: a round due while
         the previous one is still out is skipped."""
         if self.eval_round is None:
-            self.eval_round = EvalRound(step, self.parts.evaluator.prompts, self.cfg)
+            self.eval_round = EvalRound(
+                step, self.parts.evaluator.prompts, self.cfg, self.parts.evaluator.failures
+            )
             self.eval_queue.extend(self.eval_round.chunks)
 
     def _eval_chunk_scored(self, chunk: Chunk) -> None:
@@ -284,7 +286,7 @@ class StreamPipeline:
 
     def _check_rewards(self, step: int, taken: Taken) -> None:
         total = sum(len(pos) for _c, pos in taken.parts)
-        check_failures(self.cfg, step, taken.parts, total)
+        check_failures(self.cfg, step, taken.parts, total, self.parts.failures)
 
     def give_back(self, taken: Taken, lost: set[int]) -> None:
         """A batch no rank could train (inputs lost with their node): the lost chunks' prompts are

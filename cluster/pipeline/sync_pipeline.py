@@ -51,7 +51,7 @@ class SyncPipeline:
         if p.group_filter is None:
             prompts = p.stream.next_batch(cfg.data.prompts_per_step)
             batch = self.collector.collect(prompts, step, cfg.run.seed, cfg.rollout.chunk_size)
-            check_failures(cfg, step, batch.parts, batch.total)
+            check_failures(cfg, step, batch.parts, batch.total, p.failures)
         else:
             batch, account = self.collect_informative(step)
         t1 = time.perf_counter()
@@ -78,7 +78,7 @@ class SyncPipeline:
             metrics.update(account.metrics())
             metrics["dynamic/filtered_total"] = float(progress.filtered_total)
         if p.evaluator.due(step):
-            metrics.update(p.evaluator.evaluate()[0])
+            metrics.update(p.evaluator.evaluate(f"held-out evaluation at step {step}")[0])
         return StepResult(metrics)
 
     def collect_informative(self, step: int) -> tuple[RolloutBatch, StepAccount]:
@@ -95,7 +95,7 @@ class SyncPipeline:
             prompts = self.parts.stream.next_batch(want)
             seed = round_seed(cfg.run.seed, account.rounds)
             got = self.collector.collect(prompts, step, seed, cfg.rollout.chunk_size)
-            check_failures(cfg, step, got.parts, got.total)
+            check_failures(cfg, step, got.parts, got.total, self.parts.failures)
             kept_groups, filtered = 0, []
             for chunk in got.chunks:
                 kept_pos, dropped = split_chunk(chunk, self.parts.group_filter)

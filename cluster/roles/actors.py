@@ -72,6 +72,7 @@ class StreamingScorer(RewardScorer):
             prompt_texts=[r.text for r in rows],
             messages=[r.messages for r in rows],
             finish_reasons=[s.finish_reason for s in samples],
+            rows=[s.prompt_index for s in samples],
         )
 
 

@@ -56,6 +56,7 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
     failures = sum(len(pos) for _c, pos in parts) - len(trained)
     m = {
         **function_metrics(trained),
+        **function_failure_metrics(parts),
         "rollout/reward_mean": float(scores.mean()),
         "rollout/reward_std": float(scores.std()),
         "rollout/response_length": float(lengths.mean()),
@@ -81,6 +82,20 @@ def function_metrics(scored: list[tuple[Any, int]], prefix: str = "") -> dict[st
     names = sorted({name for c, _j in scored for name in c.scores.function_values})
     return {
         f"{prefix}reward/{name}": float(np.mean([c.scores.function_values[name][j] for c, j in scored]))
+        for name in names
+    }
+
+
+def function_failure_metrics(parts: Parts, prefix: str = "") -> dict[str, float]:
+    """reward_failures/<name>: the samples of `parts` each reward function failed on (it raised, hung or
+    gave no finite number; `ScoreBatch.function_failures`), 0 where it failed on none. Empty without reward
+    functions."""
+    names = sorted({name for c, _pos in parts for name in c.scores.function_failures})
+    # every chunk of a run's parts was scored by the same functions
+    return {
+        f"{prefix}reward_failures/{name}": float(
+            sum(bool(c.scores.function_failures[name][j]) for c, pos in parts for j in pos)
+        )
         for name in names
     }
 
