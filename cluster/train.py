@@ -18,6 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
+from cluster.config.notices import announce_config
 from cluster.config.schema import ConfigError, RunConfig, load_config
 from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
 from cluster.pipeline.data import RunPrompts, load_run_prompts, load_tokenizer
@@ -41,8 +42,8 @@ def preflight(cfg: RunConfig) -> RunPrompts:
     """Build the demo assets if asked, check every path the actors will open, then check a chat
     environment's template, then read and render the prompts (`cluster.pipeline.data`, as `python -m
     cluster.data` shows them): a bad row is found before any actor starts, and rows dropped, cut or read
-    as JSON messages are said on stderr (`RunPrompts.announce`). Returns the prompts, which the run then
-    uses instead of reading them again."""
+    as JSON messages are said on stderr (`RunPrompts.announce`), as are settings the run leaves unused
+    (`cluster.config.notices`). Returns the prompts, which the run then uses instead of reading them again."""
     if cfg.model.demo_assets:
         from cluster.demo_assets import DemoAssetsError, build_demo_assets
 
@@ -83,6 +84,7 @@ def preflight(cfg: RunConfig) -> RunPrompts:
     check_observation_template(cfg)
     prompts = load_run_prompts(cfg, load_tokenizer(cfg))
     prompts.announce(cfg)  # rows dropped, cut or read as JSON messages: said before step 1
+    announce_config(cfg)  # settings the run leaves unused
     return prompts
 
 
