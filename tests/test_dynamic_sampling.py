@@ -401,3 +401,59 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
     assert sorted(ends) == list(range(pulled))
     # what the rule implies: every flat prompt drawn and scored is filtered
     assert set(trainer.progress.filtered_prompts) == flat & set(range(pulled)) - set(outstanding)
+
+
+@pytest.mark.slow
+def test_async_short_batch_given_back_at_zero_staleness_is_trained(ray_local, demo_assets, tmp_path):
+    """Async, max_staleness 0, max_rounds 1, every third prompt flat: step 1's batch is short (the
+    round limit reached with flat groups among the first 4). Its first chunk's objects are reported
+    lost by the learner (`lost_parts`, as tests/test_operations.py does for sync: no rank trains), so
+    the batch is handed back to the buffer. The step then regenerates that chunk and trains: before,
+    the give-back kept the short batch's slots used and the filtered count reset, so at eta 0 nothing
+    could be admitted or taken and the driver polled for ever (now its idle deadline would end it in a
+    WaitTimeout: timeouts.generate_s is small here, so either way the test ends)."""
+    import ray
+
+    from cluster.pipeline.run import Run
+
+    P = 4
+    cfg, flat = _dyn_cfg(
+        demo_assets,
+        tmp_path,
+        2,
+        24,
+        **{
+            "pipeline.mode": "async",
+            "pipeline.max_staleness": 0,
+            "data.dynamic_sampling.max_rounds": 1,
+            "timeouts.generate_s": 30,
+        },
+    )
+    trainer = Run(cfg, tmp_path / "run")
+    lost, batches = [], []
+    try:
+        trainer.setup()
+        real = trainer.learner.train_calls
+
+        def lose_first_chunk_once(parts):
+            batches.append(sorted(c.facts[j].prompt_index for c, pos in parts for j in pos))
+            if lost:
+                return real(parts)
+            lost.append(parts[0][0].index)
+            return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
+
+        trainer.learner.train_calls = lose_first_chunk_once
+        rows = [trainer.iteration() for _ in range(2)]
+        outstanding = trainer.pipeline.buffer.outstanding()
+        pulled = trainer.pipeline.buffer.pulled
+    finally:
+        trainer.close()
+    assert len(lost) == 1 and len(batches) == 3  # step 1 taken twice (given back once), step 2 once
+    assert len(set(batches[0])) < P and not set(batches[0]) & flat  # a short batch, lost, given back
+    assert set(batches[0]) <= set(trainer.progress.trained_prompts)  # its groups trained after all
+    assert rows[0]["faults/lost_chunks"] == 1 and rows[0]["dynamic/shortfall_groups"] > 0
+    assert rows[0]["dynamic/filtered_groups"] >= 1  # counted once, in the step that trained
+    assert set(trainer.progress.trained_prompts.values()) == {1}
+    assert set(trainer.progress.filtered_prompts.values()) == {1}
+    ends = [*trainer.progress.trained_prompts, *trainer.progress.filtered_prompts, *outstanding]
+    assert sorted(ends) == list(range(pulled))  # each drawn prompt in exactly one place

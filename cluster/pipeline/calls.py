@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from cluster.pipeline.deadlines import Deadline
+
 
 @dataclass(eq=False)
 class Call:
@@ -76,12 +78,18 @@ class CallTracker:
         if not queue:
             del self._queues[call.actor]
 
-    def wait(self, max_wait: float = 1.0) -> list[Call]:
+    def wait(self, idle: Deadline, detail: Callable[[], str] = str, max_wait: float = 1.0) -> list[Call]:
         """Calls that finished (value or error), removed from tracking; waits at most `max_wait` seconds
-        or until the earliest running deadline, in slices of a second so Ctrl-C reaches the driver."""
+        or until the earliest running deadline, in slices of a second so Ctrl-C reaches the driver.
+
+        Each tracked call is bounded by its own deadline (`expired`); with nothing tracked nothing can
+        finish, and the caller's `idle` deadline runs: past it, a `WaitTimeout` says what the caller
+        waited for (`detail()`: what it saw). While calls are tracked it is renewed."""
         if not self._by_ref:
-            time.sleep(min(max_wait, 0.05))
+            idle.check(detail())
+            time.sleep(min(max_wait, 0.05, idle.left()))
             return []
+        idle.renew()
         now = time.monotonic()
         earliest = min((c.deadline for c in self._by_ref.values()), default=now + max_wait)
         timeout = max(0.0, min(max_wait, 1.0, earliest - now))

@@ -25,6 +25,7 @@ import ray
 from cluster.pipeline.calls import Call, CallTracker
 from cluster.pipeline.chunks import Chunk, Faults, RolloutBatch, chunk_seed
 from cluster.pipeline.data import Prompt
+from cluster.pipeline.deadlines import Deadline
 from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
 from cluster.roles.registry import ROLES, WORK, generate_kind, scoring_kinds
 
@@ -276,8 +277,12 @@ class RolloutCollector:
         for c in chunks:
             self.submit(tracker, "generate", c)
         t_gen = None
+        # every tracked call has its own deadline (`expire`); this one runs only with none tracked
+        idle = Deadline(
+            f"the rollout of {len(chunks)} chunks", "timeouts.generate_s", self.timeouts["generate"]
+        )
         while len(tracker):
-            done = tracker.wait()
+            done = tracker.wait(idle)
             if not done:
                 self.expire(tracker, batch)
                 continue

@@ -26,6 +26,7 @@ import numpy as np
 from cluster.pipeline.calls import Call
 from cluster.pipeline.chunks import Chunk, Faults
 from cluster.pipeline.collector import StreamCollector
+from cluster.pipeline.deadlines import Deadline
 from cluster.pipeline.dynamic_sampling import async_rounds
 from cluster.pipeline.evaluation import EvalRound
 from cluster.pipeline.failures import check_failures
@@ -230,13 +231,20 @@ class StreamPipeline:
         scaling = self.scale(targets)
         busy0 = dict(self.busy)
         learner = LearnerStep(step, self.start_train, self.give_back, self.weights, self.cfg.rollout.dtype)
+        # every tracked call has its own deadline; with none tracked nothing can move: `idle` runs
+        idle = Deadline(
+            f"step {step} of the async pipeline", "timeouts.generate_s", self.cfg.timeouts.generate_s
+        )
         while not learner.done:
             if self.weights.collective:
                 self.weights.broadcast_due(learner)
                 if learner.done:
                     break
             self._dispatch()
-            if learner.waiting and not learner_held(self.held_announced):
+            held = learner.waiting and learner_held(self.held_announced)
+            if held:  # the fault tests' hook holds the learner on purpose
+                idle.renew()
+            if learner.waiting and not held:
                 got = self.buffer.take(self.version)
                 if got is not None:
                     learner.stale_samples += got.stale_samples
@@ -245,7 +253,7 @@ class StreamPipeline:
                         self._check_rewards(step, got)
                         learner.start(got, self.buffer.depth() + self.cfg.data.prompts_per_step)
                         continue
-            for call in c.tracker.wait():
+            for call in c.tracker.wait(idle, lambda: self._stalled(learner)):
                 value = self._on_done(call)
                 if call.kind in LEARNER_KINDS:
                     learner.finished(call, value)
@@ -269,6 +277,17 @@ class StreamPipeline:
         if self.parts.evaluator.due(step):
             self._queue_eval(step)
         return result
+
+    def _stalled(self, learner: LearnerStep) -> str:
+        """What a step with no call in flight is waiting for (the idle deadline's error names it)."""
+        b, v = self.buffer, self.version
+        if not learner.waiting:
+            return f"no call in flight while the learner {'publishes' if learner.publishing else 'trains'}"
+        return (
+            f"no call in flight and no batch for the learner: {b.depth()} of {b.P} prompts ready, "
+            f"{b.filtered_since_take} groups filtered since the last batch, {max(0, b.capacity(v))} prompts "
+            f"admissible at v{v}, {len(b.requeued)} re-queued, {len(self.collector.held)} chunks held for a worker"
+        )
 
     def _dynamic_metrics(self, taken: Taken) -> dict[str, float]:
         """Dynamic sampling: the prompts filtered during this step (each gave its admission slot to a new

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import ray
-
 from cluster.pipeline.calls import Call
 from cluster.pipeline.collector import StreamCollector
+from cluster.pipeline.deadlines import Deadline
+from cluster.placement.pools import wait_until
 from cluster.weights.publisher import WeightPublisher
 from cluster.weights.push import bundle_facts, load_into
 
@@ -142,7 +142,13 @@ class AsyncPublisher(WeightPublisher):
         """After the last step: every live worker loads the newest weights (after the calls it has queued)."""
         if self.collective:
             behind = [m for m in self.roles.workers.members if self.behind(m)]
-            ray.get([m.handle.ping.remote() for m in behind], timeout=self.cfg.timeouts.actor_start_s)
+            # their queued calls done first; a dead one is lost in the broadcast (replaced, counted)
+            limit = self.cfg.timeouts.actor_start_s
+            wait = Deadline("the workers' calls before the last broadcast", "timeouts.actor_start_s", limit)
+            pings = [m.handle.ping.remote() for m in behind]
+            _, silent = wait_until(pings, len(pings), wait.at)
+            if silent:
+                raise wait.error(", ".join(m.name for m, p in zip(behind, pings, strict=True) if p in silent))
             if behind:
                 self.broadcast(self.version, behind)
             return
