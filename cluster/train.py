@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     from cluster.pipeline.collector import RolloutError
+    from cluster.pipeline.deadlines import WaitTimeout
     from cluster.pipeline.failures import EnvironmentFailureError, RewardFailureError
     from cluster.pipeline.learner_calls import LearnerStepError
     from cluster.pipeline.run import Run
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         ActorStartError,
         CheckpointError,
         SharedStorageError,
+        WaitTimeout,
     )
 
     import ray
