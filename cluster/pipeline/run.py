@@ -41,6 +41,7 @@ from cluster.pipeline.stream_pipeline import StreamPipeline
 from cluster.pipeline.sync_pipeline import SyncPipeline
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
+from cluster.run.flat_groups import FlatGroupWatch
 from cluster.run.folder import check_ranks_see_run_folder
 from cluster.run.metrics import held_out_only, truncate_metrics
 from cluster.run.reward_failures import RewardFailureLog
@@ -86,6 +87,7 @@ class Run:
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
         self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
         self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
+        self.flat_groups = FlatGroupWatch(cfg.learner.advantage)  # warns once when no group trains
 
     @property
     def version(self) -> int:
@@ -248,6 +250,7 @@ class Run:
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
         metrics.update({f"weights/{stage}": s for stage, s in self.weights.take_stages().items()})
         self.log.step(StepRow(step, metrics, worker_lags=worker_lags or {}))
+        self.flat_groups.observe(step, metrics)
         self.progress.history.append(metrics)
         if self.checkpoints.due(step):
             self.checkpoint()

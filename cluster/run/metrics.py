@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from cluster.pipeline.chunks import Parts, RolloutBatch, kept
+from cluster.run.flat_groups import METRIC as FLAT_METRIC
+from cluster.run.flat_groups import flat_groups_frac
 from cluster.run.summary import reward_to_prob
 from rollout_workers.environment import FAILED, EpisodeStatus
 
@@ -72,6 +74,8 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
     probs = reward_to_prob(scores, reward.kind, reward.score)
     if probs is not None:
         m["rollout/reward_prob_mean"] = float(probs.mean())
+    if (flat := flat_groups_frac(parts)) is not None:
+        m[FLAT_METRIC] = flat
     m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos]))
     return m
 
