@@ -236,10 +236,11 @@ def test_a_failing_tracker_is_reported_once_and_dropped(tmp_path, monkeypatch, c
     assert sorted(jsonl_steps(run_dir)) == [1, 2, 3] and sorted(tensorboard_steps(run_dir)) == [1, 2, 3]
 
 
-def test_a_resume_cuts_later_rows_and_a_finished_runs_final_evaluation(tmp_path):
+def test_a_resume_cuts_later_rows_and_keeps_a_finished_runs_final_evaluation(tmp_path):
     """A finished 2-step run's metrics.jsonl: the held-out rows before and after training are told from
     training rows. Resumed from its step-2 checkpoint (to end again, or to go on), the final evaluation's
-    row goes (the resumed run's end writes its own); from step 1, step 2's rows go too."""
+    row stays, as it stays in MLflow (issue 56 item 12; the resumed run's end writes its own after it);
+    from step 1, step 2's rows go."""
     from cluster.run.metrics import held_out_only, read_metrics, truncate_metrics
 
     before = {"step": 0, "eval/accuracy": 0.1, "eval/pass@4": 0.2, "time/eval": 1.0}
@@ -249,9 +250,45 @@ def test_a_resume_cuts_later_rows_and_a_finished_runs_final_evaluation(tmp_path)
     rows = [before, step1, step2, after]
     assert [held_out_only(r) for r in rows] == [True, False, False, True]
     path = tmp_path / "metrics.jsonl"
-    for last_step, kept in ((3, rows), (2, rows[:3]), (1, rows[:2])):
+    for last_step, kept in ((3, rows), (2, rows), (1, rows[:2])):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         assert truncate_metrics(path, last_step) == kept == read_metrics(path), last_step
+
+
+def test_a_finished_run_resumed_to_go_on_tells_the_same_story_in_mlflow_and_the_jsonl(tmp_path, mlflow_url):
+    """Issue 56 item 12: a finished 4-step run resumed from its last checkpoint to 6 steps, its metrics.jsonl
+    cut as `Run.restore` cuts it. Every (step, metric) of MLflow's history is in metrics.jsonl with the
+    same latest value (the first run's final evaluation at step 4 included), and MLflow's params hold the
+    resumed run's changed settings beside the first run's."""
+    from mlflow import MlflowClient
+
+    from cluster.run.metrics import truncate_metrics
+
+    run_dir = tmp_path / "run-f"
+    names = ["jsonl", "mlflow"]
+    settings = RunSection(loggers=names, mlflow={"tracking_uri": mlflow_url, "experiment": "resumes"})
+    first = log_run(info(run_dir, settings), names, range(1, 5))
+    truncate_metrics(run_dir / "metrics.jsonl", 4)  # Run.restore from the step-4 checkpoint
+    more = {**CONFIG, "run": {"name": "t", "steps": 6}, "learner": {"lr": 2e-5, "kl": {"coef": 0.05}}}
+    resumed = RunInfo(**{**info(run_dir, settings, 4, first.ids).__dict__, "config": more})
+    log_run(resumed, names, range(5, 7), offset=1.0)
+
+    client = MlflowClient(tracking_uri=mlflow_url)
+    run_id = first.ids["mlflow"]
+    summaries = ("eval_after/", "run/")
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith(summaries)]
+    assert "eval/accuracy" in keys
+    jsonl = finite(jsonl_steps(run_dir))
+    assert mlflow_steps(client, run_id, keys) == {
+        s: {k: r[k] for k in keys if k in r} for s, r in jsonl.items()
+    }
+    assert jsonl[4]["eval/accuracy"] == 0.9 and jsonl[6]["eval/accuracy"] == 0.9
+    params = client.get_run(run_id).data.params
+    assert params["run.steps"] == "4" and params["learner.lr"] == "1e-05"  # MLflow params never change
+    assert params["resumed/step_4/run.steps"] == "6" and params["resumed/step_4/learner.lr"] == "2e-05"
+    assert not any(
+        k.startswith("resumed/") and k.split("/", 2)[2] not in ("run.steps", "learner.lr") for k in params
+    )
 
 
 @pytest.mark.slow  # a real run on the tests' tiny models (Ray, one DeepSpeed rank), then its resume

@@ -32,16 +32,14 @@ def held_out_only(row: Mapping[str, Any]) -> bool:
 
 
 def truncate_metrics(path: str | Path, last_step: int) -> list[dict[str, float]]:
-    """Keep only rows up to `last_step` (a resumed run rewrites what came after its checkpoint). The
-    final held-out evaluation at `last_step` goes too: a finished run resumed writes its own at its end."""
+    """Keep only rows up to `last_step` (a resumed run rewrites what came after its checkpoint). A finished
+    run's final held-out evaluation at `last_step` stays, as it stays in the trackers (MLflow keeps every
+    value it was given): a finished run resumed to end again writes its own after it, the later row of
+    the step, as MLflow's later value is."""
     path = Path(path)
     if not path.is_file():
         return []
-    rows = [
-        r
-        for r in read_metrics(path)
-        if r["step"] <= last_step and not (r["step"] == last_step > 0 and held_out_only(r))
-    ]
+    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
     path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     return rows
 

@@ -3,9 +3,12 @@ tracking server `run.mlflow.tracking_uri` (MLflow's own default when unset: `MLF
 
 The resolved config goes in as params (dotted keys), step rows as metrics at their step (finite values:
 MLflow stores no NaN), summaries as `<part>/<key>` metrics at the last step logged, artifacts as the run's
-artifacts. On resume the checkpoint's MLflow run is continued: params it already holds are kept (a value
-changed since is reported, MLflow params never change), and steps the crashed run logged past the
-checkpoint hold two values in the metric's history (both stay; the later one, by timestamp, is the resumed run's).
+artifacts. On resume the checkpoint's MLflow run is continued: params it already holds are kept (MLflow
+params never change), and a value changed since is logged beside it as `resumed/step_<N>/<param>` (N the
+step resumed from; a warning names them), so the params tell both runs' settings. Steps the crashed run
+logged past the checkpoint hold two values in the metric's history (both stay; the later one, by
+timestamp, is the resumed run's), as `metrics.jsonl` keeps the rows the resumed run does not rewrite
+(`cluster.run.metrics.truncate_metrics`).
 """
 
 from __future__ import annotations
@@ -48,16 +51,24 @@ class MlflowSink(Sink):
                 experiment_id, run_name=run.run_id, tags={"rayppo.run": run.name}
             )
             self._run_id = created.info.run_id
-        self._log_params(flatten(run.config), held)
+        self._log_params(flatten(run.config), held, run.resume_step)
         return self._run_id
 
-    def _log_params(self, params: dict[str, Any], held: Mapping[str, str]) -> None:
+    def _log_params(self, params: dict[str, Any], held: Mapping[str, str], resume_step: int | None) -> None:
+        """The params `held` lacks; on resume each changed one also as `resumed/step_<N>/<param>`."""
         from mlflow.entities import Param
 
         new = {k: str(v) for k, v in params.items() if k not in held}
         changed = sorted(k for k, v in params.items() if k in held and held[k] != str(v))
         if changed:
-            logger.warning("mlflow: params changed on resume are kept at their first value: %s", changed)
+            prefix = f"resumed/step_{resume_step or 0}/"
+            new.update({prefix + k: str(params[k]) for k in changed if prefix + k not in held})
+            logger.warning(
+                "mlflow: params changed on resume keep their first value (MLflow params never change); the "
+                "resumed run's are logged as %s<param>: %s",
+                prefix,
+                changed,
+            )
         items = [Param(k, v) for k, v in new.items()]
         for i in range(0, len(items), MAX_PARAMS):
             self._client.log_batch(self._run_id, params=items[i : i + MAX_PARAMS])
