@@ -93,12 +93,12 @@ def test_gemma3_refusing_a_tool_message_names_the_setting():
     assert chat.end_of_turn == tok.convert_tokens_to_ids("<end_of_turn>")
 
 
-def test_train_refuses_the_template_before_ray_starts(tmp_path, capsys):
+def test_train_refuses_the_template_before_ray_starts(tmp_path, capsys, monkeypatch):
     """`python -m cluster.train` exits 2 in its preflight with the worker's message and the setting,
     not with a Jinja error inside an actor's traceback."""
-    import ray
     from transformers import GPT2Config
 
+    import cluster.train
     from cluster.train import main
 
     policy = tmp_path / "gemma"
@@ -120,10 +120,11 @@ def test_train_refuses_the_template_before_ray_starts(tmp_path, capsys):
             }
         )
     )
-    assert not ray.is_initialized()
+    started: list = []  # the run's own Ray start-up, watched (another test's Ray may be up in this process)
+    monkeypatch.setattr(cluster.train, "init_ray", lambda cfg: started.append(cfg))
     assert main([str(config), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "error: rollout.environment.observation_format='chat': the chat template cannot render" in err
     assert "Conversation roles must alternate" in err and "observation_role (now 'tool')" in err
     assert "model.policy_path=" in err and "Traceback" not in err
-    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+    assert started == [] and not (tmp_path / "run").exists()
