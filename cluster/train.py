@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from cluster.config.notices import announce_config
 from cluster.config.schema import ConfigError, RunConfig, load_config
@@ -81,18 +82,20 @@ def preflight(cfg: RunConfig) -> RunPrompts:
             load_functions(cfg.reward)
         except (ValueError, ImportError) as err:  # the message names the field
             raise ConfigError(str(err)) from None
-    check_observation_template(cfg)
-    prompts = load_run_prompts(cfg, load_tokenizer(cfg))
+    tokenizer = load_tokenizer(cfg)
+    check_observation_template(cfg, tokenizer if cfg.tokenizer_path == cfg.model.policy_path else None)
+    prompts = load_run_prompts(cfg, tokenizer)
     prompts.announce(cfg)  # rows dropped, cut or read as JSON messages: said before step 1
     announce_config(cfg)  # settings the run leaves unused
     return prompts
 
 
-def check_observation_template(cfg: RunConfig) -> None:
+def check_observation_template(cfg: RunConfig, policy_tokenizer: Any = None) -> None:
     """A chat environment's observations (`observation_format: chat`) are rendered by the policy's
     tokenizer with the prompts' template: a template the workers would refuse
     (`rollout_workers.chat_turns.check_chat_template`: a role it cannot render, past turns rewritten) is
-    refused here, before any actor starts, with the same message."""
+    refused here, before any actor starts, with the same message. `policy_tokenizer`: the policy's
+    tokenizer where the caller has it loaded already (None: loaded here)."""
     if not (cfg.rollout.environment.enabled and cfg.rollout.environment.observation_format == "chat"):
         return
     from transformers import AutoTokenizer
@@ -105,7 +108,9 @@ def check_observation_template(cfg: RunConfig) -> None:
     except ValueError as err:  # the message names the field
         raise ConfigError(str(err)) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path, local_files_only=True)
+        tokenizer = policy_tokenizer
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.policy_path, local_files_only=True)
         check_chat_template(tokenizer, env.observation_role, env.chat_template, env.chat_template_kwargs)
     except (OSError, ValueError) as err:
         raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,11 +209,14 @@ class RewardScorer:
             if self._judge is not None:
                 self._score_judge(inputs, live, out)
             else:
-                names = [
-                    _row_name(f"sample {i}" if rows is None else f"prompt row {rows[i]}", x.prompt)
-                    for i, x in zip(live, inputs, strict=True)
-                ]
-                self._score_functions(inputs, live, out, names)
+
+                def name(k: int) -> str:  # input k as a hang's message names it (asked only then)
+                    i = live[k]
+                    return _row_name(
+                        f"sample {i}" if rows is None else f"prompt row {rows[i]}", inputs[k].prompt
+                    )
+
+                self._score_functions(inputs, live, out, name)
         else:
             self._score_remote(prompt_text, response_text, meta, live, out)
         self._count(n, out, start)
@@ -251,13 +255,14 @@ class RewardScorer:
         _file(out, index, scores, errors, "reward model")
 
     def _score_functions(
-        self, inputs: list[RewardInput], index: list[int], out: ScoreBatch, rows: list[str]
+        self, inputs: list[RewardInput], index: list[int], out: ScoreBatch, name: Callable[[int], str]
     ) -> None:
         """The weighted sum of the reward functions as each sample's score, each function's values and
-        where it failed; a function that hangs past reward.function_timeout_s raises, naming its `rows`."""
+        where it failed; a function that hangs past reward.function_timeout_s raises, naming its inputs'
+        rows (`name(k)`: input k)."""
         assert self._functions is not None
         timeout = self.config.function_timeout_s
-        scored = score_functions(self._functions, inputs, self.config.batch_size, timeout, rows)
+        scored = score_functions(self._functions, inputs, self.config.batch_size, timeout, name)
         for k, i in enumerate(index):
             if scored.errors[k] is not None:
                 out.fail(i, scored.errors[k])

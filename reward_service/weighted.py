@@ -91,12 +91,12 @@ def score_functions(
     inputs: list[RewardInput],
     batch_size: int,
     timeout: float | None = None,
-    rows: list[str] | None = None,
+    name: Callable[[int], str] | None = None,
 ) -> WeightedScores:
     """Every function on every input (a batched one `batch_size` inputs per call), weighted and summed.
-    Each call has `timeout` seconds; `rows[i]` names input i's prompt row in a timeout's message."""
+    Each call has `timeout` seconds; `name(i)` names input i (its prompt row) in a timeout's message."""
     n = len(inputs)
-    rows = rows if rows is not None else [f"sample {i} of the call" for i in range(n)]
+    name = name or (lambda i: f"sample {i} of the call")
     out = WeightedScores(np.zeros(n), {}, [None] * n)
     failed: list[list[str]] = [[] for _ in range(n)]
     for f in functions:
@@ -106,7 +106,7 @@ def score_functions(
             try:
                 results += call_form(f.fn, FORMS[f.form], inputs[k : k + step], timeout)
             except Hung as hung:
-                where = "; ".join(rows[k + i] for i in hung.positions)
+                where = "; ".join(name(k + i) for i in hung.positions)
                 raise RewardFunctionTimeout(
                     f"reward function {f.name!r} did not return within {hung.timeout:g} s "
                     f"(reward.function_timeout_s) on {where}: the run stops, since a hung call cannot be "

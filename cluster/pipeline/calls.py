@@ -86,7 +86,7 @@ class CallTracker:
         finish, and the caller's `idle` deadline runs: past it, a `WaitTimeout` says what the caller
         waited for (`detail()`: what it saw). While calls are tracked it is renewed."""
         if not self._by_ref:
-            idle.check(detail())
+            idle.check(detail)
             time.sleep(min(max_wait, 0.05, idle.left()))
             return []
         idle.renew()

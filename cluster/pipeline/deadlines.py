@@ -10,6 +10,7 @@ makes progress in events (the stream's step: calls finishing, batches taken), fr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -44,7 +45,8 @@ class Deadline:
         tail = f": {detail}" if detail else ""
         return WaitTimeout(f"{self.what} not done within {self.seconds:g}s ({self.setting}){tail}")
 
-    def check(self, detail: str = "") -> None:
-        """Raise `error(detail)` once the deadline has passed."""
+    def check(self, detail: Callable[[], str] = str) -> None:
+        """Raise `error(detail())` once the deadline has passed (`detail` is asked only then: a loop
+        checks often, and what it saw is worth describing only in the error)."""
         if time.monotonic() >= self.at:
-            raise self.error(detail)
+            raise self.error(detail())
