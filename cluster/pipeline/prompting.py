@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config.schema import DataSection
+from cluster.pipeline.chat import ChatTemplate
 
 PROMPTING_FILE = "prompting.json"
 PROBES = [
@@ -83,8 +84,6 @@ def with_defaults(template: str, kwargs: dict[str, Any], system_prompt: str | No
 def _renders_as_trained(tokenizer: Any, saved: str, template: str, cfg: DataSection) -> str:
     """'' when `saved` with no kwargs renders every probe as `template` with the run's kwargs and system
     prompt; otherwise what differs."""
-    from cluster.pipeline.chat import ChatTemplate
-
     run = ChatTemplate(template, "", cfg.system_prompt, dict(cfg.chat_template_kwargs))
     for probe in PROBES:
         try:
@@ -102,6 +101,22 @@ def _renders_as_trained(tokenizer: Any, saved: str, template: str, cfg: DataSect
     return ""
 
 
+def _with_defaults_if_exact(tokenizer: Any, template: Any, cfg: DataSection) -> tuple[Any, str]:
+    """The template to save and why the run's kwargs and system prompt are not its defaults ('' when they
+    are): `with_defaults` where the template is one Jinja text, the kwargs are names and JSON values, and
+    the result renders the probes as the run did (`_renders_as_trained`); the template as it is otherwise."""
+    if not isinstance(template, str):
+        return template, "the tokenizer has no single chat template to carry them: pass them when serving"
+    if any(not k.isidentifier() for k in cfg.chat_template_kwargs):
+        return template, "a kwarg's name is not a template variable name: pass them when serving"
+    try:
+        saved = with_defaults(template, cfg.chat_template_kwargs, cfg.system_prompt)
+    except TypeError as err:
+        return template, f"a kwarg is not a JSON value ({err}): pass them when serving"
+    note = _renders_as_trained(tokenizer, saved, template, cfg)
+    return (template, note) if note else (saved, "")
+
+
 def save_tokenizer(cfg: DataSection, tokenizer_path: str, out: str | Path) -> Prompting:
     """The run's tokenizer into the model folder `out`, carrying how the run prompted (see the module):
     its template (a `data.chat_template` Jinja file's text written into it), the kwargs and system prompt
@@ -116,21 +131,7 @@ def save_tokenizer(cfg: DataSection, tokenizer_path: str, out: str | Path) -> Pr
         template = getattr(tokenizer, "chat_template", None)
         source = "the tokenizer's own" if template else None
     wanted = bool(cfg.chat_template_kwargs) or cfg.system_prompt is not None
-    note = ""
-    if not wanted:
-        pass
-    elif not isinstance(template, str):
-        note = "the tokenizer has no single chat template to carry them: pass them when serving"
-    elif any(not k.isidentifier() for k in cfg.chat_template_kwargs):
-        note = "a kwarg's name is not a template variable name: pass them when serving"
-    else:
-        try:
-            saved = with_defaults(template, cfg.chat_template_kwargs, cfg.system_prompt)
-        except TypeError as err:
-            saved, note = template, f"a kwarg is not a JSON value ({err}): pass them when serving"
-        note = note or _renders_as_trained(tokenizer, saved, template, cfg)
-        if not note:
-            template = saved
+    template, note = _with_defaults_if_exact(tokenizer, template, cfg) if wanted else (template, "")
     if isinstance(template, str):
         tokenizer.chat_template = template
     tokenizer.save_pretrained(out)
