@@ -159,3 +159,18 @@ def test_the_configuration_reference_is_the_schema():
     for field in ("learner.dtype", "data.add_bos", "rollout.interruptible", "learner.deepspeed_overrides"):
         assert field in paths
     assert len(paths) == len(set(paths))
+
+
+def test_the_scorers_reward_function_deadline_is_resolved_in_a_copy_and_checked():
+    """reward.function_timeout_s unset: the scorers get half of timeouts.score_s, and the user's config
+    keeps what they wrote (None); a set one is passed as it is, and one not below timeouts.score_s is
+    refused naming both fields."""
+    cfg = build_config(tree(timeouts={"score_s": 40.0}))
+    assert cfg.reward.function_timeout_s is None and cfg.scorer_reward.function_timeout_s == 20.0
+    assert cfg.scorer_reward.model_path == "r"
+    set_one = build_config(tree(reward={"model_path": "r", "function_timeout_s": 3.0}))
+    assert set_one.scorer_reward is set_one.reward and set_one.scorer_reward.function_timeout_s == 3.0
+    with pytest.raises(
+        ConfigError, match=r"reward\.function_timeout_s=40 must be below timeouts\.score_s=40"
+    ):
+        build_config(tree(reward={"model_path": "r", "function_timeout_s": 40.0}, timeouts={"score_s": 40.0}))

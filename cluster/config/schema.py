@@ -113,9 +113,10 @@ class RunConfig(_Strict):
             )
         if (missing := self.reward.missing()) is not None:
             raise ValueError(missing)
-        if self.reward.function_timeout_s is None:
-            self.reward.function_timeout_s = self.timeouts.score_s / 2
-        elif self.reward.function_timeout_s >= self.timeouts.score_s:
+        if (
+            self.reward.function_timeout_s is not None
+            and self.reward.function_timeout_s >= self.timeouts.score_s
+        ):
             raise ValueError(
                 f"reward.function_timeout_s={self.reward.function_timeout_s:g} must be below timeouts.score_s="
                 f"{self.timeouts.score_s:g} (the whole scoring call's deadline), or a hung reward function is "
@@ -316,6 +317,14 @@ class RunConfig(_Strict):
     @property
     def reference_path(self) -> str:
         return self.reference.model_path or self.model.policy_path
+
+    @property
+    def scorer_reward(self) -> RewardConfig:
+        """The reward section as the scorers are given it: reward.function_timeout_s resolved (unset: half
+        of timeouts.score_s), in a copy: the user's config keeps what they wrote."""
+        if self.reward.function_timeout_s is not None:
+            return self.reward
+        return self.reward.model_copy(update={"function_timeout_s": self.timeouts.score_s / 2})
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
