@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_workers.engines import ENGINES
 
@@ -222,15 +222,23 @@ class RolloutConfig(_Strict):
         description="Bucket size of the collective weight broadcast: a receiver holds about one bucket "
         "beyond its weights while loading.",
     )
-    probe_every: int = Field(
-        1,
-        ge=1,
-        description="How often a weight push also compares logprobs: learner rank 0 and every engine score the "
-        "fixed probe sequences on v`version` when version % probe_every == 0, and on every worker's first "
-        "push; every push checks digests of the weights (a stale or partial load is refused on any version). "
-        "The probe is a forward pass on both sides (a CPU learner's on rank 0, from the weights it exported, "
-        "cast layer by layer to its dtype): raise it for large models; 1 probes every push.",
+    probe_every: int | Literal["auto"] = Field(
+        "auto",
+        description="Which weight pushes also compare logprobs (learner rank 0 and every engine score the fixed "
+        "probe sequences: a forward pass on both sides); every push checks digests of the weights, which refuse "
+        "a stale or partial load on any version, and every worker's first push is probed. An int N probes "
+        "v`version` when version % N == 0 (1: every push). 'auto' keeps the probe to 2% of the run's wall "
+        "time: after a probed push whose probe took c seconds the next is due c/0.02 seconds later (on 2 CPU "
+        "cores about every 3rd push of the 1M demo; on a GPU often).",
     )
+
+    @field_validator("probe_every")
+    @classmethod
+    def _probe_every_positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be 'auto' or an int >= 1, got {v}")
+        return v
+
     interruptible: bool = Field(
         False,
         description="Let a weight load cut into a running generate call at the engine's next interruption "

@@ -381,7 +381,7 @@ def test_off_the_probes_cadence_digests_still_refuse_a_stale_engine_and_on_it_th
     v2 and is refused at v3 by the probe. Real learner rank (DeepSpeed), real hf workers."""
     from test_learner_ranks import _trajectories
 
-    from cluster.weights.push import probe_due
+    from cluster.weights.probe_cadence import ProbeCadence
     from learner.config import LearnerConfig
     from learner.rank import LearnerRank
 
@@ -397,7 +397,7 @@ def test_off_the_probes_cadence_digests_still_refuse_a_stale_engine_and_on_it_th
         for _ in names
     ]
     honest, wrong, stale = workers
-    assert [probe_due(v, 3) for v in (1, 2, 3)] == [False, False, True]
+    assert [ProbeCadence(3).due(v) for v in (1, 2, 3)] == [False, False, True]
 
     def step_and_push(version: int, to: list, probe: bool):
         ray.get(rank.train_step.remote(_trajectories(8, seed=version)), timeout=120)
@@ -445,6 +445,36 @@ def test_the_publisher_probes_on_the_cadence_and_every_workers_first_push():
     assert publisher.probe_wanted(5, ["w2"])  # still owes its first probe
     publisher.checked(["w2"], Fingerprint(5, PROBE, None, 1e-4, 1e-5))
     assert not publisher.probe_wanted(5, ["w0", "w1", "w2"])
+
+
+def test_auto_cadence_keeps_the_probe_to_its_share_of_the_wall_time():
+    """probe_every='auto': after a probed push whose probe took c seconds (learner + slowest engine),
+    the next probe is due c / PROBE_SHARE seconds later; a worker's first push is probed regardless.
+    The clock is the test's: 28 ms of probe (the demo on 2 cores) at 0.02 -> due again after 1.4 s."""
+    from types import SimpleNamespace
+
+    from cluster.weights.probe_cadence import PROBE_SHARE, ProbeCadence
+    from cluster.weights.publisher import WeightPublisher
+
+    assert PROBE_SHARE == 0.02
+    now = [100.0]
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(probe_every="auto"), pipeline=SimpleNamespace(partial_rollout=False)
+    )
+    publisher = WeightPublisher(cfg)
+    publisher.cadence = ProbeCadence("auto", clock=lambda: now[0])
+    assert publisher.probe_wanted(1, ["w0"])  # nothing measured yet
+    probed = Fingerprint(1, PROBE, None, 1e-4, 1e-5)
+    publisher.checked(["w0"], probed)
+    publisher.probe_spent(probed, {"learner_probe_s": 0.018, "worker_probe_s": 0.010, "learner_gather_s": 5.0})
+    assert not publisher.probe_wanted(2, ["w0"])
+    now[0] += 1.39
+    assert not publisher.probe_wanted(3, ["w0"]) and publisher.probe_wanted(3, ["w0", "w1"])  # w1: first push
+    publisher.probe_spent(Fingerprint(3, None, None, 1e-4, 1e-5), {"learner_probe_s": 9.0})  # digests only
+    now[0] += 0.02
+    assert publisher.probe_wanted(4, ["w0"])  # 1.41 s after a 28 ms probe
+    publisher.probe_spent(probed, {})  # a probe that cost nothing measurable: the next is due at once
+    assert publisher.probe_wanted(5, ["w0"])
 
 
 def test_a_digest_only_push_skips_the_probe_and_a_probed_push_needs_the_workers_answer():

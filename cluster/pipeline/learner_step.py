@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.pipeline.calls import Call
 from cluster.pipeline.stream_buffer import Taken
-from cluster.weights.push import Fingerprint, expected_fingerprint
+from cluster.weights.push import Fingerprint, expected_fingerprint, stage_seconds
 
 if TYPE_CHECKING:
     from cluster.weights.async_publisher import AsyncPublisher
@@ -94,6 +94,7 @@ class LearnerStep:
         self.export_calls.remove(call)
         if call.label == "fingerprint":
             self.fingerprint = expected_fingerprint(value, self.step, self.rollout_dtype)
+            weights.probe_spent(self.fingerprint, stage_seconds(value, []))
         if not self.export_calls:  # published: workers load it before their next chunk
             self.t_sync = time.perf_counter() - self.t2
             weights.published(self.step, self.bundle, self.fingerprint)

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.weights.collective import CollectiveWeightSync, weight_backend
+from cluster.weights.probe_cadence import ProbeCadence
 from cluster.weights.push import (
     Fingerprint,
     export_bundle,
     load_into,
-    probe_due,
     push_colocated,
     push_weights,
     verify_ack,
@@ -41,11 +41,17 @@ class WeightPublisher:
         self._on_lost: Callable[[Any], None] | None = None
         self._collective: CollectiveWeightSync | None = None
         self.probed: set[str] = set()  # workers whose engine has passed a probe comparison
+        self.cadence = ProbeCadence(cfg.rollout.probe_every)
 
     def probe_wanted(self, version: int, names: list[str]) -> bool:
         """Whether pushing v`version` to `names` scores the probe: on `rollout.probe_every`'s cadence, and
         whenever one of them has not passed a probe yet (its first push)."""
-        return probe_due(version, self.cfg.rollout.probe_every) or not self.probed.issuperset(names)
+        return self.cadence.due(version) or not self.probed.issuperset(names)
+
+    def probe_spent(self, fingerprint: Fingerprint | None, stages: dict[str, float]) -> None:
+        """A push of `fingerprint` spent `stages`: when it was probed, the cadence counts the probe's cost."""
+        if fingerprint is not None and fingerprint.probe is not None:
+            self.cadence.spent(ProbeCadence.cost(stages))
 
     def checked(self, names: list[str], fingerprint: Fingerprint | None) -> None:
         """`names` acknowledged a version whose `fingerprint` they were verified against."""
@@ -74,6 +80,7 @@ class WeightPublisher:
             result, bundle = push_weights(r.ranks, handles, names, version, rc.dtype, limit, probe)
         self.published(result.version, bundle, result.expected)
         self.checked([n for i, n in enumerate(names) if i not in result.lost], result.expected)
+        self.probe_spent(result.expected, result.stages)
         for index in result.lost:
             self._on_lost(members[index])
         self.replacements = len(result.lost)

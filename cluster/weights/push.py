@@ -90,12 +90,6 @@ def stage_seconds(meta: dict, acks: list[Any]) -> dict[str, float]:
     return out
 
 
-def probe_due(version: int, every: int) -> bool:
-    """Whether pushing v`version` compares probe logprobs (`rollout.probe_every`; a worker's first push
-    compares them whatever the version: the publisher asks for it)."""
-    return version % every == 0
-
-
 def push_weights(
     ranks: list[Any],
     workers: list[Any],
