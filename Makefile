@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ bench: $(STAMP)
 # This project against TRL's PPOTrainer on the demo (installs trl into .venv-trl on first use).
 bench-trl: $(STAMP)
 	$(BIN)/python bench/compare_trl.py $(ARGS)
+
+# The guard (about two minutes, no TRL): end-to-end / standalone per iteration and the per-stage times
+# of both placements over 20 steps. Run it before and after any change to a default or the step loop.
+bench-guard: $(STAMP)
+	$(BIN)/python bench/compare_trl.py --sides ours --steps 20 $(ARGS)
 
 # Sync vs async pipeline on the demo in one run, plus a projection to 64 workers (bench/bench_async.py).
 bench-async: $(STAMP)
