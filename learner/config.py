@@ -378,6 +378,24 @@ class LearnerConfig(_Strict):
         ),
     )
     off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")
+    proximal_pass: Literal["auto", "always"] = Field(
+        "auto",
+        description=(
+            "The no-grad forward that recomputes the old logprobs before the PPO epochs. 'auto': skipped where "
+            "the engine's behaviour logprobs provably are the learner's (sync pipeline, every engine "
+            "acknowledged the learner's current weights by digest, rollout.dtype equal to learner.dtype, no "
+            "environment, an estimator with no critic, no off-policy correction, no reference_from_base): they "
+            "are the old logprobs then, and the gap is still measured every proximal_check_every steps "
+            "(learner/bypass.py). 'always': the forward runs on every step."
+        ),
+    )
+    proximal_check_every: int = Field(
+        10,
+        ge=1,
+        description="With proximal_pass 'auto': the first step and one in this many run the proximal pass "
+        "anyway and measure the engine-learner logprob gap (rollout/logprob_gap); a gap over 1e-4 nats per "
+        "token ends the bypass for the run.",
+    )
     off_policy_geo_bounds: tuple[float, float] = Field(
         (0.5, 2.0), description="[lo, hi] kept range of the per-sequence geometric-mean ratio ('geo_mask')."
     )

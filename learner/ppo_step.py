@@ -202,14 +202,17 @@ def ppo_update(ctx: LearnerContext, batch: Batch):
     return metrics
 
 
-def train_step(ctx: LearnerContext, trajectories: Sequence[Trajectory], kl_controller) -> dict[str, float]:
-    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks)."""
+def train_step(
+    ctx: LearnerContext, trajectories: Sequence[Trajectory], kl_controller, bypass: bool = False
+) -> dict[str, float]:
+    """One PPO iteration on this rank's shard; every returned metric is global (identical on all ranks).
+    `bypass`: skip the proximal pass (`learner.bypass`, decided alike on every rank)."""
     start = time.perf_counter()
     config, device = ctx.config, ctx.device
     ctx.engine.train()
     batch = pack_trajectories(trajectories, ctx.pad_id)
     kl_coef = float(kl_controller.value)
-    stats = prepare(ctx, batch, kl_coef)
+    stats = prepare(ctx, batch, kl_coef, bypass)
     metrics = ppo_update(ctx, batch)
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))

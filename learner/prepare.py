@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -138,11 +139,17 @@ class BatchSums(RankSums):
     overlong_mismatch: float = 0.0  # samples showing overlong_max_tokens is not max_new_tokens
 
 
-def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float) -> dict[str, float]:
+def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = False) -> dict[str, float]:
     """Proximal pass, shaped rewards, advantages by `config.advantage`, global whitening. Fills
-    `batch.tokens`; returns global stats (and updates `ctx.reward_moments` under learner.reward_norm)."""
+    `batch.tokens`; returns global stats (and updates `ctx.reward_moments` under learner.reward_norm).
+    `bypass` (`learner.bypass`: every rank alike): the behaviour logprobs are the old logprobs and the
+    proximal pass is skipped; the engine-learner gap is then not measured (NaN)."""
     config, device, reward_moments = ctx.config, ctx.device, ctx.reward_moments
-    old_lp, values, boot = proximal_pass(ctx, batch)
+    if bypass:
+        old_lp = batch.tokens.behaviour_logprobs.clone()
+        values, boot = torch.zeros_like(old_lp), None
+    else:
+        old_lp, values, boot = proximal_pass(ctx, batch)
     mask = batch.mask
     reduce_sum = functools.partial(all_reduce, op="sum", device=device)
     truncated = batch.truncated if batch.truncated is not None else torch.zeros(len(batch), dtype=torch.bool)
@@ -203,7 +210,7 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float) -> dict[str, floa
         "train/sequences": g.sequences,
         "rollout/reward_mean": g.reward / seqs,
         "objective/kl": g.kl / seqs,
-        "rollout/logprob_gap": g.logprob_gap / tokens,
+        "rollout/logprob_gap": math.nan if bypass else g.logprob_gap / tokens,
         "values/mean": g.values / tokens,
         "returns/mean": g.returns / tokens,
         "advantages/mean": g.advantages / tokens,

@@ -20,6 +20,7 @@ from learner.advantages import needs_critic
 from learner.algorithms import AdaptiveKLController, FixedKLController
 from learner.batch import Trajectory
 from learner.bundle_probe import bundle_probe_logprobs
+from learner.bypass import ProximalBypass
 from learner.config import LearnerConfig
 from learner.context import LearnerContext
 from learner.critic import RunningMoments
@@ -86,6 +87,7 @@ class LearnerRank:
         )
         # Running score statistics for learner.reward_norm: fed from all ranks, so the same everywhere.
         self.reward_moments = RunningMoments()
+        self.bypass = ProximalBypass(config)
         # Same seed on every rank: identical shuffling logic, each over its own shard.
         self.generator = torch.Generator().manual_seed(self.seed)
         self.engine = None
@@ -141,8 +143,13 @@ class LearnerRank:
             )
         return self.engine
 
-    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One PPO iteration on this rank's shard; metrics are global and identical on every rank."""
+    def train_step(self, trajectories: list[Trajectory], engines_hold: int | None = None) -> dict[str, float]:
+        """One PPO iteration on this rank's shard; metrics are global and identical on every rank.
+        `engines_hold`: the version of the learner's current weights every rollout engine acknowledged, as
+        the driver vouches for it (None: not vouched); with it the step may skip the proximal pass
+        (`learner.bypass`)."""
+        versions = [t.policy_version for t in trajectories]
+        bypass = self.bypass.decide(versions, engines_hold, lambda ok: not self.any_rank(not ok))
         ctx = LearnerContext(
             self._require_engine(),
             self.config,
@@ -151,7 +158,9 @@ class LearnerRank:
             self.generator,
             self.reward_moments,
         )
-        return train_step(ctx, trajectories, self.kl_controller)
+        metrics = train_step(ctx, trajectories, self.kl_controller, bypass)
+        metrics.update(self.bypass.record(metrics, bypass))
+        return metrics
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on at least one (a collective: all ranks call it)."""

@@ -466,7 +466,9 @@ def test_auto_cadence_keeps_the_probe_to_its_share_of_the_wall_time():
     assert publisher.probe_wanted(1, ["w0"])  # nothing measured yet
     probed = Fingerprint(1, PROBE, None, 1e-4, 1e-5)
     publisher.checked(["w0"], probed)
-    publisher.probe_spent(probed, {"learner_probe_s": 0.018, "worker_probe_s": 0.010, "learner_gather_s": 5.0})
+    publisher.probe_spent(
+        probed, {"learner_probe_s": 0.018, "worker_probe_s": 0.010, "learner_gather_s": 5.0}
+    )
     assert not publisher.probe_wanted(2, ["w0"])
     now[0] += 1.39
     assert not publisher.probe_wanted(3, ["w0"]) and publisher.probe_wanted(3, ["w0", "w1"])  # w1: first push

@@ -19,6 +19,20 @@ class LearnerStepError(RuntimeError):
     """The learner failed or timed out; the run stops (its last checkpoint stays resumable)."""
 
 
+def engines_hold(cfg: Any, version: int) -> int | None:
+    """The version the driver vouches every rollout engine holds as the learner's current weights, which
+    lets a learner step skip its proximal pass (`learner.bypass`), or None where it cannot say so.
+
+    The sync pipeline pushes v`version` after each step and every worker acknowledges it by digests of the
+    weights its engine holds (a new or replaced worker loads and acknowledges it before its first sample),
+    so the next batch is sampled on exactly the learner's weights. Not vouched: the async pipeline (samples
+    of older versions), a rollout dtype other than the learner's (other numerics), an environment (tokens the
+    learner sees may be re-rendered), or `learner.proximal_pass: always`."""
+    sync = cfg.pipeline.mode == "sync" and not cfg.pipeline.partial_rollout
+    same = cfg.rollout.dtype == cfg.learner.dtype and not cfg.rollout.environment.enabled
+    return version if sync and same and cfg.learner.proximal_pass == "auto" else None
+
+
 class LearnerRanks:
     """Learner steps over the run's ranks (`roles.ranks`; colocated hosts in `roles.hosts`).
     `resume_hint()` is the tail of a stopping error: how to continue the run."""
@@ -26,28 +40,34 @@ class LearnerRanks:
     def __init__(self, cfg: Any, roles: Any, resume_hint: Callable[[], str]) -> None:
         self.cfg, self.roles, self.resume_hint = cfg, roles, resume_hint
 
-    def train_calls(self, parts: Parts) -> list[tuple[str, Any, list]]:
+    def train_calls(self, parts: Parts, engines_hold: int | None = None) -> list[tuple[str, Any, list]]:
         """Start a learner step on `parts` (both pipelines): each rank gets its shard as object
         references with (position, score, group) triples (`RankPart`s) and assembles its trajectories itself
         (`train_parts`), so no sample passes through the driver. Returns per rank (its name, the
         call's reference, the chunk of each of its parts)."""
         shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)
         return [
-            (f"learner-rank-{i}", rank.train_parts.remote(args), chunks)
+            (f"learner-rank-{i}", rank.train_parts.remote(args, engines_hold), chunks)
             for i, (rank, (args, chunks)) in enumerate(zip(self.roles.ranks, shards, strict=True))
         ]
 
     def learn(
-        self, batch: RolloutBatch, step: int, regather: Callable[[RolloutBatch, set[int]], None]
+        self,
+        batch: RolloutBatch,
+        step: int,
+        regather: Callable[[RolloutBatch, set[int]], None],
+        version: int | None = None,
     ) -> dict:
         """Sync: train every rank on `batch` (step `step`). An input lost with its node (the ranks agree on
         it before their first collective, so none trained) is generated and scored again by `regather`,
-        same seeds, and the step retried, as the async pipeline does; that time counts as training time."""
+        same seeds, and the step retried, as the async pipeline does; that time counts as training time.
+        `version`: the weights every worker acknowledged holding (`engines_hold`)."""
+        held = None if version is None else engines_hold(self.cfg, version)
         # colocated: each host's rollout engine frees its memory before its rank trains (same actor,
         # so it runs first); a no-op unless rollout.sleep_level > 0
         sleeps = [h.sleep_rollout.remote() for h in self.roles.hosts]
         while True:
-            calls = self.train_calls(batch.parts)
+            calls = self.train_calls(batch.parts, held)
             results = self._results({ref: name for name, ref, _chunks in calls}, step)
             lost = {chunks[k].index for _n, ref, chunks in calls for k in results[ref].get("lost_parts", ())}
             if not lost:

@@ -55,7 +55,7 @@ class SyncPipeline:
         else:
             batch, account = self.collect_informative(step)
         t1 = time.perf_counter()
-        learner_metrics = p.learner.learn(batch, step, self.collector.regather)
+        learner_metrics = p.learner.learn(batch, step, self.collector.regather, p.weights.version)
         t_train = time.perf_counter() - t1
         t_sync = p.weights.push(step)
         progress.step = step

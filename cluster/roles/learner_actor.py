@@ -35,13 +35,13 @@ class StreamingLearnerRank(LearnerRank):
         bundle = self.export_weights(describe, dtype, probe)
         return bundle is not None, bundle
 
-    def train_parts(self, parts: list[RankPart]) -> dict[str, Any]:
+    def train_parts(self, parts: list[RankPart], engines_hold: int | None = None) -> dict[str, Any]:
         """`train_step` on trajectories assembled here from object references (`part_trajectories`).
 
         An input whose object is lost (its node died with the only copy) trains nothing anywhere:
         every rank learns whether any rank lost an input before the step's first collective, and
         all return `{"lost_parts": [positions in their own parts]}` so the driver can regenerate
-        those prompts and give the rest of the batch back."""
+        those prompts and give the rest of the batch back. `engines_hold`: see `LearnerRank.train_step`."""
         trajectories, lost = [], []
         for k, part in enumerate(parts):
             # no reference object where the learner computes the reference (learner.reference_from_base)
@@ -54,4 +54,4 @@ class StreamingLearnerRank(LearnerRank):
             trajectories += part_trajectories(part, samples, ref_lps[0] if ref_lps else None)
         if self.any_rank(bool(lost)):
             return {"lost_parts": lost}
-        return self.train_step(trajectories)
+        return self.train_step(trajectories, engines_hold)
