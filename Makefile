@@ -72,7 +72,7 @@ bench: $(STAMP)
 bench-trl: $(STAMP)
 	$(BIN)/python bench/compare_trl.py $(ARGS)
 
-# The guard (about two minutes, no TRL): end-to-end / standalone per iteration and the per-stage times
+# The guard (about 80 s, no TRL): end-to-end / standalone per iteration and the per-stage times
 # of both placements over 20 steps. Run it before and after any change to a default or the step loop.
 bench-guard: $(STAMP)
 	$(BIN)/python bench/compare_trl.py --sides ours --steps 20 $(ARGS)

@@ -100,7 +100,7 @@ def efficiency(ours: dict, standalone: dict, skip: int) -> dict[str, float]:
     out.update(ratio=out["e2e"] / out["compute"], first=lo + 1, last=k)
     stages = ("time/generate", "time/score", "time/train", "time/weight_sync")
     rows = ours["steps"][lo:k]
-    out["e2e_stages"] = {st.split("/")[1]: statistics.fmean(r.get(st, 0.0) for r in rows) for st in stages}
+    out["e2e_stages"] = {st.split("/")[1]: statistics.fmean(r[st] for r in rows) for st in stages}
     out["e2e_stages"]["driver"] = out["e2e"] - sum(out["e2e_stages"].values())
     return out
 
@@ -157,9 +157,8 @@ def report(result: dict, args: argparse.Namespace, out: Path, venv: Path, trl_ve
         print(
             f"  end-to-end iteration (Ray)              {e['e2e']:.3f} s/iteration (median {e['e2e_median']:.3f})"
         )
-        if "e2e_stages" in e:
-            stages = ", ".join(f"{p} {v:.3f}" for p, v in e["e2e_stages"].items())
-            print(f"  end-to-end stages (the step's own timers) {stages}")
+        stages = ", ".join(f"{p} {v:.3f}" for p, v in e["e2e_stages"].items())
+        print(f"  end-to-end stages (the step's own timers) {stages}")
         print(f"  end-to-end / standalone                 {e['ratio']:.2f}")
         print(f"  {result[name].get('startup', {}).get('line', '')}")
     busy = max(s["foreign_cpu_frac"] for s in summary.values())

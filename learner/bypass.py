@@ -57,6 +57,9 @@ class ProximalBypass:
     steps: int = 0
     off_gap: float | None = None  # the gap that ended the bypass, when one did
 
+    def __post_init__(self) -> None:
+        self.never = static_reason(self.config)  # why this config never bypasses (None: it may)
+
     def decide(
         self, versions: Sequence[int], engines_hold: int | None, all_ranks: Callable[[bool], bool]
     ) -> bool:
@@ -64,14 +67,14 @@ class ProximalBypass:
         `all_ranks(flag)`: True when `flag` is true on every rank (a collective: every rank calls it)."""
         check = self.steps % self.config.proximal_check_every == 0
         self.steps += 1
-        if static_reason(self.config) or self.off_gap is not None or check or not engines_hold:
+        if self.never or self.off_gap is not None or check or not engines_hold:
             return False  # the same on every rank (config, step count, global gap, the driver's word)
         return all_ranks(all(v == engines_hold for v in versions))
 
     def record(self, stats: dict[str, float], bypassed: bool) -> dict[str, float]:
         """The step's bypass metrics; a measured gap over GAP_LIMIT ends the bypass for the run."""
         gap = stats.get("rollout/logprob_gap", math.nan)
-        may_bypass = static_reason(self.config) is None and self.off_gap is None
+        may_bypass = self.never is None and self.off_gap is None
         if may_bypass and not bypassed and math.isfinite(gap) and gap > GAP_LIMIT:
             self.off_gap = gap
             print(

@@ -28,7 +28,7 @@ def engines_hold(cfg: Any, version: int) -> int | None:
     so the next batch is sampled on exactly the learner's weights. Not vouched: the async pipeline (samples
     of older versions), a rollout dtype other than the learner's (other numerics), an environment (tokens the
     learner sees may be re-rendered), or `learner.proximal_pass: always`."""
-    sync = cfg.pipeline.mode == "sync" and not cfg.pipeline.partial_rollout
+    sync = cfg.pipeline.mode == "sync"  # (partial rollouts are async only: the run config refuses them here)
     same = cfg.rollout.dtype == cfg.learner.dtype and not cfg.rollout.environment.enabled
     return version if sync and same and cfg.learner.proximal_pass == "auto" else None
 
