@@ -158,9 +158,9 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
         trainer.setup()
         real = trainer.learner.train_calls
 
-        def lose_first_chunk_once(parts):
+        def lose_first_chunk_once(parts, engines_hold):
             if lost:
-                return real(parts)
+                return real(parts, engines_hold)
             lost.append((parts[0][0], parts[0][0].samples_ref))
             return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
 
