@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.run.metrics import read_metrics  # noqa: E402
+from cluster.reporting.metrics import read_metrics  # noqa: E402
 from demos.arithmetic import BAND, AssetPaths  # noqa: E402
 from demos.common import read_manifest  # noqa: E402
 

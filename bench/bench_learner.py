@@ -10,7 +10,7 @@ real DeepSpeed learner ranks (gloo, one process and one thread each, `learner.ra
 run `train_step` on the same batch for each case, one case after the other. Batches: 'long-tail'
 (response lengths log-normal around `--median`, the longest exactly `--tail` x the median; prompts
 8-48 tokens) and 'uniform' (every prompt 16 and response 24 tokens, like the demo). The batch is split
-over the ranks as the driver does (`cluster.pipeline.groups.shard_batch`, by count or by tokens).
+over the ranks as the driver does (`cluster.records.groups.shard_batch`, by count or by tokens).
 
 Per case: tokens/s = real (prompt + response) tokens of the batch / the slower rank's step seconds
 (median over `--reps`), and the larger rank's peak RSS over its RSS before the step (activations,
@@ -166,7 +166,7 @@ def make_batch(kind: str, n: int, median: int, tail: float, vocab: int, seed: in
 
 
 def shard(trajs, balance: str):
-    from cluster.pipeline.groups import shard_batch
+    from cluster.records.groups import shard_batch
 
     idx = shard_batch(
         [t.group for t in trajs], [len(t.prompt_ids) + len(t.response_ids) for t in trajs], 2, balance

@@ -8,7 +8,7 @@ loaded into the base architecture as the learner loads it (dropout off, the fuse
 holds only adapters, merged here into the base policy's weights (`policy_from_weights`). Every parameter must be
 accounted for: a weight the model lacks, or a parameter the checkpoint lacks, is an error naming them.
 They are cast to `--dtype` and written with `save_pretrained` (safetensors, config, generation
-config); the tokenizer is saved beside them carrying how the run prompted (`cluster.pipeline.prompting`:
+config); the tokenizer is saved beside them carrying how the run prompted (`cluster.prompts.prompting`:
 the chat template of `data.chat_template`, the tokenizer's own or the Jinja file's, with
 `data.chat_template_kwargs` and `data.system_prompt` as its defaults where it allows, and
 `prompting.json`).
@@ -104,7 +104,7 @@ def export(
     from safetensors.torch import save_file
 
     from cluster.pipeline.checkpoint import LEARNER_DIR, CheckpointError, read_state
-    from cluster.pipeline.prompting import save_tokenizer
+    from cluster.prompts.prompting import save_tokenizer
     from learner.consolidated_checkpoint import read_weights
     from learner.model import VALUE_HEAD_FILE
 

@@ -22,17 +22,17 @@ from typing import Any
 from cluster.config.notices import announce_config
 from cluster.config.schema import ConfigError, RunConfig, load_config
 from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
-from cluster.pipeline.data import RunPrompts, load_run_prompts, load_tokenizer
-from cluster.pipeline.prompt_files import prompt_files
-from cluster.roles.registry import ROLES
-from cluster.run.folder import resolve_paths
-from cluster.run.job_env import (
+from cluster.prompts.data import RunPrompts, load_run_prompts, load_tokenizer
+from cluster.prompts.prompt_files import prompt_files
+from cluster.reporting.folder import resolve_paths
+from cluster.reporting.job_env import (
     SharedSessionError,
     check_every_node_shares,
     in_place_working_dir,
     override_job_runtime_env,
 )
-from cluster.run.local_ray import dashboard_port, moved_dashboard
+from cluster.reporting.local_ray import dashboard_port, moved_dashboard
+from cluster.roles.registry import ROLES
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -41,7 +41,7 @@ EXIT_INTERRUPTED = 130
 
 def preflight(cfg: RunConfig) -> RunPrompts:
     """Build the demo assets if asked, check every path the actors will open, then check a chat
-    environment's template, then read and render the prompts (`cluster.pipeline.data`, as `python -m
+    environment's template, then read and render the prompts (`cluster.prompts.data`, as `python -m
     cluster.data` shows them): a bad row is found before any actor starts, and rows dropped, cut or read
     as JSON messages are said on stderr (`RunPrompts.announce`), as are settings the run leaves unused
     (`cluster.config.notices`). Returns the prompts, which the run then uses instead of reading them again."""
@@ -67,7 +67,7 @@ def preflight(cfg: RunConfig) -> RunPrompts:
             raise ConfigError(f"{field}: folder not found: {path}")
         if must_hold and not (p / must_hold).is_file():
             raise ConfigError(f"{field}: {path} has no {must_hold} (expected a save_pretrained folder)")
-    from cluster.run.trackers.registry import missing_packages
+    from cluster.config.sinks import missing_packages
 
     missing = missing_packages(cfg.run.loggers)
     if missing:
@@ -132,7 +132,7 @@ def local_resources(cfg: RunConfig) -> tuple[float, dict[str, float]]:
 def init_ray(cfg: RunConfig) -> str | None:
     """Connect to the configured cluster, or start a local one; returns the dashboard URL. A local
     Ray's dashboard port set in the config and taken is a ConfigError before Ray starts; unset, Ray takes
-    8265 or the next free one, and a moved port is printed (`cluster.run.local_ray`)."""
+    8265 or the next free one, and a moved port is printed (`cluster.reporting.local_ray`)."""
     import ray
 
     if ray.is_initialized():
@@ -238,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     from cluster.pipeline.collector import RolloutError
-    from cluster.pipeline.deadlines import WaitTimeout
     from cluster.pipeline.failures import EnvironmentFailureError, RewardFailureError
     from cluster.pipeline.learner_calls import LearnerStepError
     from cluster.pipeline.run import Run
     from cluster.placement.pools import ActorStartError
-    from cluster.run.folder import SharedStorageError
+    from cluster.records.deadlines import WaitTimeout
+    from cluster.reporting.folder import SharedStorageError
     from cluster.weights.push import WeightSyncError
 
     RUN_ERRORS = (
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from cluster.run.startup import StartupClock
+    from cluster.reporting.startup import StartupClock
 
     clock = StartupClock()
     clock.mark("driver start")

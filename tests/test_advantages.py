@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.pipeline.groups import group_runs, shard_by_group
+from cluster.records.groups import group_runs, shard_by_group
 from learner.advantages import (
     AdvantageInputs,
     AdvantageParams,

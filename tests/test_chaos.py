@@ -26,8 +26,8 @@ import ray
 from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.config.schema import load_config
-from cluster.pipeline.data import PromptStream
 from cluster.pipeline.run import Run
+from cluster.prompts.data import PromptStream
 
 pytestmark = pytest.mark.slow
 

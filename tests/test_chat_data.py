@@ -22,8 +22,8 @@ from chat_tokenizers import (
 from data_files import WRITERS, write, write_dataset, write_json, write_jsonl, write_parquet
 
 from cluster.config.schema import ConfigError, DataSection, build_config
-from cluster.pipeline.data import PromptStream, load_prompts, read_prompts
-from cluster.run.folder import resolve_paths
+from cluster.prompts.data import PromptStream, load_prompts, read_prompts
+from cluster.reporting.folder import resolve_paths
 
 QUESTIONS = ["What is 2 + 3 ?", "Name a prime above 10 .", "How many legs has a cat ?"]
 ROWS = [
@@ -196,7 +196,7 @@ def test_a_jinja_file_replaces_the_tokenizers_template(tmp_path):
     # The folders a run writes (final/, cluster.export's) carry that template with the tokenizer.
     from transformers import AutoTokenizer
 
-    from cluster.pipeline.prompting import save_tokenizer
+    from cluster.prompts.prompting import save_tokenizer
 
     tok.save_pretrained(tmp_path / "tok")
     assert save_tokenizer(section(path, chat_template=str(jinja)), str(tmp_path / "tok"), tmp_path / "out")

@@ -27,7 +27,7 @@ from cluster.pipeline.checkpoint import (
     to_prune,
 )
 from cluster.pipeline.stopping import EXIT_CODES, StopRequest
-from cluster.run.folder import resolve_paths
+from cluster.reporting.folder import resolve_paths
 from cluster.submit import CHECKPOINT_MARGIN_S, job_stop_wait_s
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "sentiment_tiny.yaml"

@@ -1,6 +1,6 @@
 """Every wait loop of the driver ends: each loop in cluster/ that waits on the cluster (ray.wait,
 wait_until, a sleep, a call tracker's wait) is bounded by a deadline, and a stuck one ends in
-`cluster.pipeline.deadlines.WaitTimeout` naming what it waited for and the setting that bounds it."""
+`cluster.records.deadlines.WaitTimeout` naming what it waited for and the setting that bounds it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.pipeline.calls import CallTracker
-from cluster.pipeline.deadlines import Deadline, WaitTimeout
+from cluster.records.calls import CallTracker
+from cluster.records.deadlines import Deadline, WaitTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
 WAITS = {"wait", "wait_until", "sleep"}  # the calls a driver loop waits in
@@ -62,7 +62,7 @@ def test_every_wait_loop_of_the_driver_has_a_deadline():
         "cluster/pipeline/stream_pipeline.py:step",
         "cluster/pipeline/collector.py:_gather",
         "cluster/pipeline/learner_calls.py:_results",
-        "cluster/placement/pools.py:wait_until",
+        "cluster/records/ray_waits.py:wait_until",
         "cluster/scale.py:_via_job_api",
     ):
         assert key in loops, key

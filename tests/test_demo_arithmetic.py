@@ -185,7 +185,7 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
     from cluster.config.schema import load_config
     from cluster.pipeline.evaluation import headline
     from cluster.pipeline.run import Run
-    from cluster.run.metrics import held_out_only, read_metrics
+    from cluster.reporting.metrics import held_out_only, read_metrics
 
     cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
     trainer = Run(cfg, tmp_path / "run")

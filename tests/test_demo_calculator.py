@@ -47,7 +47,7 @@ def _overrides(assets: AssetPaths, steps: int, **extra) -> list[str]:
 def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_path, capsys):
     from cluster.config.schema import load_config
     from cluster.pipeline.run import Run
-    from cluster.run.metrics import read_metrics
+    from cluster.reporting.metrics import read_metrics
 
     cfg = load_config(CONFIG, _overrides(calculator_assets, 2))
     trainer = Run(cfg, tmp_path / "run")

@@ -10,18 +10,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from cluster.config.filters import check_filter_spec
 from cluster.config.schema import ConfigError, build_config
-from cluster.pipeline.chunks import SampleFacts
-from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.dynamic_sampling import (
     DynamicSamplingError,
     StepAccount,
-    check_filter_spec,
     keeps,
     resolve_filter,
     round_seed,
     split_chunk,
 )
+from cluster.prompts.data import Prompt, PromptStream
+from cluster.records.chunks import SampleFacts
 
 # ---------------------------------------------------------------------- pure rules
 
@@ -205,8 +205,8 @@ def test_the_filter_and_the_reward_metric_read_each_episodes_return(tmp_path):
     1, 1, 1, filtered. rollout/reward_mean is the mean return of the trained group, 0.925."""
     from tiny_models import build_tokenizer
 
-    from cluster.pipeline.chunks import Chunk, sample_facts
-    from cluster.run.metrics import sample_metrics
+    from cluster.records.chunks import Chunk, sample_facts
+    from cluster.reporting.metrics import sample_metrics
     from reward_service.config import RewardConfig
     from reward_service.scorer import RewardScorer
 

@@ -14,7 +14,7 @@ from chat_tokenizers import QWEN3_TEMPLATE, QWEN25_SPECIALS, THINKING_TEMPLATE, 
 from data_files import write_jsonl
 
 from cluster.config.schema import DataSection, build_config
-from cluster.pipeline.prompting import PROMPTING_FILE, save_tokenizer
+from cluster.prompts.prompting import PROMPTING_FILE, save_tokenizer
 
 SYSTEM = "Answer in one word ."
 QUESTIONS = ["What is 2 + 3 ?", "Name a prime above 10 .", "How many legs has a cat ?", "What is 4 + 4 ?"]

@@ -19,8 +19,8 @@ def by_prompt(prompt, response, meta):
 def test_grpo_on_a_prompt_only_reward_warns_once_that_no_group_trains(
     ray_local, tmp_path, tiny_policy_dir, capfd
 ):
-    from cluster.run.flat_groups import STEPS
-    from cluster.run.metrics import read_metrics
+    from cluster.reporting.flat_groups import STEPS
+    from cluster.reporting.metrics import read_metrics
     from cluster.train import main
 
     module = tmp_path / "prompt_only.py"
@@ -59,7 +59,7 @@ def test_grpo_on_a_prompt_only_reward_warns_once_that_no_group_trains(
 
 
 def test_the_watch_counts_consecutive_flat_steps_only_for_group_estimators(capsys):
-    from cluster.run.flat_groups import FlatGroupWatch
+    from cluster.reporting.flat_groups import FlatGroupWatch
 
     watch = FlatGroupWatch("grpo", steps=2)
     for step, frac in enumerate([1.0, 0.5, 1.0, 1.0, 1.0, 1.0], start=1):

@@ -65,13 +65,13 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     src.write_text(
         "from learner import sequences\n"
         "def f():\n"
-        "    import cluster.pipeline.calls\n"
+        "    import cluster.records.calls\n"
         "    from learner.rank import LearnerRank\n"
         "    from . import engine\n"
     )
     found = project_imports(src)
     assert [m for _l, m in found if not allowed("rollout_workers", m)] == [
-        "cluster.pipeline.calls",
+        "cluster.records.calls",
         "learner.rank",
     ]
     assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
@@ -155,6 +155,75 @@ def test_the_cycle_checker_finds_a_lazy_cycle(tmp_path):
     (pkg / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from cluster.a import y\n")
     (pkg / "d.py").write_text("import cluster.a\n")
     assert import_cycles(module_graph(tmp_path)) == [["cluster.a", "cluster.b", "cluster.c"]]
+
+
+# `cluster/`'s floors, from the ground up: each part imports only parts on lower floors (never a sibling
+# on its own floor); a part is a package of cluster/ or one of its top-level modules. Where a module
+# belongs is in docs/architecture.md ("Floors inside cluster/").
+CLUSTER_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("demo_assets",),  # the one hook to the demos (the config's allowed demo names)
+    ("config",),  # schema, sections, the tables the config checks names against (sinks, filters)
+    ("prompts",),  # prompt files, chat rendering, tokenized prompts, how a run prompted
+    ("records",),  # chunks, calls, deadlines, groups, a rank's parts, Ray's failures
+    ("roles",),  # role descriptors and actor classes
+    ("placement", "weights", "reporting"),  # where actors go; how weights reach them; the run's reports
+    ("pipeline",),  # the run loop and the two pipelines
+    ("train",),  # the main entry point; the others reuse its arguments and preflight
+    ("data", "evaluate", "submit", "scale", "export", "watch", "plot", "examples"),
+)
+
+
+def cluster_part(module: str) -> str | None:
+    """The floor-part of a dotted module of `cluster` (its package or top-level module), None outside."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "cluster" and len(parts) > 1 else None
+
+
+def floor_violations(root: Path, floors: tuple[tuple[str, ...], ...]) -> list[str]:
+    """`file:line part -> part` for every import (lazy ones too) from a part of `root/cluster` to a part on
+    its own floor or above; a part listed on no floor is itself a violation."""
+    level = {part: i for i, floor in enumerate(floors) for part in floor}
+    bad = []
+    for f in sorted((root / "cluster").rglob("*.py")):
+        rel = f.relative_to(root / "cluster").parts
+        if rel == ("__init__.py",):
+            continue
+        here = rel[0].removesuffix(".py")
+        if here not in level:
+            bad.append(f"{f.relative_to(root)}: {here!r} stands on no floor")
+            continue
+        for line, module in project_imports(f):
+            there = cluster_part(module)
+            if there is None or there == here:
+                continue
+            if there not in level or level[there] >= level[here]:
+                bad.append(f"{f.relative_to(root)}:{line} {here} -> {there}")
+    return sorted(set(bad))
+
+
+def test_cluster_stands_in_floors_each_importing_only_the_floors_below():
+    """No package cycles inside `cluster/` (not only no file cycles): config < prompts < records < roles <
+    placement | weights | reporting < pipeline < entry points. A record two parts exchange lives on the
+    records floor; a table the config checks names against lives in config; a part that needs something
+    of a higher floor is handed a small protocol (the async publisher's `StreamDispatch`)."""
+    assert floor_violations(ROOT, CLUSTER_FLOORS) == []
+
+
+def test_the_floor_checker_sees_lazy_upward_and_sideways_imports(tmp_path):
+    pkg = tmp_path / "cluster"
+    for part in ("config", "roles", "weights", "placement"):
+        (pkg / part).mkdir(parents=True)
+    (pkg / "config" / "a.py").write_text("def f():\n    from cluster.roles.r import x\n")
+    (pkg / "roles" / "r.py").write_text("from cluster.config import a\n")
+    (pkg / "weights" / "w.py").write_text("import cluster.placement.p\n")
+    (pkg / "placement" / "p.py").write_text("from cluster.roles import r\n")
+    (pkg / "stray.py").write_text("")
+    floors = (("config",), ("roles",), ("placement", "weights"))
+    assert floor_violations(tmp_path, floors) == [
+        "cluster/config/a.py:2 config -> roles",
+        "cluster/stray.py: 'stray' stands on no floor",
+        "cluster/weights/w.py:1 weights -> placement",
+    ]
 
 
 def role_name_literals(root: Path, names: set[str], registry: Path) -> list[str]:

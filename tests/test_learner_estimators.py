@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_learner_ranks import _assert_same_weights, _config, _train, _trajectories, _weights, learner_group
 
-from cluster.pipeline.groups import group_runs, shard_by_group
+from cluster.records.groups import group_runs, shard_by_group
 from learner.config import KLConfig
 from learner.deepspeed_setup import build_optimizer
 from learner.model import PolicyWithValueHead

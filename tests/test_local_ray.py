@@ -21,7 +21,7 @@ import pytest
 import yaml
 from ray_head import kill_session, ray_env, ray_head
 
-from cluster.run.local_ray import DEFAULT_DASHBOARD_PORT
+from cluster.reporting.local_ray import DEFAULT_DASHBOARD_PORT
 
 REPO = Path(__file__).resolve().parent.parent
 START_S = 300  # a local Ray's start on a loaded 2-core machine

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.pipeline.groups import max_load, shard_batch, shard_by_cost, shard_by_group
+from cluster.records.groups import max_load, shard_batch, shard_by_cost, shard_by_group
 from learner.micro_batches import micro_batch_cost, plan_micro_batches
 
 

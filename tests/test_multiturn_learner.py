@@ -169,7 +169,7 @@ def _episode_sample():
 def test_a_score_from_another_reward_kind_takes_none_of_the_environments_turn_rewards():
     """The scorer's score (here a rule's 0.5) is the whole reward of an episode scored by any kind but
     'environment': the environment's earlier-turn rewards (the -0.25) are not added beside it."""
-    from cluster.pipeline.trajectories import to_trajectory
+    from cluster.records.trajectories import to_trajectory
 
     t = to_trajectory(_episode_sample(), np.zeros(5, np.float32), 0.5)
     assert t.token_rewards is None and t.action_mask.tolist() == [1, 1, 0, 1, 1]
@@ -183,10 +183,10 @@ def test_the_reward_kind_decides_whether_all_or_none_of_the_environments_rewards
     its score alone (0.5: one of the two keywords), none of the environment's."""
     from tiny_models import build_tokenizer
 
-    from cluster.pipeline.chunks import Chunk, sample_facts
-    from cluster.pipeline.data import Prompt
-    from cluster.pipeline.groups import shard_parts
-    from cluster.pipeline.trajectories import part_trajectories
+    from cluster.prompts.data import Prompt
+    from cluster.records.chunks import Chunk, sample_facts
+    from cluster.records.groups import shard_parts
+    from cluster.records.trajectories import part_trajectories
     from reward_service.config import RewardConfig
     from reward_service.scorer import RewardScorer
 
@@ -218,7 +218,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
     from test_dynamic_sampling import _guess_episode
     from test_learner_packing import GradientTap
 
-    from cluster.pipeline.trajectories import to_trajectory
+    from cluster.records.trajectories import to_trajectory
     from learner.config import LearnerConfig
     from learner.context import LearnerContext
     from learner.model import PolicyWithValueHead

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import torch
 
-from cluster.pipeline.chunks import SampleFacts, sample_facts
-from cluster.run.metrics import version_metrics
+from cluster.records.chunks import SampleFacts, sample_facts
+from cluster.reporting.metrics import version_metrics
 from rollout_workers.types import Sample
 from rollout_workers.weight_gate import WeightGate
 
@@ -116,7 +116,7 @@ def test_off_policy_weights_use_each_tokens_own_behaviour_logprob():
     """A response whose first two tokens were sampled by version 3 and the last two by version 4: the
     learner's batch carries each token's own behaviour logprob (no per-sample value), and the truncated
     importance weights are min(exp(proximal - behaviour), cap) token by token."""
-    from cluster.pipeline.trajectories import to_trajectory
+    from cluster.records.trajectories import to_trajectory
     from learner.batch import pack_trajectories
     from learner.losses import off_policy_weights
 

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from cluster.config.schema import ConfigError, build_config
-from cluster.pipeline.chunks import Chunk, EpisodeFacts, SampleFacts, every_sample
-from cluster.pipeline.data import Prompt
 from cluster.pipeline.evaluation import (
     EvalRound,
     before_after_lines,
@@ -22,6 +20,8 @@ from cluster.pipeline.evaluation import (
     headline,
     pass_at_k,
 )
+from cluster.prompts.data import Prompt
+from cluster.records.chunks import Chunk, EpisodeFacts, SampleFacts, every_sample
 from reward_service.scorer import ScoreBatch
 
 

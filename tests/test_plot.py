@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from cluster.plot import PANELS, main, panels, plot_run, series  # noqa: E402
+from cluster.plot import main  # noqa: E402
+from cluster.reporting.curves import PANELS, panels, plot_run, series  # noqa: E402
 
 
 def _rows() -> list[dict]:

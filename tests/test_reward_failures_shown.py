@@ -61,7 +61,7 @@ def _sets(tmp_path: Path, policy: Path, functions: list[str], **extra) -> list[s
 def test_failures_are_shown_with_their_row_kept_counted_per_function_and_fail_held_out_accuracy(
     ray_local, tmp_path, tiny_policy_dir, capfd
 ):
-    from cluster.run.metrics import read_metrics
+    from cluster.reporting.metrics import read_metrics
     from cluster.train import main
 
     run_dir = tmp_path / "run"

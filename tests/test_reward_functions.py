@@ -13,9 +13,9 @@ import pytest
 from tiny_models import build_tokenizer
 
 from cluster.config.schema import ConfigError, build_config
-from cluster.pipeline.chunks import Chunk, PromptFacts, SampleFacts, prompt_facts
-from cluster.pipeline.data import Prompt
-from cluster.run.metrics import function_metrics, sample_metrics
+from cluster.prompts.data import Prompt
+from cluster.records.chunks import Chunk, PromptFacts, SampleFacts, prompt_facts
+from cluster.reporting.metrics import function_metrics, sample_metrics
 from reward_service.config import RewardConfig
 from reward_service.forms import FORMS, detect_form
 from reward_service.functions import RewardInput, reward_function

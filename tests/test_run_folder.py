@@ -10,7 +10,7 @@ from cluster.config.schema import load_config
 from cluster.pipeline.control import (
     RunControl,  # a small actor of the run to host the probe (it reads none of it)
 )
-from cluster.run.folder import SharedStorageError, check_ranks_see_run_folder, resolve_paths
+from cluster.reporting.folder import SharedStorageError, check_ranks_see_run_folder, resolve_paths
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from cluster.pipeline.chunks import SampleFacts
 from cluster.pipeline.collector import chunk_seed
-from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.stream_buffer import StreamBuffer
+from cluster.prompts.data import Prompt, PromptStream
+from cluster.records.chunks import SampleFacts
 
 
 class _Scores:

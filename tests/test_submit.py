@@ -18,7 +18,7 @@ from ray_head import free_port
 from ray_head import ray_head as start_ray_head
 
 from cluster.config.schema import load_config
-from cluster.run.job_env import (
+from cluster.reporting.job_env import (
     JOB_CONFIG_VAR,
     SharedSessionError,
     check_every_node_shares,

@@ -39,8 +39,8 @@ class OneProcessLoop:
         import torch
         from transformers import AutoTokenizer
 
-        from cluster.pipeline.data import PromptStream, pad_token_id, read_prompts, tokenize_prompts
         from cluster.placement.rollout_gpus import worker_config
+        from cluster.prompts.data import PromptStream, pad_token_id, read_prompts, tokenize_prompts
         from learner.rank import LearnerRank
         from reward_service.reference import ReferencePolicy
         from reward_service.scorer import RewardScorer

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from cluster.run.telemetry import Telemetry
+from cluster.reporting.telemetry import Telemetry
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

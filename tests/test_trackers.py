@@ -12,8 +12,8 @@ import pytest
 from wandb_records import read_offline_run
 
 from cluster.config.sections import RunSection
-from cluster.run.trackers.base import EVAL_AFTER, RUN, RunInfo, StepRow, flatten
-from cluster.run.trackers.run_logger import RunLogger
+from cluster.reporting.trackers.base import EVAL_AFTER, RUN, RunInfo, StepRow, flatten
+from cluster.reporting.trackers.run_logger import RunLogger
 
 CONFIG = {"run": {"name": "t", "steps": 4}, "learner": {"lr": 1e-5, "kl": {"coef": 0.05}}}
 AFTER = {"eval/accuracy": 0.9}  # the held-out evaluation of the final weights
@@ -228,7 +228,7 @@ def test_a_failing_tracker_is_reported_once_and_dropped(tmp_path, monkeypatch, c
     run_dir = tmp_path / "run-d"
     gone = f"http://127.0.0.1:{mlflow_server.free_port()}"
     settings = RunSection(loggers=["jsonl", "tensorboard", "mlflow"], mlflow={"tracking_uri": gone})
-    with caplog.at_level(logging.WARNING, logger="cluster.run.trackers.run_logger"):
+    with caplog.at_level(logging.WARNING, logger="cluster.reporting.trackers.run_logger"):
         log = log_run(info(run_dir, settings), settings.loggers, range(1, 4))
     assert list(log.dropped) == ["mlflow"]
     warnings = [r for r in caplog.records if "'mlflow' dropped" in r.getMessage()]
@@ -241,7 +241,7 @@ def test_a_resume_cuts_later_rows_and_keeps_a_finished_runs_final_evaluation(tmp
     training rows. Resumed from its step-2 checkpoint (to end again, or to go on), the final evaluation's
     row stays, as it stays in MLflow (issue 56 item 12; the resumed run's end writes its own after it);
     from step 1, step 2's rows go."""
-    from cluster.run.metrics import held_out_only, read_metrics, truncate_metrics
+    from cluster.reporting.metrics import held_out_only, read_metrics, truncate_metrics
 
     before = {"step": 0, "eval/accuracy": 0.1, "eval/pass@4": 0.2, "time/eval": 1.0}
     step1 = {"step": 1, "rollout/reward_mean": 0.2, "eval/accuracy": 0.3, "time/eval": 1.0}
@@ -262,7 +262,7 @@ def test_a_finished_run_resumed_to_go_on_tells_the_same_story_in_mlflow_and_the_
     resumed run's changed settings beside the first run's."""
     from mlflow import MlflowClient
 
-    from cluster.run.metrics import truncate_metrics
+    from cluster.reporting.metrics import truncate_metrics
 
     run_dir = tmp_path / "run-f"
     names = ["jsonl", "mlflow"]
@@ -376,8 +376,8 @@ def test_each_registered_sink_loads_the_class_of_its_name_and_names_a_real_extra
     and a package a sink needs is one of the project's pip extras."""
     import tomllib
 
-    from cluster.run.trackers.base import Sink
-    from cluster.run.trackers.registry import SINKS, missing_packages
+    from cluster.config.sinks import SINKS, missing_packages
+    from cluster.reporting.trackers.base import Sink
 
     root = Path(__file__).resolve().parent.parent
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -22,8 +22,8 @@ import pytest
 from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 from ray_head import free_port, ray_head
 
-from cluster.run import telemetry
-from cluster.run.metrics import read_metrics
+from cluster.reporting import telemetry
+from cluster.reporting.metrics import read_metrics
 from cluster.watch import DASHBOARD, install_dashboard, prometheus_config, session_dir, watching
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def test_dashboard_reads_every_metric_telemetry_declares_and_nothing_else():
     unknown = sorted(
         n for n in series if n not in defined and re.sub(r"_(total|count|bucket)$", "", n) not in defined
     )
-    assert not unknown, f"panels query metrics cluster/run/telemetry.py does not export: {unknown}"
+    assert not unknown, f"panels query metrics cluster/reporting/telemetry.py does not export: {unknown}"
 
 
 def test_prometheus_config_scrapes_rays_service_discovery_file(tmp_path):

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.config.filters import check_filter_spec
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -40,7 +42,7 @@ class RunSection(_Strict):
     sample_log_count: int = Field(4, ge=0, description="Sampled responses printed before and after training.")
     loggers: list[str] = Field(
         ["jsonl", "tensorboard", "prometheus"],
-        description="Where the driver logs the run (cluster/run/trackers/registry.py): 'jsonl' (metrics.jsonl and "
+        description="Where the driver logs the run (cluster/config/sinks.py): 'jsonl' (metrics.jsonl and "
         "summary.json in the run folder; required), 'tensorboard', 'wandb' (run.wandb), 'mlflow' (run.mlflow), "
         "'prometheus' (live Ray metrics for Prometheus and the Ray dashboard).",
     )
@@ -61,7 +63,7 @@ class RunSection(_Strict):
     @field_validator("loggers")
     @classmethod
     def _known_loggers(cls, names: list[str]) -> list[str]:
-        from cluster.run.trackers.registry import SINKS
+        from cluster.config.sinks import SINKS
 
         unknown = [n for n in names if n not in SINKS]
         if unknown:
@@ -124,8 +126,6 @@ class DynamicSamplingSection(_Strict):
     @field_validator("filter")
     @classmethod
     def _known_filter(cls, spec: str) -> str:
-        from cluster.pipeline.dynamic_sampling import check_filter_spec
-
         return check_filter_spec(spec)
 
     @property

@@ -42,7 +42,7 @@ def prepare(source: str, out: Path) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cluster.pipeline.prompt_files import read_rows
+    from cluster.prompts.prompt_files import read_rows
 
     rows = []
     for row in read_rows(source, "GSM8K_FILE"):

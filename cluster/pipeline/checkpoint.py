@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from cluster.placement.pools import wait_until
+from cluster.records.ray_waits import wait_until
 from cluster.roles.registry import LEARNER
 
 FORMAT = 1

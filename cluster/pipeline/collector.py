@@ -22,11 +22,12 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.calls import Call, CallTracker
-from cluster.pipeline.chunks import Chunk, Faults, RolloutBatch, chunk_seed
-from cluster.pipeline.data import Prompt
-from cluster.pipeline.deadlines import Deadline
-from cluster.placement.pools import DEAD_ACTOR_ERRORS, ActorPool, ActorStartError, Member, is_lost_object
+from cluster.placement.pools import ActorPool, ActorStartError, Member
+from cluster.prompts.data import Prompt
+from cluster.records.calls import Call, CallTracker
+from cluster.records.chunks import Chunk, Faults, RolloutBatch, chunk_seed
+from cluster.records.deadlines import Deadline
+from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, is_lost_object
 from cluster.roles.registry import ROLES, WORK, generate_kind, scoring_kinds
 
 

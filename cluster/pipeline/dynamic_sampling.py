@@ -22,36 +22,20 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from cluster.config.filters import check_filter_spec
 from reward_service.rules import import_user_module
-
-BUILTIN_FILTERS = ("none", "nonzero_std")
-ALLOWED = "'none', 'nonzero_std', or 'package.module:function' / 'path/to/file.py:function'"
-_DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-_IDENT = re.compile(r"^[A-Za-z_]\w*$")
 
 GroupFilter = Callable[[np.ndarray], bool]  # rewards of one group -> keep it?
 
 
 class DynamicSamplingError(RuntimeError):
     """No informative group could be found within data.dynamic_sampling.max_rounds."""
-
-
-def check_filter_spec(spec: str) -> str:
-    """`spec` if it names a built-in filter or has the shape of a user function's path, else ValueError
-    naming the allowed values (the config's validator; the function is imported at start-up)."""
-    if spec in BUILTIN_FILTERS:
-        return spec
-    module, sep, func = spec.rpartition(":")
-    if sep and _IDENT.match(func) and (module.endswith(".py") or _DOTTED.match(module)):
-        return spec
-    raise ValueError(f"unknown filter {spec!r}; allowed: {ALLOWED}")
 
 
 def nonzero_std(std_eps: float) -> GroupFilter:

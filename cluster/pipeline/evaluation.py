@@ -20,12 +20,12 @@ import numpy as np
 import ray
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.pipeline.collector import RolloutCollector
-from cluster.pipeline.data import Prompt
-from cluster.run.metrics import episode_metrics, function_failure_metrics, function_metrics
-from cluster.run.reward_failures import RewardFailureLog
-from cluster.run.summary import reward_to_prob
+from cluster.prompts.data import Prompt
+from cluster.records.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
+from cluster.reporting.metrics import episode_metrics, function_failure_metrics, function_metrics
+from cluster.reporting.reward_failures import RewardFailureLog
+from cluster.reporting.summary import reward_to_prob
 from rollout_workers.config import SamplingConfig
 
 # The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.

@@ -2,13 +2,13 @@
 `reward.max_failure_frac` of its samples' rewards failed, or more than
 `rollout.environment.max_failure_frac` of its episodes' environments failed. The failures below the
 threshold are recorded first (the first ones printed with their prompt row and kept in the run folder,
-`cluster.run.reward_failures`), so that an abort's too."""
+`cluster.reporting.reward_failures`), so that an abort's too."""
 
 from __future__ import annotations
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chunks import Parts, env_errors, reward_errors
-from cluster.run.reward_failures import RewardFailureLog
+from cluster.records.chunks import Parts, env_errors, reward_errors
+from cluster.reporting.reward_failures import RewardFailureLog
 
 
 class RewardFailureError(RuntimeError):

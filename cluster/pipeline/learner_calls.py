@@ -10,9 +10,9 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.chunks import Parts, RolloutBatch
-from cluster.pipeline.groups import shard_parts
-from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.records.chunks import Parts, RolloutBatch
+from cluster.records.groups import shard_parts
+from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
 
 
 class LearnerStepError(RuntimeError):

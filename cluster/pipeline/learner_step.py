@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cluster.pipeline.calls import Call
 from cluster.pipeline.stream_buffer import Taken
+from cluster.records.calls import Call
 from cluster.weights.push import Fingerprint, expected_fingerprint, stage_seconds
 
 if TYPE_CHECKING:

@@ -24,12 +24,12 @@ from typing import Any, ClassVar, Protocol
 
 from cluster.config.schema import RunConfig
 from cluster.pipeline.collector import RolloutCollector
-from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.progress import RunProgress
 from cluster.placement.actors import Roles
-from cluster.run.reward_failures import RewardFailureLog
+from cluster.prompts.data import Prompt, PromptStream
+from cluster.reporting.reward_failures import RewardFailureLog
 from cluster.weights.publisher import WeightPublisher
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from cluster.pipeline.checkpoint import LEARNER_DIR, Cadence, checkpoint_step, read_state, save_checkpoint
-from cluster.pipeline.chunks import Parts, kept
+from cluster.records.chunks import Parts, kept
 
 
 @dataclass

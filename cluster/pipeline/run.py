@@ -22,7 +22,17 @@ import yaml
 from cluster.config.schema import RunConfig
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, RunControl, control_name, current_run_id
-from cluster.pipeline.data import (
+from cluster.pipeline.dynamic_sampling import resolve_filter
+from cluster.pipeline.evaluation import Evaluator
+from cluster.pipeline.learner_calls import LearnerRanks
+from cluster.pipeline.pipelines import Pipeline, RunParts, collector_for, replace_in_pool
+from cluster.pipeline.progress import Checkpointer, RunProgress
+from cluster.pipeline.stopping import StopRequest
+from cluster.pipeline.stream_pipeline import StreamPipeline
+from cluster.pipeline.sync_pipeline import SyncPipeline
+from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
+from cluster.placement.plan import on_driver_node
+from cluster.prompts.data import (
     Prompt,
     PromptStream,
     RunPrompts,
@@ -30,25 +40,15 @@ from cluster.pipeline.data import (
     load_tokenizer,
     pad_token_id,
 )
-from cluster.pipeline.dynamic_sampling import resolve_filter
-from cluster.pipeline.evaluation import Evaluator
-from cluster.pipeline.learner_calls import LearnerRanks
-from cluster.pipeline.pipelines import Pipeline, RunParts, collector_for, replace_in_pool
-from cluster.pipeline.progress import Checkpointer, RunProgress
-from cluster.pipeline.prompting import save_tokenizer
-from cluster.pipeline.stopping import StopRequest
-from cluster.pipeline.stream_pipeline import StreamPipeline
-from cluster.pipeline.sync_pipeline import SyncPipeline
-from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
-from cluster.placement.plan import on_driver_node
-from cluster.run.flat_groups import FlatGroupWatch
-from cluster.run.folder import check_ranks_see_run_folder
-from cluster.run.metrics import held_out_only, truncate_metrics
-from cluster.run.reward_failures import RewardFailureLog
-from cluster.run.startup import StartupClock
-from cluster.run.summary import RunSummary
-from cluster.run.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
-from cluster.run.trackers.run_logger import RunLogger
+from cluster.prompts.prompting import save_tokenizer
+from cluster.reporting.flat_groups import FlatGroupWatch
+from cluster.reporting.folder import check_ranks_see_run_folder
+from cluster.reporting.metrics import held_out_only, truncate_metrics
+from cluster.reporting.reward_failures import RewardFailureLog
+from cluster.reporting.startup import StartupClock
+from cluster.reporting.summary import RunSummary
+from cluster.reporting.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
+from cluster.reporting.trackers.run_logger import RunLogger
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "
@@ -314,7 +314,7 @@ class Run:
         self.log.summary(RUN, summary.scalars())
         if not curves or not self.log.opened:
             return None
-        from cluster.plot import plot_run
+        from cluster.reporting.curves import plot_run
 
         try:
             path = plot_run(self.run_dir)

@@ -33,9 +33,9 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-from cluster.pipeline.chunks import Chunk, Parts, chunk_seed
-from cluster.pipeline.data import Prompt, PromptStream
 from cluster.pipeline.dynamic_sampling import DynamicSamplingError, GroupFilter, split_chunk
+from cluster.prompts.data import Prompt, PromptStream
+from cluster.records.chunks import Chunk, Parts, chunk_seed
 
 
 @dataclass

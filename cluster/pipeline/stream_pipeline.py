@@ -23,10 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from cluster.pipeline.calls import Call
-from cluster.pipeline.chunks import Chunk, Faults
 from cluster.pipeline.collector import StreamCollector
-from cluster.pipeline.deadlines import Deadline
 from cluster.pipeline.dynamic_sampling import async_rounds
 from cluster.pipeline.evaluation import EvalRound
 from cluster.pipeline.failures import check_failures
@@ -34,8 +31,11 @@ from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.learner_step import LearnerStep
 from cluster.pipeline.pipelines import RunParts, StepResult
 from cluster.pipeline.stream_buffer import StreamBuffer, Taken
+from cluster.records.calls import Call
+from cluster.records.chunks import Chunk, Faults
+from cluster.records.deadlines import Deadline
+from cluster.reporting.metrics import sample_metrics, version_metrics
 from cluster.roles.registry import running
-from cluster.run.metrics import sample_metrics, version_metrics
 from cluster.weights.async_publisher import AsyncPublisher
 
 LEARNER_KINDS = ("train", "export")

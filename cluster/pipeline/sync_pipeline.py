@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-from cluster.pipeline.chunks import RolloutBatch
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.dynamic_sampling import StepAccount, round_seed, split_chunk
 from cluster.pipeline.failures import check_failures
 from cluster.pipeline.pipelines import RunParts, StepResult, replace_in_pool
-from cluster.run.metrics import SyncStepTimes, sync_step_metrics
+from cluster.records.chunks import RolloutBatch
+from cluster.reporting.metrics import SyncStepTimes, sync_step_metrics
 from cluster.weights.publisher import WeightPublisher
 
 

@@ -73,7 +73,7 @@ class ColocatedHost:
         if pad_token_id is None:  # the driver's rule, on the same tokenizer (it loads it meanwhile)
             from transformers import AutoTokenizer
 
-            from cluster.pipeline.data import pad_token_id as pad_of
+            from cluster.prompts.data import pad_token_id as pad_of
 
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
         place = Place(rank, worker_config, environment, pad_token_id)

@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chat import template_kwargs
+from cluster.prompts.chat import template_kwargs
 from rollout_workers.config import RolloutConfig
 
 

@@ -24,7 +24,7 @@ from typing import Any  # noqa: E402
 
 import ray  # noqa: E402
 
-from cluster.pipeline.chunks import PromptFacts, SampleFacts, sample_facts  # noqa: E402
+from cluster.records.chunks import PromptFacts, SampleFacts, sample_facts  # noqa: E402
 from cluster.roles.judge_engines import judge_model  # noqa: E402
 from reward_service.reference import ReferencePolicy  # noqa: E402
 from reward_service.scorer import RewardScorer  # noqa: E402

@@ -13,9 +13,9 @@ from typing import Any  # noqa: E402
 
 import ray  # noqa: E402
 
-from cluster.pipeline.groups import RankPart  # noqa: E402
-from cluster.pipeline.trajectories import part_trajectories  # noqa: E402
-from cluster.placement.pools import LOST_OBJECT_ERRORS  # noqa: E402
+from cluster.records.groups import RankPart  # noqa: E402
+from cluster.records.ray_waits import LOST_OBJECT_ERRORS  # noqa: E402
+from cluster.records.trajectories import part_trajectories  # noqa: E402
 from learner.rank import LearnerRank  # noqa: E402
 
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config.schema import RunConfig
-from cluster.pipeline.chunks import Chunk, prompt_facts
-from cluster.weights.push import WEIGHTS_GROUP
+from cluster.records.chunks import Chunk, prompt_facts
 from learner.registry import resolve
+
+WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from cluster.pipeline.calls import Call
-from cluster.pipeline.collector import StreamCollector
-from cluster.pipeline.deadlines import Deadline
-from cluster.placement.pools import wait_until
+from cluster.records.calls import Call, CallTracker
+from cluster.records.deadlines import Deadline
+from cluster.records.ray_waits import wait_until
 from cluster.weights.publisher import WeightPublisher
 from cluster.weights.push import bundle_facts, load_into
+
+
+class StreamDispatch(Protocol):
+    """What the publisher needs of the stream's collector (`cluster.pipeline.collector.StreamCollector`):
+    its calls in flight, the workers leaving, the gate on who may generate, and how a worker's loads are
+    queued before its next chunk."""
+
+    tracker: CallTracker
+    draining: set[str]  # the names of the workers on their way out
+    may_generate: Callable[[Any], bool]
+
+    def track_prepare(self, tracker: CallTracker, member: Any, calls: list) -> None: ...
 
 
 class PublishingStep(Protocol):
@@ -51,9 +63,9 @@ class AsyncPublisher(WeightPublisher):
         self.collective = cfg.rollout.weight_sync == "collective"
         self.worker_versions: dict[str, int] = {}
         self.paused = False  # collective: no new chunk until the broadcast is done
-        self.collector: StreamCollector | None = None
+        self.collector: StreamDispatch | None = None
 
-    def start_stream(self, collector: StreamCollector) -> None:
+    def start_stream(self, collector: StreamDispatch) -> None:
         """The stream begins: every worker holds the published version; on the collective path a worker
         that is behind gets no chunk until a broadcast has included it."""
         self.collector = collector

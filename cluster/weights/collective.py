@@ -10,7 +10,7 @@ from typing import Any, get_args
 import numpy as np
 import ray
 
-from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
 from cluster.weights.push import (
     Fingerprint,
     SyncResult,

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
+from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
+from cluster.roles.registry import WEIGHTS_GROUP
 
 # (atol, rtol) in nats for |worker - learner| probe logprobs, by the coarser of the two dtypes.
 # Measured against a float32 learner on the demo policy (probe |logprob| up to 18): float32 engines
@@ -30,9 +31,6 @@ from cluster.placement.pools import DEAD_ACTOR_ERRORS, wait_until
 PROBE_TOLERANCE = {"float32": (1e-4, 1e-5), "float16": (0.05, 0.005), "bfloat16": (0.15, 0.02)}
 _PRECISION = ["float32", "float16", "bfloat16"]  # increasingly coarse
 CHECKSUM_MAX_BYTES = 1 << 30  # above this the byte checksum is skipped (a hash pass of the bundle)
-
-
-WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
 
 
 def worker_method(handle: Any, method: str, cut_in: bool = False) -> Any:

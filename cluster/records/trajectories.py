@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.pipeline.groups import RankPart
+from cluster.records.groups import RankPart
 from learner.trajectory import Trajectory
 
 
@@ -34,7 +34,7 @@ def to_trajectory(
 
 
 def part_trajectories(part: RankPart, samples: list, ref_logprobs: list | None) -> list[Trajectory]:
-    """The trajectories of one learner part (`cluster.pipeline.groups.shard_parts`), given its chunk's
+    """The trajectories of one learner part (`cluster.records.groups.shard_parts`), given its chunk's
     samples and reference logprobs (the objects its references name; None where the learner computes
     the reference itself, learner.reference_from_base)."""
     return [

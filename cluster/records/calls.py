@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from cluster.pipeline.deadlines import Deadline
+from cluster.records.deadlines import Deadline
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """How a run prompted its model, carried into a model folder it writes (`final/`, `cluster.export`).
 
 A run renders chat prompts with a template (`data.chat_template`: the tokenizer's own, or a Jinja file),
-`data.chat_template_kwargs` and `data.system_prompt` (`cluster.pipeline.chat`). A served model is prompted
+`data.chat_template_kwargs` and `data.system_prompt` (`cluster.prompts.chat`). A served model is prompted
 by the folder's tokenizer alone, so the folder carries all three:
 
 - the template is the tokenizer's chat template (a Jinja file's text written into it);
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config.schema import DataSection
-from cluster.pipeline.chat import ChatTemplate
+from cluster.prompts.chat import ChatTemplate
 
 PROMPTING_FILE = "prompting.json"
 PROBES = [

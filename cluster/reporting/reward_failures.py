@@ -1,7 +1,7 @@
 """Reward failures below the abort threshold, made visible: the run's first `SHOWN` failed samples are
 printed with their prompt row and the error, and kept in the run folder (`reward_failures.jsonl`, one
 JSON object a line); every failure is counted in the metrics (rollout/reward_failures, and per reward
-function reward_failures/<name>, `cluster.run.metrics`)."""
+function reward_failures/<name>, `cluster.reporting.metrics`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.pipeline.chunks import Parts, env_failed
+from cluster.records.chunks import Parts, env_failed
 
 SHOWN = 10  # failures printed and kept per run (the rest are counted only)
 FILE = "reward_failures.jsonl"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster.run.trackers.base import RunInfo, Sink, StepRow
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow
 
 TEXT_SUFFIXES = (".json", ".yaml", ".txt")
 

@@ -1,5 +1,5 @@
 """Per-step metrics: what a trained step reports (`sample_metrics`, `sync_step_metrics`); the run's
-loggers (`cluster.run.trackers`) write them, `metrics.jsonl` first."""
+loggers (`cluster.reporting.trackers`) write them, `metrics.jsonl` first."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from cluster.pipeline.chunks import Parts, RolloutBatch, kept
-from cluster.run.flat_groups import METRIC as FLAT_METRIC
-from cluster.run.flat_groups import flat_groups_frac
-from cluster.run.summary import reward_to_prob
+from cluster.records.chunks import Parts, RolloutBatch, kept
+from cluster.reporting.flat_groups import METRIC as FLAT_METRIC
+from cluster.reporting.flat_groups import flat_groups_frac
+from cluster.reporting.summary import reward_to_prob
 from rollout_workers.environment import FAILED, EpisodeStatus
 
 

@@ -1,9 +1,9 @@
-"""`run.loggers` names -> sink classes. A new tracker is one `Sink` subclass and one entry here.
+"""`run.loggers` names -> sink classes. A new tracker is one `Sink` subclass (`cluster/reporting/trackers/base.py`)
+and one entry here.
 
 Entries name their class as `module:Class` and import it only when a run opens its sinks, so the
 config's validation (which reads the names) imports no tracker's code: that would pull the metric
-libraries into every config check, and the telemetry sink's import of the roles' registry back
-into the config's own imports (tests/test_layout.py's cycle check).
+libraries into every config check, and the reporting floor into the config's (tests/test_layout.py's floors).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from cluster.run.trackers.base import Sink
 from learner.registry import resolve
 
 
@@ -21,18 +20,18 @@ class SinkEntry:
     package: str | None = None  # the package it needs, when not a dependency of the project
     extra: str | None = None  # the pip extra that installs that package
 
-    def load(self) -> type[Sink]:
+    def load(self) -> type:  # a `cluster.reporting.trackers.base.Sink` subclass
         return resolve(self.cls)
 
 
 SINKS: dict[str, SinkEntry] = {
-    "jsonl": SinkEntry("cluster.run.trackers.jsonl_sink:JsonlSink"),
+    "jsonl": SinkEntry("cluster.reporting.trackers.jsonl_sink:JsonlSink"),
     "tensorboard": SinkEntry(
-        "cluster.run.trackers.tensorboard_sink:TensorBoardSink", "tensorboard", "tensorboard"
+        "cluster.reporting.trackers.tensorboard_sink:TensorBoardSink", "tensorboard", "tensorboard"
     ),
-    "wandb": SinkEntry("cluster.run.trackers.wandb_sink:WandbSink", "wandb", "wandb"),
-    "mlflow": SinkEntry("cluster.run.trackers.mlflow_sink:MlflowSink", "mlflow", "mlflow"),
-    "prometheus": SinkEntry("cluster.run.trackers.prometheus_sink:PrometheusSink"),
+    "wandb": SinkEntry("cluster.reporting.trackers.wandb_sink:WandbSink", "wandb", "wandb"),
+    "mlflow": SinkEntry("cluster.reporting.trackers.mlflow_sink:MlflowSink", "mlflow", "mlflow"),
+    "prometheus": SinkEntry("cluster.reporting.trackers.prometheus_sink:PrometheusSink"),
 }
 
 

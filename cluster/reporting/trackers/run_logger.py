@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from cluster.run.trackers.base import RunInfo, Sink, StepRow
-from cluster.run.trackers.registry import SINKS
+from cluster.config.sinks import SINKS
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster.run.trackers.base import RunInfo, Sink, StepRow
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow
 
 
 class WandbSink(Sink):

@@ -2,7 +2,7 @@
 
 A row's prompt column (`data.prompt_key`) holds a string (plain text), a list of chat messages, or those
 messages as JSON text (`chat.json_messages`: read as messages and counted); every other column is the prompt's meta, handed as is to rule/remote rewards and environments. Files and row
-identity: `cluster.pipeline.prompt_files`; messages and templates: `cluster.pipeline.chat`.
+identity: `cluster.prompts.prompt_files`; messages and templates: `cluster.prompts.chat`.
 
 Plain text is tokenized without special tokens, then the BOS is prepended (`data.add_bos`); an
 over-long one is cut from the left or skipped (`data.long_prompt`). A chat prompt (messages, or a string
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from cluster.config.schema import ConfigError, DataSection, RunConfig
-from cluster.pipeline.chat import ChatTemplate, chat_template, check_messages, json_messages
-from cluster.pipeline.prompt_files import read_rows
+from cluster.prompts.chat import ChatTemplate, chat_template, check_messages, json_messages
+from cluster.prompts.prompt_files import read_rows
 
 JSON_SCALARS = (str, int, float, bool, type(None))
 SHOWN_SKIPPED = 3

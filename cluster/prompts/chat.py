@@ -10,7 +10,7 @@ added to them (no BOS: a template that wants one writes `{{ bos_token }}`; one t
 error). The template is the tokenizer's own (`data.chat_template: auto`) or a Jinja file's;
 `data.system_prompt` goes first when the messages hold no system message; the template's extra
 variables (`template_kwargs`) are `data.chat_template_kwargs` and, with `data.tools`, `tools=` the
-tools' JSON schemas (cluster/pipeline/chat_tools.py). The rollout workers render chat observations
+tools' JSON schemas (cluster/prompts/chat_tools.py). The rollout workers render chat observations
 with the same variables.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config.schema import ConfigError, DataSection
-from cluster.pipeline.chat_tools import tool_schemas
+from cluster.prompts.chat_tools import tool_schemas
 
 ROLES = ("system", "user", "assistant", "tool")
 OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")

@@ -34,7 +34,7 @@ class RunSummary:
     extra: list[str] = field(default_factory=list)  # more result lines (held-out before -> after)
 
     def scalars(self) -> dict[str, float]:
-        """The summary's numbers, for the run's loggers (`cluster.run.trackers.base.RUN`)."""
+        """The summary's numbers, for the run's loggers (`cluster.reporting.trackers.base.RUN`)."""
         out = {
             "steps": float(self.steps),
             "samples": float(self.samples),

@@ -12,7 +12,7 @@ One reader per format (`FORMATS`, by suffix; a folder is a saved dataset):
   absent keys with null and fail on mixed types without naming the row);
 - `.parquet`: pyarrow; a folder: `datasets.load_from_disk` (one split: a DatasetDict names its splits);
 - `.csv`: Python's csv, a header line then one row per record; every value is a string (a chat-messages
-  column is then JSON text, read as messages by `cluster.pipeline.chat.json_messages`), and a row whose
+  column is then JSON text, read as messages by `cluster.prompts.chat.json_messages`), and a row whose
   field count differs from the header's is an error naming it.
 Values come out as plain Python (`to_pylist`: str, int, float, bool, None, lists and dicts), never
 numpy scalars. Nothing is downloaded.

@@ -1,4 +1,4 @@
-"""Ray metrics for Prometheus and the Ray dashboard: the live gauges of `cluster.run.telemetry.Telemetry`.
+"""Ray metrics for Prometheus and the Ray dashboard: the live gauges of `cluster.reporting.telemetry.Telemetry`.
 
 A training step's row updates the gauges and totals; a held-out-only row (the evaluation before
 training, at step 0, and after it, at the last step) updates the eval gauges only. Live values hold no
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from cluster.run.telemetry import Telemetry
-from cluster.run.trackers.base import RunInfo, Sink, StepRow
+from cluster.reporting.telemetry import Telemetry
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow
 
 
 class PrometheusSink(Sink):

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from cluster.pipeline.chunks import Parts, kept
+from cluster.records.chunks import Parts, kept
 from learner.registry import ADVANTAGES
 
 STEPS = 3  # consecutive steps of only flat groups before the warning

@@ -8,7 +8,7 @@ params never change), and a value changed since is logged beside it as `resumed/
 step resumed from; a warning names them), so the params tell both runs' settings. Steps the crashed run
 logged past the checkpoint hold two values in the metric's history (both stay; the later one, by
 timestamp, is the resumed run's), as `metrics.jsonl` keeps the rows the resumed run does not rewrite
-(`cluster.run.metrics.truncate_metrics`).
+(`cluster.reporting.metrics.truncate_metrics`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster.run.trackers.base import RunInfo, Sink, StepRow, flatten
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow, flatten
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The run's own record in its folder: `metrics.jsonl` (one row per step, and the held-out evaluations
 before and after training: step 0's row and a second row of the last step, told apart by
-`cluster.run.metrics.held_out_only`) and `summary.json`.
+`cluster.reporting.metrics.held_out_only`) and `summary.json`.
 
 It never stops: its failure is the run's. Rows after a resumed checkpoint were already cut by the
-trainer's restore (`cluster.run.metrics.truncate_metrics`), so the resumed run appends its own.
+trainer's restore (`cluster.reporting.metrics.truncate_metrics`), so the resumed run appends its own.
 Artifacts are files of the run folder already.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cluster.run.trackers.base import RunInfo, Sink, StepRow
+from cluster.reporting.trackers.base import RunInfo, Sink, StepRow
 
 
 class JsonlSink(Sink):
