@@ -256,3 +256,73 @@ def test_the_role_name_check_sees_a_name_in_any_module(tmp_path):
     registry = tmp_path / "cluster" / "registry.py"
     registry.write_text('NAME = "rollout"\n')
     assert role_name_literals(tmp_path, {"rollout"}, registry) == ["cluster/pipeline/x.py:1 'rollout'"]
+
+
+KIND_TAKERS = {
+    "add",
+    "submit",
+    "pending",
+    "live",
+    "prepare",
+    "track",
+}  # methods whose arguments include a call kind
+
+
+def _names_kind(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "kind") or (
+        isinstance(node, ast.Attribute) and node.attr == "kind"
+    )
+
+
+def _strings(node: ast.AST) -> list[ast.Constant]:
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [n for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def call_kind_literals(root: Path, kinds: set[str], registry: Path) -> list[str]:
+    """`file:line 'kind'` for every call kind spelled as a string where one is compared with a `kind`
+    (`call.kind == "generate"`, `kind in ("start", ...)`) or handed to a method that takes one
+    (`tracker.add(name, ref, "train", ...)`, `pools["generate"]`), in a module of `root/cluster` other
+    than `registry` (where `CallKind` spells them)."""
+    found = []
+    for f in sorted((root / "cluster").rglob("*.py")):
+        if f == registry:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            spelled: list[ast.Constant] = []
+            if isinstance(node, ast.Compare) and any(map(_names_kind, [node.left, *node.comparators])):
+                for side in [node.left, *node.comparators]:
+                    spelled += _strings(side)
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in KIND_TAKERS
+            ):
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    spelled += _strings(arg)
+            elif isinstance(node, ast.Subscript):
+                spelled += _strings(node.slice)
+            found += [f"{f.relative_to(root)}:{c.lineno} {c.value!r}" for c in spelled if c.value in kinds]
+    return sorted(set(found))
+
+
+def test_no_module_of_cluster_but_the_roles_registry_spells_a_call_kind():
+    """A call's kind is `cluster.roles.registry.CallKind`: the collector, the stream loop, the learner's
+    step and the publishers compare and hand out its members, never the raw text, so a kind cannot be
+    misspelled into a call nobody waits for."""
+    from cluster.roles.registry import CallKind
+
+    kinds = {k.value for k in CallKind}
+    assert call_kind_literals(ROOT, kinds, ROOT / "cluster" / "roles" / "registry.py") == []
+
+
+def test_the_call_kind_check_sees_comparisons_arguments_and_keys(tmp_path):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "x.py").write_text(
+        'if call.kind in ("start", "other"):\n    pass\n'
+        'tracker.add(name, ref, "train", 1.0)\n'
+        'busy["generate"] += 1\n'
+        'label = "train"\n'
+    )
+    found = call_kind_literals(tmp_path, {"start", "train", "generate"}, tmp_path / "cluster" / "r.py")
+    assert found == ["cluster/x.py:1 'start'", "cluster/x.py:3 'train'", "cluster/x.py:4 'generate'"]

@@ -28,7 +28,7 @@ from cluster.records.calls import Call, CallTracker
 from cluster.records.chunks import Chunk, Faults, RolloutBatch, chunk_seed
 from cluster.records.deadlines import Deadline
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, is_lost_object
-from cluster.roles.registry import ROLES, WORK, generate_kind, scoring_kinds
+from cluster.roles.registry import ROLES, WORK, CallKind, generate_kind, scoring_kinds
 
 
 class RolloutError(RuntimeError):
@@ -128,7 +128,7 @@ class RolloutCollector:
         if not self.current(call):
             return  # another call of that round already started the new one
         self.lose(call.payload, stats)
-        self.submit(tracker, "generate", call.payload)
+        self.submit(tracker, CallKind.GENERATE, call.payload)
 
     def lose(self, chunk: Chunk, stats: Faults, what: str = "samples") -> None:
         """Count a loss of `chunk`'s objects (`what`) and forget its results, so it is generated again;
@@ -167,7 +167,7 @@ class RolloutCollector:
         stats.events.append(f"{call.actor} {why}; replaced by {new.name}")
         for orphan in orphans:
             if orphan.kind in self.pools and self.resubmit(
-                tracker, orphan, new if orphan.kind == "generate" else None
+                tracker, orphan, new if orphan.kind == CallKind.GENERATE else None
             ):
                 stats.redispatched += 1
 
@@ -187,7 +187,7 @@ class RolloutCollector:
     def track_start(self, tracker: CallTracker, kind: str, member: Member) -> None:
         """Track a just-launched member's start (`ping`, timeouts.actor_start_s) and its preparation,
         queued on it ahead of any work."""
-        tracker.add(member.name, member.handle.ping.remote(), "start", self.start_timeout)
+        tracker.add(member.name, member.handle.ping.remote(), CallKind.START, self.start_timeout)
         self.track_prepare(tracker, member, self.prepare(kind, member) if self.prepare else [])
 
     @staticmethod
@@ -195,7 +195,7 @@ class RolloutCollector:
         """Track `(ref, timeout, check)` calls queued on `member` ahead of its next work; `check`
         runs on each value when it arrives."""
         for ref, timeout, check in calls:
-            tracker.add(member.name, ref, "prepare", timeout, check=check)
+            tracker.add(member.name, ref, CallKind.PREPARE, timeout, check=check)
 
     def settle(self, tracker: CallTracker, call: Call, stats: Faults) -> tuple[bool, Any]:
         """Get a finished call's value. Returns (True, value), or (False, None) after a dead actor was
@@ -204,7 +204,7 @@ class RolloutCollector:
             value = ray.get(call.ref)
         except DEAD_ACTOR_ERRORS:
             pool = self.pool_of(call.actor)
-            if call.kind in ("start", "prepare") and pool is not None:
+            if call.kind in (CallKind.START, CallKind.PREPARE) and pool is not None:
                 member = pool.members[pool.names.index(call.actor)]
                 if member.restarts >= self.max_attempts:  # replacements keep dying: give up
                     raise RolloutError(
@@ -218,17 +218,17 @@ class RolloutCollector:
                 return False, None
             if not isinstance(err, ray.exceptions.RayTaskError):
                 raise
-            if call.kind == "start":
+            if call.kind == CallKind.START:
                 raise ActorStartError(f"{call.actor} failed to start: {err.cause!r}") from err
             raise RolloutError(f"{call.actor} failed in {call.kind}: {err.cause!r}") from err
-        if call.kind == "prepare":
+        if call.kind == CallKind.PREPARE:
             assert call.check is not None
             call.check(value)
         return True, value
 
     def expire(self, tracker: CallTracker, stats: Faults) -> None:
         for call in tracker.expired():
-            if call.kind == "start":
+            if call.kind == CallKind.START:
                 raise ActorStartError(
                     f"{call.actor} not ready after {call.timeout:.0f}s (timeouts.actor_start_s)"
                 )
@@ -249,7 +249,7 @@ class RolloutCollector:
         no reference logprobs are computed and the batch cannot be trained on (evaluation)."""
         t0 = time.perf_counter()
         if self.one_chunk_per_worker:
-            chunk_size = max(1, math.ceil(len(prompts) / len(self.pools["generate"])))
+            chunk_size = max(1, math.ceil(len(prompts) / len(self.pools[CallKind.GENERATE])))
         batch = RolloutBatch(
             chunks=[
                 Chunk(ci, prompts[s : s + chunk_size], chunk_seed(run_seed, step, ci), sampling=sampling)
@@ -276,11 +276,11 @@ class RolloutCollector:
         scoring = self.after_generate(train=reference)
         tracker = CallTracker()
         for c in chunks:
-            self.submit(tracker, "generate", c)
+            self.submit(tracker, CallKind.GENERATE, c)
         t_gen = None
         # every tracked call has its own deadline (`expire`); this one runs only with none tracked
         idle = Deadline(
-            f"the rollout of {len(chunks)} chunks", "timeouts.generate_s", self.timeouts["generate"]
+            f"the rollout of {len(chunks)} chunks", "timeouts.generate_s", self.timeouts[CallKind.GENERATE]
         )
         while len(tracker):
             done = tracker.wait(idle)
@@ -289,7 +289,7 @@ class RolloutCollector:
                 continue
             for call in done:
                 chunk = self.record(tracker, call, batch)
-                if chunk is None or call.kind != "generate":
+                if chunk is None or call.kind != CallKind.GENERATE:
                     continue
                 for kind in scoring:
                     self.submit(tracker, kind, chunk)
@@ -314,7 +314,7 @@ class StreamCollector(RolloutCollector):
 
     def live(self, kind: str) -> list[Any]:
         members = [m for m in self.pools[kind].members if m.name not in self.draining]
-        return [m for m in members if self.may_generate(m)] if kind == "generate" else members
+        return [m for m in members if self.may_generate(m)] if kind == CallKind.GENERATE else members
 
     def pick(self, kind: str) -> Any:
         """The live member of `kind`'s pool with the fewest calls outstanding (None: no worker may
@@ -324,7 +324,7 @@ class StreamCollector(RolloutCollector):
     def submit(self, tracker: CallTracker, kind: str, chunk: Chunk, member: Any = None) -> Call | None:
         """As the sync collector's; generate work for a worker that may not sample now goes to another
         that may, or is held until one can (`held`, handed out first by the dispatcher)."""
-        if kind == "generate" and (member is None or not self.may_generate(member)):
+        if kind == CallKind.GENERATE and (member is None or not self.may_generate(member)):
             member = self.pick(kind)
             if member is None:
                 self.held.append(chunk)

@@ -13,6 +13,7 @@ import ray
 from cluster.records.chunks import Parts, RolloutBatch
 from cluster.records.groups import shard_parts
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
+from cluster.roles.registry import LEARNER
 
 
 class LearnerStepError(RuntimeError):
@@ -47,7 +48,7 @@ class LearnerRanks:
         call's reference, the chunk of each of its parts)."""
         shards = shard_parts(parts, len(self.roles.ranks), self.cfg.learner.balance_ranks)
         return [
-            (f"learner-rank-{i}", rank.train_parts.remote(args, engines_hold), chunks)
+            (LEARNER.member_name(i), rank.train_parts.remote(args, engines_hold), chunks)
             for i, (rank, (args, chunks)) in enumerate(zip(self.roles.ranks, shards, strict=True))
         ]
 

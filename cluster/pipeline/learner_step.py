@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.pipeline.stream_buffer import Taken
 from cluster.records.calls import Call
+from cluster.roles.registry import CallKind
 from cluster.weights.push import Fingerprint, expected_fingerprint, stage_seconds
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class LearnerStep:
 
     def finished(self, call: Call, value: Any) -> None:
         weights = self.weights
-        if call.kind == "train":
+        if call.kind == CallKind.TRAIN:
             self.train_calls.remove(call)
             if "lost_parts" in value:  # no rank trained: some input's object is gone
                 self.lost.update(call.chunks[k].index for k in value["lost_parts"])

@@ -35,10 +35,10 @@ from cluster.records.calls import Call
 from cluster.records.chunks import Chunk, Faults
 from cluster.records.deadlines import Deadline
 from cluster.reporting.metrics import sample_metrics, version_metrics
-from cluster.roles.registry import running
+from cluster.roles.registry import CallKind, running
 from cluster.weights.async_publisher import AsyncPublisher
 
-LEARNER_KINDS = ("train", "export")
+LEARNER_KINDS = (CallKind.TRAIN, CallKind.EXPORT)
 HOLD_ENV = "RAYPPO_TEST_HOLD_LEARNER"
 
 
@@ -85,7 +85,7 @@ class StreamPipeline:
             self.buffer.restore(
                 self.weights.version, outstanding, int(resume.get("chunks", 0)), int(resume.get("pulled", 0))
             )
-        self.busy = {"generate": 0.0, "score": 0.0}
+        self.busy = {CallKind.GENERATE: 0.0, "score": 0.0}
         self.held_announced: set[str] = set()
         self.faults = Faults()  # the step's (replacements, re-dispatches, losses)
         self.t_last = time.perf_counter()
@@ -153,7 +153,9 @@ class StreamPipeline:
     def _dispatch(self) -> None:
         c, limit = self.collector, self.cfg.pipeline.max_inflight_per_worker
         while not self.weights.paused:
-            idle = [m for m in c.live("generate") if c.tracker.pending(m.name, "generate") < limit]
+            idle = [
+                m for m in c.live(CallKind.GENERATE) if c.tracker.pending(m.name, CallKind.GENERATE) < limit
+            ]
             if not idle:
                 return
             member = min(idle, key=lambda m: c.tracker.pending(m.name))
@@ -166,7 +168,7 @@ class StreamPipeline:
             if chunk is None:
                 return
             self.weights.send_before_chunk(member)
-            c.submit(c.tracker, "generate", chunk, member)
+            c.submit(c.tracker, CallKind.GENERATE, chunk, member)
 
     def _on_done(self, call: Call) -> Any:
         """Handle one finished call; returns the learner's value for learner calls."""
@@ -175,11 +177,11 @@ class StreamPipeline:
             return self._learner_value(call)
         now = time.monotonic()
         if call.started is not None and call.kind in c.pools:
-            self.busy["generate" if call.kind == "generate" else "score"] += now - call.started
+            self.busy[CallKind.GENERATE if call.kind == CallKind.GENERATE else "score"] += now - call.started
         chunk = c.record(c.tracker, call, self.faults)
         if chunk is None:
             return None
-        if call.kind == "generate":
+        if call.kind == CallKind.GENERATE:
             for kind in c.after_generate(train=not chunk.eval):
                 c.submit(c.tracker, kind, chunk)
         if chunk.eval:
@@ -212,15 +214,15 @@ class StreamPipeline:
         """Every rank trains on its shard of `taken` (as in sync mode), tracked like any call."""
         add, limit = self.collector.tracker.add, self.cfg.timeouts.train_s
         return [
-            add(name, ref, "train", limit, label=name, chunks=chunks)
+            add(name, ref, CallKind.TRAIN, limit, label=name, chunks=chunks)
             for name, ref, chunks in self.parts.learner.train_calls(taken.parts)
         ]
 
     def _check_learner_deadlines(self) -> None:
         for call in self.collector.tracker.expired():
             if call.kind in LEARNER_KINDS:
-                what = "learner step" if call.kind == "train" else "weight export"
-                limit = "timeouts.train_s" if call.kind == "train" else "timeouts.weight_sync_s"
+                what = "learner step" if call.kind == CallKind.TRAIN else "weight export"
+                limit = "timeouts.train_s" if call.kind == CallKind.TRAIN else "timeouts.weight_sync_s"
                 raise LearnerStepError(f"{what} not done within {call.timeout:.0f}s ({limit})")
 
     # ------------------------------------------------------------------ one learner step
@@ -320,7 +322,7 @@ class StreamPipeline:
         wall, self.t_last = now - self.t_last, now
         staleness = np.array(taken.staleness)
         n_workers = max(len(self.roles.workers), 1)
-        gen_busy = self.busy["generate"] - busy0["generate"]
+        gen_busy = self.busy[CallKind.GENERATE] - busy0[CallKind.GENERATE]
         eta = self.cfg.pipeline.max_staleness
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         lags = list(self.weights.lags(live).values())

@@ -111,7 +111,7 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
     """N ranks in the plan's bundles, joined into one torch.distributed world."""
     cls = remote_class(LEARNER, Place(0))
-    names = [f"{LEARNER.prefix}-{rank}" for rank in range(LEARNER.count(cfg))]
+    names = [LEARNER.member_name(rank) for rank in range(LEARNER.count(cfg))]
     for rank, name in enumerate(names):
         roles.ranks.append(
             cls.options(
@@ -159,7 +159,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
             roles.hosts.append(
                 ray.remote(ColocatedHost)
                 .options(
-                    name=actor_name(run_id, f"{LEARNER.prefix}-{rank}"),
+                    name=actor_name(run_id, LEARNER.member_name(rank)),
                     runtime_env={"env_vars": HOST_ENV},
                     **plan.options(LEARNER.name, rank),
                 )
@@ -176,12 +176,12 @@ def finish_colocated(cfg: RunConfig, roles: Roles) -> None:
     """Form the launched hosts' learner world and fill the pools with views of their roles."""
     from cluster.placement.colocated import RoleView
 
-    names = [f"{LEARNER.prefix}-{rank}" for rank in range(len(roles.hosts))]
+    names = [LEARNER.member_name(rank) for rank in range(len(roles.hosts))]
     form_learner(roles.ranks, names, cfg.timeouts.actor_start_s)
     for role in running(cfg):
         pool = roles.by_role[role.name]
         pool.members = [
-            Member(f"{pool.prefix}-{i}", RoleView(roles.hosts[i], role.name), i)
+            Member(role.member_name(i), RoleView(roles.hosts[i], role.name), i)
             for i in range(role.count(cfg))
         ]
 

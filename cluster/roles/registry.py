@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from cluster.config.schema import RunConfig
@@ -24,6 +25,21 @@ from cluster.records.chunks import Chunk, prompt_facts
 from learner.registry import resolve
 
 WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
+
+
+class CallKind(StrEnum):
+    """What a call the driver tracks is (`Call.kind`; a chunk's `attempts` key). The work kinds are the
+    roles' (`Work.kind`, one per role the collector drives); the rest are the driver's own. Spelled here
+    only (tests/test_layout.py); a str, so metrics and checkpoints read the same text as before."""
+
+    GENERATE = "generate"  # a rollout worker generates a chunk
+    REFERENCE = "reference"  # a reference replica scores a chunk's samples' logprobs
+    REWARD = "reward"  # a reward scorer scores a chunk's samples
+    JUDGE = "judge"  # a judge replica scores them
+    START = "start"  # an actor's first ping (a failure is a start error)
+    PREPARE = "prepare"  # loads queued on a worker before its next chunk (weights)
+    TRAIN = "train"  # a learner rank's step
+    EXPORT = "export"  # a learner rank's weight export (async pipeline)
 
 
 @dataclass(frozen=True)
@@ -54,7 +70,7 @@ class Work:
     `reads` is what the call needs: the chunk's prompts, or the samples generated from them (then it
     runs once the chunk is generated); `on_eval`: held-out chunks make this call too."""
 
-    kind: str  # the call kind (`Call.kind`, a chunk's `attempts` key)
+    kind: CallKind  # the call kind (`Call.kind`, a chunk's `attempts` key)
     timeout: str  # the field of the `timeouts` section that is the call's deadline
     send: Callable[[Any, Chunk], tuple[Any, Any]]
     file: Callable[[Chunk, Any, Any], None]
@@ -84,6 +100,10 @@ class Role:
 
     def actor_class(self) -> type:
         return resolve(self.actor)
+
+    def member_name(self, slot: int) -> str:
+        """The name of its actor in `slot` (`learner-rank-0`); a replacement adds `.r<k>` (`ActorPool`)."""
+        return f"{self.prefix}-{slot}"
 
     @property
     def config_section(self) -> str:
@@ -167,7 +187,7 @@ ROLLOUT = Role(
     # the roles of a host take turns, so the worker may use the threads its learner rank has
     host_threads=lambda c: max(c.rollout.torch_threads, c.learner.torch_threads),
     work=Work(
-        "generate",
+        CallKind.GENERATE,
         "generate_s",
         _send_generate,
         _file_generate,
@@ -196,7 +216,7 @@ REFERENCE = Role(
     args=lambda c, p: (c.reference_path, c.reference, c.rollout.sampling.temperature),
     host_threads=lambda c: c.learner.torch_threads,  # the separate placement's reference uses 1
     work=Work(
-        "reference",
+        CallKind.REFERENCE,
         "score_s",
         _send_reference,
         _file_reference,
@@ -218,7 +238,7 @@ REWARD = Role(
     resources=lambda c: Resources(c.reward.num_cpus, c.reward.num_gpus, c.reward.resources),
     args=lambda c, p: (c.scorer_reward, c.tokenizer_path),  # function_timeout_s resolved
     host_threads=lambda c: c.learner.torch_threads,
-    work=Work("reward", "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
+    work=Work(CallKind.REWARD, "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
@@ -235,7 +255,7 @@ JUDGE = Role(
     resources=lambda c: Resources(c.reward.judge.num_cpus, c.reward.judge.num_gpus, c.reward.judge.resources),
     args=lambda c, p: (c.reward, c.tokenizer_path),
     host_threads=lambda c: c.learner.torch_threads,
-    work=Work("judge", "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
+    work=Work(CallKind.JUDGE, "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
     scalable=True,
     # its calls' time is the step's time/score, exported as the reward role's busy time
     path_fields=("model_path",),

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from cluster.records.calls import Call, CallTracker
 from cluster.records.deadlines import Deadline
 from cluster.records.ray_waits import wait_until
+from cluster.roles.registry import LEARNER, CallKind
 from cluster.weights.publisher import WeightPublisher
 from cluster.weights.push import bundle_facts, load_into
 
@@ -74,10 +75,10 @@ class AsyncPublisher(WeightPublisher):
             collector.may_generate = lambda m: not self.behind(m)
 
     def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
-        if kind == "generate" and self.collective:  # it joins the next broadcast (`broadcast_due`)
+        if kind == CallKind.GENERATE and self.collective:  # it joins the next broadcast (`broadcast_due`)
             self.worker_versions[member.name] = 0
             return []
-        if kind == "generate":
+        if kind == CallKind.GENERATE:
             self.worker_versions[member.name] = self.version if self.bundle is not None else 0
         return super().prepare(kind, member, cut_in)
 
@@ -97,7 +98,7 @@ class AsyncPublisher(WeightPublisher):
         return [
             m
             for m in self.roles.workers.members
-            if m.name not in c.draining and c.tracker.pending(m.name, "start") == 0
+            if m.name not in c.draining and c.tracker.pending(m.name, CallKind.START) == 0
         ]
 
     def behind(self, member: Any) -> bool:
@@ -118,7 +119,7 @@ class AsyncPublisher(WeightPublisher):
         weight group, let in while it generates (pipeline.partial_rollout)."""
         if self.bundle is not None and self.behind(member):
             c = self.collector
-            c.track_prepare(c.tracker, member, self.prepare("generate", member, cut_in=cut_in))
+            c.track_prepare(c.tracker, member, self.prepare(CallKind.GENERATE, member, cut_in=cut_in))
 
     def broadcast_due(self, learner: PublishingStep) -> None:
         """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:
@@ -183,7 +184,8 @@ class AsyncPublisher(WeightPublisher):
         for i, r in enumerate(self.roles.ranks):
             flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype, probe)
             bundle = exported if i == 0 else bundle
-            calls.append(add(f"learner-rank-{i}", flag, "export", limit, label=f"learner-rank-{i}"))
+            name = LEARNER.member_name(i)
+            calls.append(add(name, flag, CallKind.EXPORT, limit, label=name))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor
-        calls.append(add("learner-rank-0", fingerprint, "export", limit, label="fingerprint"))
+        calls.append(add(LEARNER.member_name(0), fingerprint, CallKind.EXPORT, limit, label="fingerprint"))
         return calls, bundle

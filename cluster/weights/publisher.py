@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cluster.roles.registry import CallKind
 from cluster.weights.collective import CollectiveWeightSync, weight_backend
 from cluster.weights.probe_cadence import ProbeCadence
 from cluster.weights.push import (
@@ -120,7 +121,7 @@ class WeightPublisher:
         """Calls queued on a replacement actor before its first work: a rollout worker loads the
         current weights (checked against their fingerprint when it acknowledges). With `cut_in` the load
         goes to the worker's weight group, to be let into the generation it runs now."""
-        if kind != "generate" or self.version == 0 or self.current_bundle() is None:
+        if kind != CallKind.GENERATE or self.version == 0 or self.current_bundle() is None:
             return []
         version, expected = self.version, self.fingerprint
         probe = expected is not None and expected.probe is not None
