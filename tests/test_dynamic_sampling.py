@@ -22,6 +22,7 @@ from cluster.pipeline.dynamic_sampling import (
 )
 from cluster.prompts.data import Prompt, PromptStream
 from cluster.records.chunks import SampleFacts
+from cluster.records.groups import LostInputs
 
 # ---------------------------------------------------------------------- pure rules
 
@@ -407,7 +408,7 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
 def test_async_short_batch_given_back_at_zero_staleness_is_trained(ray_local, demo_assets, tmp_path):
     """Async, max_staleness 0, max_rounds 1, every third prompt flat: step 1's batch is short (the
     round limit reached with flat groups among the first 4). Its first chunk's objects are reported
-    lost by the learner (`lost_parts`, as tests/test_operations.py does for sync: no rank trains), so
+    lost by the learner (`LostInputs`, as tests/test_operations.py does for sync: no rank trains), so
     the batch is handed back to the buffer. The step then regenerates that chunk and trains: before,
     the give-back kept the short batch's slots used and the filtered count reset, so at eta 0 nothing
     could be admitted or taken and the driver polled for ever (now its idle deadline would end it in a
@@ -440,7 +441,7 @@ def test_async_short_batch_given_back_at_zero_staleness_is_trained(ray_local, de
             if lost:
                 return real(parts)
             lost.append(parts[0][0].index)
-            return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
+            return [("learner-rank-0", ray.put(LostInputs([0])), [parts[0][0]])]  # no rank trains
 
         trainer.learner.train_calls = lose_first_chunk_once
         rows = [trainer.iteration() for _ in range(2)]

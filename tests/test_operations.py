@@ -18,6 +18,7 @@ from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
 from cluster.pipeline.failures import RewardFailureError
 from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.run import Run
+from cluster.records.groups import LostInputs
 from cluster.scale import main as scale_main
 
 pytestmark = pytest.mark.slow
@@ -147,7 +148,7 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
 def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
     ray_local, demo_assets, tmp_path, straight
 ):
-    """Sync mode: the ranks report an input whose object is gone (`lost_parts`: its only copy died
+    """Sync mode: the ranks report an input whose object is gone (`LostInputs`: its only copy died
     with its node, as tests/test_multinode.py does for real in async mode), so no rank trained; the
     driver generates and scores that chunk again, same seed and weights, and retries the step: the
     numbers of a run that lost nothing (step 1 of the same config), the loss counted."""
@@ -162,7 +163,7 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
             if lost:
                 return real(parts, engines_hold)
             lost.append((parts[0][0], parts[0][0].samples_ref))
-            return [("learner-rank-0", ray.put({"lost_parts": [0]}), [parts[0][0]])]  # no rank trains
+            return [("learner-rank-0", ray.put(LostInputs([0])), [parts[0][0]])]  # no rank trains
 
         trainer.learner.train_calls = lose_first_chunk_once
         got = trainer.iteration()

@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from cluster.records.chunks import Parts, RolloutBatch
-from cluster.records.groups import shard_parts
+from cluster.records.groups import LostInputs, shard_parts
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
 from cluster.roles.registry import LEARNER
 
@@ -70,7 +70,12 @@ class LearnerRanks:
         while True:
             calls = self.train_calls(batch.parts, held)
             results = self._results({ref: name for name, ref, _chunks in calls}, step)
-            lost = {chunks[k].index for _n, ref, chunks in calls for k in results[ref].get("lost_parts", ())}
+            lost = {
+                chunks[k].index
+                for _n, ref, chunks in calls
+                if isinstance(results[ref], LostInputs)
+                for k in results[ref].parts
+            }
             if not lost:
                 break
             regather(batch, lost)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.pipeline.stream_buffer import Taken
 from cluster.records.calls import Call
+from cluster.records.groups import LostInputs
 from cluster.roles.registry import CallKind
 from cluster.weights.push import Fingerprint, expected_fingerprint, stage_seconds
 
@@ -74,8 +75,8 @@ class LearnerStep:
         weights = self.weights
         if call.kind == CallKind.TRAIN:
             self.train_calls.remove(call)
-            if "lost_parts" in value:  # no rank trained: some input's object is gone
-                self.lost.update(call.chunks[k].index for k in value["lost_parts"])
+            if isinstance(value, LostInputs):  # no rank trained: some input's object is gone
+                self.lost.update(call.chunks[k].index for k in value.parts)
                 self.aborted = True
             else:
                 self.metrics = self.metrics or value  # every rank returns the same global metrics

@@ -90,6 +90,14 @@ class RankPart(NamedTuple):
     turn_rewards: bool  # the chunk's `ScoreBatch.turn_rewards`: episodes train their earlier turns' rewards
 
 
+class LostInputs(NamedTuple):
+    """What every learner rank answers for a step that trained nothing anywhere, because some rank's input
+    object was lost with its node (the ranks agree before their first collective): the positions in this
+    rank's own parts whose objects are gone. A step that trained answers its metrics (a dict) instead."""
+
+    parts: list[int]
+
+
 def shard_parts(
     parts: Sequence[tuple[Any, Sequence[int]]], num_shards: int, how: str
 ) -> list[tuple[list[RankPart], list]]:

@@ -13,7 +13,7 @@ from typing import Any  # noqa: E402
 
 import ray  # noqa: E402
 
-from cluster.records.groups import RankPart  # noqa: E402
+from cluster.records.groups import LostInputs, RankPart  # noqa: E402
 from cluster.records.ray_waits import LOST_OBJECT_ERRORS  # noqa: E402
 from cluster.records.trajectories import part_trajectories  # noqa: E402
 from learner.rank import LearnerRank  # noqa: E402
@@ -35,12 +35,14 @@ class StreamingLearnerRank(LearnerRank):
         bundle = self.export_weights(describe, dtype, probe)
         return bundle is not None, bundle
 
-    def train_parts(self, parts: list[RankPart], engines_hold: int | None = None) -> dict[str, Any]:
+    def train_parts(
+        self, parts: list[RankPart], engines_hold: int | None = None
+    ) -> dict[str, Any] | LostInputs:
         """`train_step` on trajectories assembled here from object references (`part_trajectories`).
 
         An input whose object is lost (its node died with the only copy) trains nothing anywhere:
         every rank learns whether any rank lost an input before the step's first collective, and
-        all return `{"lost_parts": [positions in their own parts]}` so the driver can regenerate
+        all return `LostInputs` (the positions in their own parts) so the driver can regenerate
         those prompts and give the rest of the batch back. `engines_hold`: see `LearnerRank.train_step`."""
         trajectories, lost = [], []
         for k, part in enumerate(parts):
@@ -53,5 +55,5 @@ class StreamingLearnerRank(LearnerRank):
                 continue
             trajectories += part_trajectories(part, samples, ref_lps[0] if ref_lps else None)
         if self.any_rank(bool(lost)):
-            return {"lost_parts": lost}
+            return LostInputs(lost)
         return self.train_step(trajectories, engines_hold)
