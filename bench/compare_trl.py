@@ -184,8 +184,7 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     init_ray(cfg)
     clock.mark("ray.init")
     marks = {"ray_ready": time.time()}
-    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")))
-    trainer.clock = clock
+    trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")), clock=clock)
     rows = []
     try:
         trainer.setup()

@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)
     run_dir = run_dir_for(cfg, args.run_dir)
     print(f"run folder: {run_dir}", flush=True)
-    trainer = Run(cfg, run_dir)
-    trainer.data = prompts
+    trainer = Run(cfg, run_dir, data=prompts)
     try:
         trainer.setup()
         metrics, batch = trainer.evaluator.evaluate()

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,9 @@ def resolve_resume(cfg: RunConfig, resume: str | None) -> tuple[Path | None, Pat
     return run_dir.resolve(), latest_checkpoint(run_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, learner_gate: Callable[[], bool] | None = None) -> int:
+    """`python -m cluster.train`. `learner_gate`: held while it says True (async; what a fault test
+    injects, `cluster.pipeline.pipelines.LearnerGate`)."""
     args = parse_args(argv)
     try:
         cfg = run_config(args)
@@ -277,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
-    trainer = Run(cfg, run_dir, resume_from=ckpt)
-    trainer.clock = clock
-    trainer.data = prompts
+    trainer = Run(cfg, run_dir, resume_from=ckpt, data=prompts, clock=clock, learner_gate=learner_gate)
     trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
     summary, curves = None, None
     try:

@@ -50,15 +50,18 @@ def ray_cluster(*nodes: dict, system_config: dict | None = None):
 
 
 def start_run(
-    cluster: Cluster, run_dir: Path, log: Path, overrides: list[str], env: dict[str, str] | None = None
+    cluster: Cluster, run_dir: Path, log: Path, overrides: list[str], release: Path | None = None
 ) -> subprocess.Popen:
+    """`cluster.train` on `cluster`; with `release`, its learner held until that file exists (tests/held_train.py)."""
     sets = [*overrides, f"cluster.address={cluster.address}"]
-    cmd = [sys.executable, "-m", "cluster.train", str(CONFIG), "--run-dir", str(run_dir)]
+    entry = (
+        ["-m", "cluster.train"] if release is None else [str(REPO / "tests" / "held_train.py"), str(release)]
+    )
+    cmd = [sys.executable, *entry, str(CONFIG), "--run-dir", str(run_dir)]
     for item in sets:
         cmd += ["--set", item]
     env = {
         **os.environ,
-        **(env or {}),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     with open(log, "w") as out:
@@ -134,7 +137,7 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
     reference and the scorer share the rollout node in async mode, so until the learner reads them
     the only copies of a chunk's samples and reference logprobs are on that node (a scorer
     elsewhere would have fetched a copy Ray recovers them from). The driver holds the learner from
-    the start (`RAYPPO_TEST_HOLD_LEARNER`, the product's hook for this), so every chunk scored before
+    the start (an injected `learner_gate`, tests/held_train.py), so every chunk scored before
     the node is removed is unread by construction: its objects are lost, the learner says so, they
     are generated again, and every prompt drawn is still trained exactly once (or is outstanding)."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
@@ -150,14 +153,15 @@ def test_roles_on_their_node_types_survive_losing_the_rollout_node(demo_assets, 
         "checkpoint.every_steps": 2,
     }
     held = mode == "async"
-    env = {"RAYPPO_TEST_HOLD_LEARNER": str(release)} if held else {}
     with ray_cluster(
         {"num_cpus": 1, "resources": {"reward_node": 2}},  # head: reference and reward scorer (sync)
         {"num_cpus": 1, "resources": {"learner_node": 1}},
         {"num_cpus": 1, "resources": {"rollout_node": 3}},
         system_config={"max_direct_call_object_size": 1024} if held else None,
     ) as (cluster, (head, learner_node, rollout_node)):
-        proc = start_run(cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins), env)
+        proc = start_run(
+            cluster, run_dir, log, small_demo(demo_assets, tmp_path, steps, **pins), release if held else None
+        )
         try:
             roles = ("learner-rank-0", "rollout-worker-0", "reference-0", "reward-scorer-0")
             control = "rayppo-control-run"  # the run's control actor, named after the run folder

@@ -19,6 +19,7 @@ publisher class the run builds for it (before set-up: starting a worker brings i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -31,6 +32,10 @@ from cluster.placement.actors import Roles
 from cluster.prompts.data import Prompt, PromptStream
 from cluster.reporting.reward_failures import RewardFailureLog
 from cluster.weights.publisher import WeightPublisher
+
+# True while the learner may not take a batch (rollouts go on up to the staleness bound): what a fault
+# test injects (`Run(learner_gate=...)`, `cluster.train.main(learner_gate=...)`) to hold it on purpose
+LearnerGate = Callable[[], bool]
 
 
 @dataclass
@@ -48,6 +53,7 @@ class RunParts:
     data_stats: Any
     group_filter: Any  # dynamic sampling's filter (`resolve_filter`); None when it is off
     failures: RewardFailureLog  # the run's reward failures, the first ones shown and kept
+    learner_gate: LearnerGate | None = None  # async: held while it says True; None: never held
 
     def collector(self, cls: type[RolloutCollector]) -> RolloutCollector:
         """A collector of `cls` over the run's pools, time-outs and weight preparation."""

@@ -25,7 +25,7 @@ from cluster.pipeline.control import NAMESPACE, RunControl, control_name, curren
 from cluster.pipeline.dynamic_sampling import resolve_filter
 from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
-from cluster.pipeline.pipelines import Pipeline, RunParts, collector_for, replace_in_pool
+from cluster.pipeline.pipelines import LearnerGate, Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
 from cluster.pipeline.stream_pipeline import StreamPipeline
@@ -66,7 +66,18 @@ class Run:
     publisher (`weights`, the pipeline's kind), the learner ranks (`learner`), the held-out evaluator
     (`evaluator`), the checkpointer (`checkpoints`) and the run's progress (`progress`)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume_from: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        resume_from: Path | None = None,
+        *,
+        data: RunPrompts | None = None,
+        clock: StartupClock | None = None,
+        learner_gate: LearnerGate | None = None,
+    ) -> None:
+        """`data`: the prompts a preflight already read (`cluster.train`), else read in `setup`; `clock`:
+        the start-up clock started before `ray.init`; `learner_gate`: see `RunParts.learner_gate`."""
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
         self.resume_from = resume_from
@@ -83,9 +94,10 @@ class Run:
         self.group_filter = resolve_filter(ds.filter, ds.std_eps)  # None: dynamic sampling off
         self.resume_state: dict | None = None  # the checkpoint's run state when resuming
         self.t_start = time.perf_counter()
-        self.clock = StartupClock()  # `train.main` hands over the one it started before ray.init
+        self.clock = clock or StartupClock()
         self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
-        self.data: RunPrompts | None = None  # `train.main` hands over the prompts its preflight read
+        self.data = data  # None: read in `setup`
+        self.learner_gate = learner_gate
         self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
         self.flat_groups = FlatGroupWatch(cfg.learner.advantage)  # warns once when no group trains
 
@@ -154,6 +166,7 @@ class Run:
             data_stats=self.data_stats,
             group_filter=self.group_filter,
             failures=self.failures,
+            learner_gate=self.learner_gate,
         )
         self.pipeline = self.pipeline_class(parts, self.resume_state)
         self.open_log()

@@ -17,7 +17,6 @@ One event loop on the driver moves small facts; samples travel between actors as
 from __future__ import annotations
 
 import collections
-import os
 import time
 from typing import Any, ClassVar
 
@@ -39,21 +38,6 @@ from cluster.roles.registry import CallKind, running
 from cluster.weights.async_publisher import AsyncPublisher
 
 LEARNER_KINDS = (CallKind.TRAIN, CallKind.EXPORT)
-HOLD_ENV = "RAYPPO_TEST_HOLD_LEARNER"
-
-
-def learner_held(announce: set[str]) -> bool:
-    """The fault tests' hook: with `RAYPPO_TEST_HOLD_LEARNER=PATH` in the driver's environment the
-    learner takes no batch until PATH exists, while rollouts go on up to the staleness bound. Every
-    chunk scored in the meantime is then certainly unread by the learner (its samples live only where
-    they were made), whatever the machine's speed; the driver says once that it holds. Unset: no hold."""
-    path = os.environ.get(HOLD_ENV)
-    if not path or os.path.exists(path):
-        return False
-    if path not in announce:
-        announce.add(path)
-        print(f"learner held until {path} exists ({HOLD_ENV})", flush=True)
-    return True
 
 
 class StreamPipeline:
@@ -86,7 +70,6 @@ class StreamPipeline:
                 self.weights.version, outstanding, int(resume.get("chunks", 0)), int(resume.get("pulled", 0))
             )
         self.busy = {CallKind.GENERATE: 0.0, "score": 0.0}
-        self.held_announced: set[str] = set()
         self.faults = Faults()  # the step's (replacements, re-dispatches, losses)
         self.t_last = time.perf_counter()
         self.eval_queue: collections.deque[Chunk] = collections.deque()  # dispatched first
@@ -243,8 +226,9 @@ class StreamPipeline:
                 if learner.done:
                     break
             self._dispatch()
-            held = learner.waiting and learner_held(self.held_announced)
-            if held:  # the fault tests' hook holds the learner on purpose
+            gate = self.parts.learner_gate
+            held = learner.waiting and gate is not None and gate()
+            if held:  # an injected gate (a fault test's) holds the learner on purpose
                 idle.renew()
             if learner.waiting and not held:
                 got = self.buffer.take(self.version)
