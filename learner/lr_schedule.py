@@ -43,6 +43,7 @@ from functools import partial
 import torch
 
 from learner.config import LearnerConfig
+from learner.registry import SCHEDULES
 
 Factor = Callable[[int], float]
 
@@ -62,7 +63,8 @@ def _transformers_lambda(builder: Callable, **kwargs) -> Factor:
     return builder(probe, **kwargs).lr_lambdas[0]
 
 
-def _constant(config: LearnerConfig, total: int | None) -> Factor | None:
+def constant(config: LearnerConfig, total: int | None) -> Factor | None:
+    """'constant': no decay after the warm-up."""
     return None
 
 
@@ -84,17 +86,14 @@ def _decay(decay_type: str, config: LearnerConfig, total: int | None) -> Factor:
     )
 
 
-# learner.lr_schedule -> builder of the decay after the warm-up (None: constant)
-SCHEDULES: dict[str, Callable[[LearnerConfig, int | None], Factor | None]] = {
-    "constant": _constant,
-    "linear": partial(_decay, "linear"),
-    "cosine": partial(_decay, "cosine"),
-}
+# the builders of the decay after the warm-up that `learner.registry.SCHEDULES` names (None: constant)
+linear = partial(_decay, "linear")
+cosine = partial(_decay, "cosine")
 
 
 def lr_factor(config: LearnerConfig) -> Factor:
     """The picklable factor of `config`'s schedule: slot -> multiple of each parameter group's lr."""
-    decay = SCHEDULES[config.lr_schedule](config, config.lr_schedule_steps)
+    decay = SCHEDULES.function(config.lr_schedule)(config, config.lr_schedule_steps)
     return partial(warmup_then, warmup_steps=config.warmup_steps, decay=decay)
 
 

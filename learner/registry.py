@@ -1,8 +1,8 @@
 """The learner's algorithm parts by name, each registered once with what it needs.
 
-Four registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
+Five registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
 loss aggregations (`learner.loss_agg`) and KL estimators (`learner.kl.estimator`,
-`learner.kl.loss_estimator`). Everything else reads a part from here: the config's allowed values
+`learner.kl.loss_estimator`) and learning-rate schedules (`learner.lr_schedule`). Everything else reads a part from here: the config's allowed values
 (`LearnerConfig`'s `Literal`s are built from `names()`), the config's rules (an estimator that learns
 a critic, one that needs groups of samples, a loss defined with one aggregation), the allowed-values
 text of the configuration reference (`describe()`), and the function the learner calls
@@ -12,23 +12,14 @@ so this module, and the config with it, loads without torch (the driver imports 
 Adding a part is one entry here, its function and its test. The function's signature is the
 registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
 and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This module imports nothing of
-the project, so every role may import it.
+the project but the registry type (`kernel.registry`), so every role may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Part:
-    name: str
-    function: str  # "module:function"
-    summary: str  # one line: what it computes, and the paper
+from kernel.registry import Part, Registry, resolve  # noqa: F401  (resolve: re-exported for the roles)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,50 +38,6 @@ class PolicyLoss(Part):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Aggregation(Part):
     horizon: bool = False  # divides by a constant number of tokens (learner.loss_norm_tokens)
-
-
-P = TypeVar("P", bound=Part)
-
-
-class Registry(Generic[P]):
-    """Parts of one kind, in registration order."""
-
-    def __init__(self, kind: str, field: str, parts: Iterable[P]):
-        self.kind, self.field = kind, field
-        self._parts: dict[str, P] = {}
-        for part in parts:
-            if part.name in self._parts:
-                raise ValueError(f"{kind} {part.name!r} is registered twice")
-            self._parts[part.name] = part
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._parts)
-
-    def __getitem__(self, name: str) -> P:
-        try:
-            return self._parts[name]
-        except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r} ({self.field}); allowed: {', '.join(self._parts)}"
-            ) from None
-
-    def __iter__(self):
-        return iter(self._parts.values())
-
-    def function(self, name: str) -> Callable:
-        """The part's function, imported on first use."""
-        return resolve(self[name].function)
-
-    def describe(self) -> str:
-        """The allowed values with their one-line summaries (the config reference's text)."""
-        return "; ".join(f"'{p.name}': {p.summary}" for p in self._parts.values())
-
-
-@functools.cache
-def resolve(target: str) -> Any:
-    """The object a `module:attr` string names, imported on first use."""
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 ADVANTAGES: Registry[Estimator] = Registry(
@@ -192,6 +139,24 @@ KL_ESTIMATORS: Registry[Part] = Registry(
             name="k3",
             function="learner.algorithms:kl_k3",
             summary="pi_ref/pi - 1 - log(pi_ref/pi): unbiased and >= 0",
+        ),
+    ],
+)
+
+SCHEDULES: Registry[Part] = Registry(
+    "learning-rate schedule",
+    "learner.lr_schedule",
+    [
+        Part(name="constant", function="learner.lr_schedule:constant", summary="lr after the warm-up"),
+        Part(
+            name="linear",
+            function="learner.lr_schedule:linear",
+            summary="linear decay to min_lr_ratio x lr at lr_schedule_steps",
+        ),
+        Part(
+            name="cosine",
+            function="learner.lr_schedule:cosine",
+            summary="cosine decay to min_lr_ratio x lr at lr_schedule_steps",
         ),
     ],
 )

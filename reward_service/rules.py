@@ -16,39 +16,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kernel.registry import Part, Registry
+
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
-_REGISTRY: dict[str, RewardFn] = {}
+RULES: Registry[Part] = Registry("reward rule", "reward.rule")  # filled by `@register_reward`
 _LOADED_FILES: dict[str, Any] = {}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering a rule under `name`; re-importing the same function is harmless."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        old = _REGISTRY.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise ValueError(
-                f"reward rule {name!r} is already registered by {old.__module__}.{old.__qualname__}"
-            )
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+    return RULES.register(name)
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(RULES.names())
 
 
 def get_reward(name: str, module: str | None = None) -> RewardFn:
     """The rule registered as `name`, after importing `module` (see `load_rule_module`) when given."""
     if module:
         load_rule_module(module)
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown reward rule {name!r}; registered: {', '.join(list_rewards())}") from None
+    return RULES.function(name)
 
 
 def load_rule_module(spec: str) -> None:

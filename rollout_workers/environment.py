@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from kernel.registry import Part, Registry
 
 EpisodeStatus = Literal["done", "max_turns", "max_tokens", "env_error", "env_timeout"]
 FAILED: frozenset[str] = frozenset({"env_error", "env_timeout"})  # dropped, never scored
@@ -87,44 +87,25 @@ class Environment(ABC):
         """The episode of `state` has ended (any status): free what it holds. Default: nothing."""
 
 
-_REGISTRY: dict[str, Callable[..., Environment]] = {}
+# environments by name (`rollout.environment.name`): registered by `@register_environment`, built with the
+# config's `rollout.environment.kwargs`. The same definition registered again (its module run a second
+# time, also under another module name: a .py file that is both the environment module and, imported by
+# the cluster, the file of `data.tools`) replaces the first; another one under a name is an error.
+ENVIRONMENTS: Registry[Part] = Registry("environment", "rollout.environment.name")
 
 
 def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
-    """Decorator registering an environment class (or factory) under `name`; built with the config's
-    `rollout.environment.kwargs`. The same definition registered again (its module run a second time,
-    also under another module name: a .py file that is both the environment module and, imported by
-    the cluster, the file of `data.tools`) replaces the first; another one under `name` is an error."""
-
-    def wrap(factory: Callable[..., Environment]) -> Callable[..., Environment]:
-        old = _REGISTRY.get(name)
-        if old is not None and _origin(old) != _origin(factory):
-            raise ValueError(
-                f"environment {name!r} is already registered by {old.__module__}.{old.__qualname__}"
-            )
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
+    """Decorator registering an environment class (or factory) under `name` (`ENVIRONMENTS`)."""
+    return ENVIRONMENTS.register(name)
 
 
 def list_environments() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(ENVIRONMENTS.names())
 
 
 def environment_factory(name: str) -> Callable[..., Environment]:
     """The class (or factory) registered as `name`, or an error listing the registered ones."""
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"rollout.environment.name: unknown environment {name!r}; registered: {', '.join(list_environments())}"
-        )
-    return _REGISTRY[name]
-
-
-def _origin(factory: Callable[..., Environment]) -> tuple[str, str]:
-    """(where it is defined: its module's file, else the module's name; its qualified name)."""
-    file = getattr(sys.modules.get(factory.__module__), "__file__", None)
-    return (str(Path(file).resolve()) if file else factory.__module__, factory.__qualname__)
+    return ENVIRONMENTS.function(name)
 
 
 def as_step(answer: Step | tuple) -> Step:

@@ -24,10 +24,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from kernel.registry import Part, Registry
 from rollout_workers.environment import Environment, Step
 
 ToolFn = Callable[[str], str]
-_TOOLS: dict[str, ToolFn] = {}
+TOOLS: Registry[Part] = Registry("tool", "rollout.environment.kwargs.tools")  # filled by `@register_tool`
 
 
 class ToolError(ValueError):
@@ -35,18 +36,11 @@ class ToolError(ValueError):
 
 
 def register_tool(name: str) -> Callable[[ToolFn], ToolFn]:
-    def wrap(fn: ToolFn) -> ToolFn:
-        _TOOLS[name] = fn
-        return fn
-
-    return wrap
+    return TOOLS.register(name)
 
 
 def get_tool(name: str) -> ToolFn:
-    try:
-        return _TOOLS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool {name!r}; registered: {', '.join(sorted(_TOOLS))}") from None
+    return TOOLS.function(name)
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}

@@ -242,7 +242,9 @@ def test_the_documented_chat_math_tools_come_from_its_environment_file(tmp_path,
     environment module run from it again register one environment, not two conflicting ones."""
     from rollout_workers import environment, environments
 
-    monkeypatch.setattr(environment, "_REGISTRY", dict(environment._REGISTRY))  # chat-math stays here
+    monkeypatch.setattr(
+        environment.ENVIRONMENTS, "_parts", dict(environment.ENVIRONMENTS._parts)
+    )  # chat-math stays here
     page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
     section_md = page.split("### A chat model with two tools", 1)[1]
     (tmp_path / "chat_envs.py").write_text(

@@ -1,7 +1,8 @@
 """The dependency rule of the architecture (docs/architecture.md), checked on the source: `cluster/`
 composes the roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`,
-of the demos or benchmarks, and of no other role, except the pure, stateless `learner.algorithms`,
-`learner.sequences` and `learner.registry` (the names of the algorithm parts), which any role may use. Every import counts, lazy ones inside functions too."""
+of the demos or benchmarks, and of no other role, except the shared kernel (`kernel/`: the registry
+type) and the pure, stateless `learner.algorithms`, `learner.sequences` and `learner.registry` (the names
+of the algorithm parts), which any role may use. Every import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("learner", "rollout_workers", "reward_service")
-PROJECT = (*ROLES, "cluster", "demos", "bench")
-SHARED = ("learner.algorithms", "learner.sequences", "learner.registry")  # pure modules any role may import
+PROJECT = (*ROLES, "cluster", "kernel", "demos", "bench")
+# pure modules any role may import: the shared kernel (`kernel/`, the registry type) and the learner's
+# stateless math and part names
+SHARED = ("kernel", "learner.algorithms", "learner.sequences", "learner.registry")
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:
@@ -38,11 +41,22 @@ def project_imports(path: Path) -> list[tuple[int, str]]:
 
 def allowed(role: str, module: str) -> bool:
     top = module.split(".")[0]
-    if top == role:
+    if top == role or module in SHARED or any(module.startswith(f"{s}.") for s in SHARED):
         return True
-    if top not in ROLES:  # cluster, demos, bench
-        return False
-    return module in SHARED or any(module.startswith(f"{s}.") for s in SHARED) or module == "learner"
+    return module == "learner"  # `from learner import algorithms` names the module in the alias
+
+
+def test_the_shared_kernel_imports_nothing_of_the_project():
+    """`kernel/` is what every package may import, so it imports none of them (not even lazily)."""
+    files = sorted((ROOT / "kernel").glob("*.py"))
+    assert files
+    bad = [
+        f"{f.relative_to(ROOT)}:{line} imports {module}"
+        for f in files
+        for line, module in project_imports(f)
+        if module.split(".")[0] != "kernel"
+    ]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("role", ROLES)

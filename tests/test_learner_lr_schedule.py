@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from cluster.config.schema import ConfigError, build_config
 from learner.config import LearnerConfig
-from learner.lr_schedule import SCHEDULES, build_scheduler, lr_factor
+from learner.lr_schedule import build_scheduler, lr_factor
+from learner.registry import SCHEDULES
 from learner.safe_checkpoint import safe_torch_load
 
 BASE = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
@@ -47,7 +48,7 @@ def _lrs(scheduler, steps: int) -> list[list[float]]:
 
 
 def test_the_registry_is_the_config_choice():
-    assert set(SCHEDULES) == set(get_args(LearnerConfig.model_fields["lr_schedule"].annotation))
+    assert set(SCHEDULES.names()) == set(get_args(LearnerConfig.model_fields["lr_schedule"].annotation))
     assert LearnerConfig().lr_schedule == "constant" and LearnerConfig().min_lr_ratio == 0.1
 
 

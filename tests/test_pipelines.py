@@ -11,10 +11,11 @@ from typing import get_args
 import pytest
 from test_config import tree
 
+from cluster.config.pipelines import PIPELINES
 from cluster.config.schema import build_config
 from cluster.config.sections import PipelineSection
 from cluster.pipeline.pipelines import Pipeline
-from cluster.pipeline.run import PIPELINES, Run
+from cluster.pipeline.run import Run
 from cluster.pipeline.stream_pipeline import StreamPipeline
 from cluster.pipeline.sync_pipeline import SyncPipeline
 from cluster.weights.async_publisher import AsyncPublisher
@@ -28,12 +29,12 @@ def _params(fn) -> list[str]:
 
 
 def test_the_modes_the_config_allows_are_the_registered_pipelines():
-    assert set(get_args(PipelineSection.model_fields["mode"].annotation)) == set(PIPELINES)
+    assert set(get_args(PipelineSection.model_fields["mode"].annotation)) == set(PIPELINES.names())
 
 
-@pytest.mark.parametrize("mode", sorted(PIPELINES))
+@pytest.mark.parametrize("mode", sorted(PIPELINES.names()))
 def test_every_pipeline_answers_the_interface_with_its_parameters(mode):
-    cls = PIPELINES[mode]
+    cls = PIPELINES.function(mode)
     for call in CALLS:
         assert _params(getattr(cls, call)) == _params(getattr(Pipeline, call)), (mode, call)
     assert issubclass(cls.publisher, WeightPublisher)

@@ -381,10 +381,11 @@ def test_each_registered_sink_loads_the_class_of_its_name_and_names_a_real_extra
 
     root = Path(__file__).resolve().parent.parent
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for name, entry in SINKS.items():
+    for entry in SINKS:
+        name = entry.name
         cls = entry.load()
         assert issubclass(cls, Sink) and cls.name == name
         assert (entry.package is None) == (entry.extra is None) and (
             entry.extra is None or entry.extra in extras
         )
-    assert missing_packages(list(SINKS)) == []  # the dev venv has every extra
+    assert missing_packages(list(SINKS.names())) == []  # the dev venv has every extra

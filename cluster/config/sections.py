@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.config.filters import check_filter_spec
+from cluster.config.pipelines import PIPELINES
+from cluster.config.sinks import SINKS
 
 
 class _Strict(BaseModel):
@@ -42,9 +44,7 @@ class RunSection(_Strict):
     sample_log_count: int = Field(4, ge=0, description="Sampled responses printed before and after training.")
     loggers: list[str] = Field(
         ["jsonl", "tensorboard", "prometheus"],
-        description="Where the driver logs the run (cluster/config/sinks.py): 'jsonl' (metrics.jsonl and "
-        "summary.json in the run folder; required), 'tensorboard', 'wandb' (run.wandb), 'mlflow' (run.mlflow), "
-        "'prometheus' (live Ray metrics for Prometheus and the Ray dashboard).",
+        description="Where the driver logs the run (cluster/config/sinks.py): " + SINKS.describe() + ".",
     )
     wandb: WandbSection = Field(default_factory=WandbSection, description="The 'wandb' logger.")
     mlflow: MlflowSection = Field(default_factory=MlflowSection, description="The 'mlflow' logger.")
@@ -63,11 +63,9 @@ class RunSection(_Strict):
     @field_validator("loggers")
     @classmethod
     def _known_loggers(cls, names: list[str]) -> list[str]:
-        from cluster.config.sinks import SINKS
-
         unknown = [n for n in names if n not in SINKS]
         if unknown:
-            raise ValueError(f"unknown logger(s) {unknown}; allowed: {', '.join(SINKS)}")
+            raise ValueError(f"unknown logger(s) {unknown}; allowed: {', '.join(SINKS.names())}")
         if len(set(names)) != len(names):
             raise ValueError(f"a logger is listed twice: {names}")
         if "jsonl" not in names:
@@ -359,13 +357,7 @@ class TimeoutSection(_Strict):
 
 
 class PipelineSection(_Strict):
-    mode: Literal["sync", "async"] = Field(
-        "sync",
-        description=(
-            "'sync': each step generates a whole batch, trains, pushes weights (lock-step). 'async': "
-            "workers stream chunks while the learner trains; staleness bounded by max_staleness."
-        ),
-    )
+    mode: Literal[PIPELINES.names()] = Field("sync", description=PIPELINES.describe() + ".")
     max_staleness: int = Field(
         1,
         ge=0,

@@ -11,28 +11,57 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from learner.registry import resolve
+from kernel.registry import Part, Registry, resolve
 
 
-@dataclass(frozen=True)
-class SinkEntry:
-    cls: str  # `module:Class` of the sink
+@dataclass(frozen=True, kw_only=True)
+class SinkEntry(Part):
+    """`function` is the sink's `module:Class`."""
+
     package: str | None = None  # the package it needs, when not a dependency of the project
     extra: str | None = None  # the pip extra that installs that package
 
     def load(self) -> type:  # a `cluster.reporting.trackers.base.Sink` subclass
-        return resolve(self.cls)
+        return resolve(self.function)
 
 
-SINKS: dict[str, SinkEntry] = {
-    "jsonl": SinkEntry("cluster.reporting.trackers.jsonl_sink:JsonlSink"),
-    "tensorboard": SinkEntry(
-        "cluster.reporting.trackers.tensorboard_sink:TensorBoardSink", "tensorboard", "tensorboard"
-    ),
-    "wandb": SinkEntry("cluster.reporting.trackers.wandb_sink:WandbSink", "wandb", "wandb"),
-    "mlflow": SinkEntry("cluster.reporting.trackers.mlflow_sink:MlflowSink", "mlflow", "mlflow"),
-    "prometheus": SinkEntry("cluster.reporting.trackers.prometheus_sink:PrometheusSink"),
-}
+SINKS: Registry[SinkEntry] = Registry(
+    "logger",
+    "run.loggers",
+    [
+        SinkEntry(
+            name="jsonl",
+            function="cluster.reporting.trackers.jsonl_sink:JsonlSink",
+            summary="metrics.jsonl and summary.json in the run folder; required",
+        ),
+        SinkEntry(
+            name="tensorboard",
+            function="cluster.reporting.trackers.tensorboard_sink:TensorBoardSink",
+            summary="TensorBoard event files",
+            package="tensorboard",
+            extra="tensorboard",
+        ),
+        SinkEntry(
+            name="wandb",
+            function="cluster.reporting.trackers.wandb_sink:WandbSink",
+            summary="Weights & Biases (run.wandb)",
+            package="wandb",
+            extra="wandb",
+        ),
+        SinkEntry(
+            name="mlflow",
+            function="cluster.reporting.trackers.mlflow_sink:MlflowSink",
+            summary="MLflow (run.mlflow)",
+            package="mlflow",
+            extra="mlflow",
+        ),
+        SinkEntry(
+            name="prometheus",
+            function="cluster.reporting.trackers.prometheus_sink:PrometheusSink",
+            summary="live Ray metrics for Prometheus and the Ray dashboard",
+        ),
+    ],
+)
 
 
 def missing_packages(names: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ import numpy as np
 import ray
 import yaml
 
+from cluster.config.pipelines import PIPELINES
 from cluster.config.schema import RunConfig
 from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.control import NAMESPACE, RunControl, control_name, current_run_id
@@ -28,8 +29,6 @@ from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.pipelines import LearnerGate, Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
-from cluster.pipeline.stream_pipeline import StreamPipeline
-from cluster.pipeline.sync_pipeline import SyncPipeline
 from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
 from cluster.prompts.data import (
@@ -57,9 +56,6 @@ FIXED_COUNTS = (
 )
 
 
-PIPELINES: dict[str, type[Pipeline]] = {"sync": SyncPipeline, "async": StreamPipeline}
-
-
 class Run:
     """One run: set-up, checkpoints, the step loop, the final export and evaluation, the summary. Its
     collaborators: the pipeline of `pipeline.mode` (`pipeline`, built at the end of set-up), the weight
@@ -83,7 +79,7 @@ class Run:
         self.resume_from = resume_from
         self.run_id = current_run_id(self.run_dir)
         self.progress = RunProgress()
-        self.pipeline_class = PIPELINES[cfg.pipeline.mode]
+        self.pipeline_class: type[Pipeline] = PIPELINES.function(cfg.pipeline.mode)
         self.weights = self.pipeline_class.publisher(cfg)
         self.pipeline: Pipeline | None = None  # built at the end of `setup`
         self.checkpoints = Checkpointer(self.run_dir, cfg)

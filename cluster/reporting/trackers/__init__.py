@@ -1,2 +1,2 @@
 """The run's trackers: one logger interface (`base.Sink`) and its sinks (JSONL, TensorBoard, Weights & Biases,
-MLflow, Prometheus), chosen by `run.loggers` through `registry.SINKS` and driven by `run_logger.RunLogger`."""
+MLflow, Prometheus), chosen by `run.loggers` through `cluster.config.sinks.SINKS` and driven by `run_logger.RunLogger`."""

@@ -53,7 +53,7 @@ class StepRow:
 
 
 class Sink(ABC):
-    """One tracker. `name` is its `run.loggers` entry (`registry.SINKS`, with the package it needs);
+    """One tracker. `name` is its `run.loggers` entry (`cluster.config.sinks.SINKS`, with the package it needs);
     an `essential` sink's failure stops the run (the JSONL record)."""
 
     name: ClassVar[str]

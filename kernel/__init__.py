@@ -1,0 +1,3 @@
+"""The shared kernel: small, pure, stateless modules that every package of the project may import
+(`cluster/` and each role alike), and that import nothing of the project themselves (tests/test_layout.py).
+The registry type every part is named through (`kernel.registry`)."""
