@@ -12,10 +12,10 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from cluster.config.data_section import DataSection
 from cluster.config.sections import (
     CheckpointSection,
     ClusterSection,
-    DataSection,
     EvalSection,
     ModelSection,
     PipelineSection,

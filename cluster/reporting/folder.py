@@ -16,8 +16,8 @@ from typing import Any
 
 import ray
 
+from cluster.config.data_section import CHAT_TEMPLATE_KEYWORDS
 from cluster.config.schema import RunConfig
-from cluster.config.sections import CHAT_TEMPLATE_KEYWORDS
 from cluster.roles.registry import ROLES
 
 PATH_FIELDS = (  # attribute paths from the run config
