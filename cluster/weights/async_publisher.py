@@ -61,7 +61,7 @@ class AsyncPublisher(WeightPublisher):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
-        self.collective = cfg.rollout.weight_sync == "collective"
+        self.collective = self.sync.whole_group  # one broadcast reaches every worker at once
         self.worker_versions: dict[str, int] = {}
         self.paused = False  # collective: no new chunk until the broadcast is done
         self.collector: StreamDispatch | None = None

@@ -73,6 +73,13 @@ class CollectiveWeightSync:
         self._members: tuple | None = None  # (timeout, actor ids) of the group formed
         self._shared: str | None = None  # its shared-memory segment, when the bundles travel through one
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> CollectiveWeightSync:
+        """The run's group: its bucket size, backend (`weight_backend`), transport, and whether loads cut
+        into a generation (`pipeline.partial_rollout`)."""
+        r = cfg.rollout
+        return cls(r.weight_bucket_mb, weight_backend(cfg), cfg.pipeline.partial_rollout, r.weight_transport)
+
     def _use_shared_memory(
         self, ranks: list[Any], workers: list[Any], names: list[str], deadline: float, dtype: str
     ) -> bool:

@@ -13,17 +13,16 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.roles.registry import CallKind
-from cluster.weights.collective import CollectiveWeightSync, weight_backend
 from cluster.weights.probe_cadence import ProbeCadence
 from cluster.weights.push import (
     Fingerprint,
     export_bundle,
     load_into,
     push_colocated,
-    push_weights,
     verify_ack,
     worker_method,
 )
+from cluster.weights.syncs import WEIGHT_SYNCS, pusher
 
 
 class WeightPublisher:
@@ -40,7 +39,8 @@ class WeightPublisher:
         self.stages: dict[str, float] = {}  # where the pushes since the last `take_stages` spent their time
         self.roles: Any = None
         self._on_lost: Callable[[Any], None] | None = None
-        self._collective: CollectiveWeightSync | None = None
+        self.sync = WEIGHT_SYNCS[cfg.rollout.weight_sync]
+        self._pusher: Any = None  # built at the first push (`syncs.pusher`)
         self.probed: set[str] = set()  # workers whose engine has passed a probe comparison
         self.cadence = ProbeCadence(cfg.rollout.probe_every)
 
@@ -72,13 +72,9 @@ class WeightPublisher:
         probe = self.probe_wanted(version, names)
         if r.hosts:
             result, bundle = push_colocated(r.hosts, handles, names, version, rc.dtype, limit, probe)
-        elif rc.weight_sync == "collective":
-            self._collective = self._collective or CollectiveWeightSync(
-                rc.weight_bucket_mb, weight_backend(self.cfg), self.cut_in, rc.weight_transport
-            )
-            result, bundle = self._collective.push(r.ranks, handles, names, version, rc.dtype, limit, probe)
         else:
-            result, bundle = push_weights(r.ranks, handles, names, version, rc.dtype, limit, probe)
+            self._pusher = self._pusher or pusher(self.cfg)
+            result, bundle = self._pusher.push(r.ranks, handles, names, version, rc.dtype, limit, probe)
         self.published(result.version, bundle, result.expected)
         self.checked([n for i, n in enumerate(names) if i not in result.lost], result.expected)
         self.probe_spent(result.expected, result.stages)
@@ -103,7 +99,7 @@ class WeightPublisher:
         """The current weights in the object store. The collective path leaves none there, so a new
         or replacement worker gets them from an export made for it (the learner is idle then), checked
         against that export's own fingerprint."""
-        if self.bundle is None and self.version > 0 and self.cfg.rollout.weight_sync == "collective":
+        if self.bundle is None and self.version > 0 and not self.sync.leaves_bundle:
             self.bundle, self.fingerprint = export_bundle(
                 self.roles.ranks, self.version, self.cfg.rollout.dtype, self.cfg.timeouts.weight_sync_s
             )

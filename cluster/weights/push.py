@@ -115,6 +115,17 @@ def push_weights(
     return SyncResult(version, expected, time.perf_counter() - t0, lost, stages), bundle
 
 
+class ObjectStorePush:
+    """`rollout.weight_sync: object_store` as a pusher (`cluster.weights.syncs`): `push_weights`."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ObjectStorePush:
+        return cls()
+
+    def push(self, *args: Any, **kwargs: Any) -> tuple[SyncResult, Any]:
+        return push_weights(*args, **kwargs)
+
+
 def push_colocated(
     hosts: list[Any],
     workers: list[Any],

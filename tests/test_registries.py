@@ -1,0 +1,63 @@
+"""Every part the config names comes from one registry type (`kernel.registry.Registry`): the config's
+allowed values are the registry's names, wherever the field lives (a role's config may not import the
+cluster's registries, so for those the equality is checked here)."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from cluster.config.pipelines import PIPELINES
+from cluster.config.schema import RunConfig
+from cluster.weights.syncs import WEIGHT_SYNCS
+from kernel.registry import Part, Registry
+from learner.registry import SCHEDULES
+from rollout_workers.engines import ENGINES
+
+
+def field_values(path: str) -> set[str]:
+    model = RunConfig
+    *parents, name = path.split(".")
+    for p in parents:
+        model = model.model_fields[p].annotation
+    return set(get_args(model.model_fields[name].annotation))
+
+
+@pytest.mark.parametrize(
+    ("path", "registry"),
+    [
+        ("pipeline.mode", PIPELINES),
+        ("rollout.weight_sync", WEIGHT_SYNCS),
+        ("learner.lr_schedule", SCHEDULES),
+        ("rollout.engine", ENGINES),
+    ],
+)
+def test_a_fields_allowed_values_are_its_registrys_names(path, registry):
+    assert field_values(path) == set(registry.names())
+    assert registry.field == path
+
+
+def test_every_registered_part_of_the_cluster_resolves():
+    for registry in (PIPELINES, WEIGHT_SYNCS, SCHEDULES):
+        for part in registry:
+            assert registry.function(part.name) is not None
+
+
+def test_registering_the_same_definition_again_replaces_it_and_another_is_refused():
+    reg: Registry[Part] = Registry("widget", "x.widget")
+
+    def make():
+        def f():
+            return 1
+
+        return f
+
+    first = make()
+    reg.register("w")(first)
+    reg.register("w")(first)  # its module run again: harmless
+    assert reg.function("w") is first
+    with pytest.raises(ValueError, match=r"widget 'w' is already registered by .*make\.<locals>\.f"):
+        reg.register("w")(lambda: 2)
+    with pytest.raises(ValueError, match=r"unknown widget 'v' \(x\.widget\); allowed: w"):
+        reg["v"]
