@@ -127,7 +127,7 @@ def prompt_order(cfg: Any, steps: int) -> list[list[int]]:
     """Token ids of every prompt this project trains on, in order; n samples = n repeats in a row."""
     from transformers import AutoTokenizer
 
-    from cluster.prompts.data import PromptStream, read_prompts, tokenize_prompts
+    from cluster.prompts.loader import PromptStream, read_prompts, tokenize_prompts
 
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
     stream = PromptStream(
@@ -174,7 +174,7 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
 
     from cluster.config.schema import load_config
     from cluster.pipeline.run import Run
-    from cluster.reporting.startup import StartupClock
+    from cluster.reporting.startup_clock import StartupClock
     from cluster.train import init_ray, preflight
 
     clock = StartupClock()

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from cluster.config.schema import RunConfig, load_config  # noqa: E402
 from cluster.pipeline.collector import chunk_seed  # noqa: E402
-from cluster.prompts.data import PromptStream, read_prompts, tokenize_prompts  # noqa: E402
+from cluster.prompts.loader import PromptStream, read_prompts, tokenize_prompts  # noqa: E402
 from learner.batch import Trajectory  # noqa: E402
 from learner.deepspeed_setup import free_port  # noqa: E402
 from learner.rank import LearnerRank  # noqa: E402

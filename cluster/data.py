@@ -1,6 +1,6 @@
 """Command line: `python -m cluster.data CONFIG [--set a.b=c ...] [-n N]`: the prompts as the model sees them.
 
-Reads and renders the config's prompts exactly as a run does (`cluster.prompts.data`, which
+Reads and renders the config's prompts exactly as a run does (`cluster.prompts.loader`, which
 `cluster.train`'s preflight calls too) and prints, for the training prompts and the held-out ones: the
 first N prompts decoded from their ids with the special tokens visible, the length distribution in
 tokens (min / median / p99 / max), the rows dropped and why, and the columns each prompt hands to the
@@ -20,7 +20,7 @@ import numpy as np
 
 from cluster.config.schema import ConfigError, DataSection
 from cluster.prompts.chat import chat_template
-from cluster.prompts.data import DataStats, Prompt, load_run_prompts, load_tokenizer
+from cluster.prompts.loader import DataStats, Prompt, load_run_prompts, load_tokenizer
 from cluster.train import EXIT_BAD_INPUT, add_config_arguments, run_config
 
 

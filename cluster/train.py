@@ -23,7 +23,7 @@ from typing import Any
 from cluster.config.notices import announce_config
 from cluster.config.schema import ConfigError, RunConfig, load_config
 from cluster.pipeline.checkpoint import CheckpointError, find_auto_resume, latest_checkpoint
-from cluster.prompts.data import RunPrompts, load_run_prompts, load_tokenizer
+from cluster.prompts.loader import RunPrompts, load_run_prompts, load_tokenizer
 from cluster.prompts.prompt_files import prompt_files
 from cluster.reporting.folder import resolve_paths
 from cluster.reporting.job_env import (
@@ -42,7 +42,7 @@ EXIT_INTERRUPTED = 130
 
 def preflight(cfg: RunConfig) -> RunPrompts:
     """Build the demo assets if asked, check every path the actors will open, then check a chat
-    environment's template, then read and render the prompts (`cluster.prompts.data`, as `python -m
+    environment's template, then read and render the prompts (`cluster.prompts.loader`, as `python -m
     cluster.data` shows them): a bad row is found before any actor starts, and rows dropped, cut or read
     as JSON messages are said on stderr (`RunPrompts.announce`), as are settings the run leaves unused
     (`cluster.config.notices`). Returns the prompts, which the run then uses instead of reading them again."""
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None, learner_gate: Callable[[], bool] | None 
 
     import ray
 
-    from cluster.reporting.startup import StartupClock
+    from cluster.reporting.startup_clock import StartupClock
 
     clock = StartupClock()
     clock.mark("driver start")

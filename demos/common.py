@@ -195,7 +195,7 @@ def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> None:
 def load_prompts(path: str | Path) -> list[str]:
     """Prompt texts from a JSON-lines file of {"prompt": str} objects, read like a run reads them."""
     from cluster.config.schema import DataSection
-    from cluster.prompts.data import read_prompts
+    from cluster.prompts.loader import read_prompts
 
     return [row.text for row in read_prompts(DataSection(prompts_path=str(path)))]
 

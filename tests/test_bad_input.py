@@ -11,7 +11,7 @@ from tiny_models import build_tokenizer
 
 from cluster.config.schema import ConfigError, DataSection
 from cluster.pipeline.checkpoint import COMPLETE, STATE_FILE, CheckpointError, latest_checkpoint, read_state
-from cluster.prompts.data import PromptStream, read_prompts, tokenize_prompts
+from cluster.prompts.loader import PromptStream, read_prompts, tokenize_prompts
 from cluster.train import main
 
 

@@ -27,7 +27,7 @@ from demo_run import CONFIG, demo_overrides, prompt_file
 
 from cluster.config.schema import load_config
 from cluster.pipeline.run import Run
-from cluster.prompts.data import PromptStream
+from cluster.prompts.loader import PromptStream
 
 pytestmark = pytest.mark.slow
 

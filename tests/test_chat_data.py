@@ -22,7 +22,7 @@ from chat_tokenizers import (
 from data_files import WRITERS, write, write_dataset, write_json, write_jsonl, write_parquet
 
 from cluster.config.schema import ConfigError, DataSection, build_config
-from cluster.prompts.data import PromptStream, load_prompts, read_prompts
+from cluster.prompts.loader import PromptStream, load_prompts, read_prompts
 from cluster.reporting.folder import resolve_paths
 
 QUESTIONS = ["What is 2 + 3 ?", "Name a prime above 10 .", "How many legs has a cat ?"]

@@ -19,7 +19,7 @@ from transformers.utils import get_json_schema
 
 from cluster.config.schema import ConfigError, DataSection, build_config
 from cluster.prompts.chat import chat_template, template_kwargs
-from cluster.prompts.data import load_prompts
+from cluster.prompts.loader import load_prompts
 
 TOOLS_PY = '''
 FACTORS = {("km", "m"): 1000, ("h", "min"): 60}

@@ -157,7 +157,7 @@ def test_the_driver_imports_no_framework():
     processes that compute (its tokenizer loads transformers later, while the actors start)."""
     code = (
         "import json, sys\n"
-        "import cluster.train, cluster.pipeline.run, cluster.pipeline.sync_pipeline, cluster.pipeline.stream_pipeline, cluster.placement.actors, cluster.placement.colocated, cluster.roles.registry, cluster.scale\n"
+        "import cluster.train, cluster.pipeline.run, cluster.pipeline.sync_pipeline, cluster.pipeline.stream_pipeline, cluster.placement.launch, cluster.placement.colocated, cluster.roles.registry, cluster.scale\n"
         "print(json.dumps([m for m in ('torch', 'transformers', 'deepspeed', 'vllm') if m in sys.modules]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

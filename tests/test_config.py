@@ -144,16 +144,16 @@ def test_bootstrap_truncation_with_an_environment_is_refused():
 
 
 def test_the_configuration_reference_is_the_schema():
-    """docs/config-reference.md is `python -m cluster.config.reference`'s output: a field added to or
+    """docs/config-reference.md is `python -m cluster.config.fields_doc`'s output: a field added to or
     changed in the schema without regenerating it fails here (regenerate with that command)."""
     from pathlib import Path
 
-    from cluster.config.reference import render, rows
+    from cluster.config.fields_doc import render, rows
     from cluster.config.schema import RunConfig
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
     assert doc.read_text() == render(), (
-        "regenerate: python -m cluster.config.reference > docs/config-reference.md"
+        "regenerate: python -m cluster.config.fields_doc > docs/config-reference.md"
     )
     paths = [p for p, *_ in rows(RunConfig)]
     for field in ("learner.dtype", "data.add_bos", "rollout.interruptible", "learner.deepspeed_overrides"):

@@ -20,7 +20,7 @@ from cluster.pipeline.dynamic_sampling import (
     round_seed,
     split_chunk,
 )
-from cluster.prompts.data import Prompt, PromptStream
+from cluster.prompts.loader import Prompt, PromptStream
 from cluster.records.chunks import SampleFacts
 from cluster.records.groups import LostInputs
 

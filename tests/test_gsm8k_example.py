@@ -13,7 +13,7 @@ from data_files import write_jsonl, write_parquet
 
 from cluster.config.schema import load_config
 from cluster.data import main as preview
-from cluster.prompts.data import load_run_prompts, load_tokenizer
+from cluster.prompts.loader import load_run_prompts, load_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "cluster" / "examples"
 CONFIG = EXAMPLES / "qwen_gsm8k_gpu.yaml"

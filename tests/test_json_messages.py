@@ -12,7 +12,7 @@ from chat_tokenizers import QWEN25_DEFAULT_SYSTEM, QWEN25_SPECIALS, QWEN25_TEMPL
 from data_files import write_csv, write_parquet
 
 from cluster.config.schema import ConfigError, DataSection
-from cluster.prompts.data import load_prompts
+from cluster.prompts.loader import load_prompts
 
 CHATS = [
     [{"role": "system", "content": "Answer in one word ."}, {"role": "user", "content": "What is 2 + 3 ?"}],

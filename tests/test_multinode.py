@@ -21,7 +21,7 @@ from demo_run import CONFIG, SMALL_STEPS, demo_overrides, prompt_file
 from ray.cluster_utils import Cluster
 from ray.core.generated import common_pb2
 
-from cluster.prompts.data import PromptStream
+from cluster.prompts.loader import PromptStream
 
 pytestmark = pytest.mark.slow
 

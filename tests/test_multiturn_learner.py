@@ -183,7 +183,7 @@ def test_the_reward_kind_decides_whether_all_or_none_of_the_environments_rewards
     its score alone (0.5: one of the two keywords), none of the environment's."""
     from tiny_models import build_tokenizer
 
-    from cluster.prompts.data import Prompt
+    from cluster.prompts.loader import Prompt
     from cluster.records.chunks import Chunk, sample_facts
     from cluster.records.groups import shard_parts
     from cluster.records.trajectories import part_trajectories

@@ -20,7 +20,7 @@ from cluster.pipeline.evaluation import (
     headline,
     pass_at_k,
 )
-from cluster.prompts.data import Prompt
+from cluster.prompts.loader import Prompt
 from cluster.records.chunks import Chunk, EpisodeFacts, SampleFacts, every_sample
 from reward_service.scorer import ScoreBatch
 

@@ -13,7 +13,7 @@ import pytest
 from tiny_models import build_tokenizer
 
 from cluster.config.schema import ConfigError, build_config
-from cluster.prompts.data import Prompt
+from cluster.prompts.loader import Prompt
 from cluster.records.chunks import Chunk, PromptFacts, SampleFacts, prompt_facts
 from cluster.reporting.metrics import function_metrics, sample_metrics
 from reward_service.config import RewardConfig

@@ -140,7 +140,7 @@ def test_driver_engine_and_reference_pad_with_one_id(tmp_path, with_pad):
     from tiny_models import build_tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cluster.prompts.data import pad_token_id
+    from cluster.prompts.loader import pad_token_id
     from reward_service.config import ReferenceConfig
     from reward_service.reference import ReferencePolicy
     from rollout_workers.engine import read_special_ids

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.pipeline.collector import chunk_seed
 from cluster.pipeline.stream_buffer import StreamBuffer
-from cluster.prompts.data import Prompt, PromptStream
+from cluster.prompts.loader import Prompt, PromptStream
 from cluster.records.chunks import SampleFacts
 
 

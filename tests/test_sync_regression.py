@@ -40,7 +40,7 @@ class OneProcessLoop:
         from transformers import AutoTokenizer
 
         from cluster.placement.rollout_gpus import worker_config
-        from cluster.prompts.data import PromptStream, pad_token_id, read_prompts, tokenize_prompts
+        from cluster.prompts.loader import PromptStream, pad_token_id, read_prompts, tokenize_prompts
         from learner.rank import LearnerRank
         from reward_service.reference import ReferencePolicy
         from reward_service.scorer import RewardScorer

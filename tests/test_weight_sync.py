@@ -433,7 +433,8 @@ def test_the_publisher_probes_on_the_cadence_and_every_workers_first_push():
     from cluster.weights.publisher import WeightPublisher
 
     cfg = SimpleNamespace(
-        rollout=SimpleNamespace(probe_every=3), pipeline=SimpleNamespace(partial_rollout=False)
+        rollout=SimpleNamespace(probe_every=3, weight_sync="object_store"),
+        pipeline=SimpleNamespace(partial_rollout=False),
     )
     publisher = WeightPublisher(cfg)
     assert publisher.probe_wanted(1, ["w0", "w1"])  # first pushes
@@ -459,7 +460,8 @@ def test_auto_cadence_keeps_the_probe_to_its_share_of_the_wall_time():
     assert PROBE_SHARE == 0.02
     now = [100.0]
     cfg = SimpleNamespace(
-        rollout=SimpleNamespace(probe_every="auto"), pipeline=SimpleNamespace(partial_rollout=False)
+        rollout=SimpleNamespace(probe_every="auto", weight_sync="object_store"),
+        pipeline=SimpleNamespace(partial_rollout=False),
     )
     publisher = WeightPublisher(cfg)
     publisher.cadence = ProbeCadence("auto", clock=lambda: now[0])

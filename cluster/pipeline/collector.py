@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from cluster.placement.pools import ActorPool, ActorStartError, Member
-from cluster.prompts.data import Prompt
+from cluster.prompts.loader import Prompt
 from cluster.records.calls import Call, CallTracker
 from cluster.records.chunks import Chunk, Faults, RolloutBatch, chunk_seed
 from cluster.records.deadlines import Deadline

@@ -21,7 +21,7 @@ import ray
 
 from cluster.config.schema import RunConfig
 from cluster.pipeline.collector import RolloutCollector
-from cluster.prompts.data import Prompt
+from cluster.prompts.loader import Prompt
 from cluster.records.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.reporting.metrics import episode_metrics, function_failure_metrics, function_metrics
 from cluster.reporting.reward_failures import RewardFailureLog

@@ -28,8 +28,8 @@ from cluster.pipeline.collector import RolloutCollector
 from cluster.pipeline.evaluation import Evaluator
 from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.progress import RunProgress
-from cluster.placement.actors import Roles
-from cluster.prompts.data import Prompt, PromptStream
+from cluster.placement.launch import Roles
+from cluster.prompts.loader import Prompt, PromptStream
 from cluster.reporting.reward_failures import RewardFailureLog
 from cluster.weights.publisher import WeightPublisher
 

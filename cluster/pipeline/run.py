@@ -29,9 +29,9 @@ from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.pipelines import LearnerGate, Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
-from cluster.placement.actors import Roles, launch_colocated, start_roles, stop_roles
+from cluster.placement.launch import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
-from cluster.prompts.data import (
+from cluster.prompts.loader import (
     Prompt,
     PromptStream,
     RunPrompts,
@@ -44,7 +44,7 @@ from cluster.reporting.flat_groups import FlatGroupWatch
 from cluster.reporting.folder import check_ranks_see_run_folder
 from cluster.reporting.metrics import held_out_only, truncate_metrics
 from cluster.reporting.reward_failures import RewardFailureLog
-from cluster.reporting.startup import StartupClock
+from cluster.reporting.startup_clock import StartupClock
 from cluster.reporting.summary import RunSummary
 from cluster.reporting.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
 from cluster.reporting.trackers.run_logger import RunLogger

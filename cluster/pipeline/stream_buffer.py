@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from cluster.pipeline.dynamic_sampling import DynamicSamplingError, GroupFilter, split_chunk
-from cluster.prompts.data import Prompt, PromptStream
+from cluster.prompts.loader import Prompt, PromptStream
 from cluster.records.chunks import Chunk, Parts, chunk_seed
 
 

@@ -54,7 +54,7 @@ def held_roles(cfg: RunConfig, rank: int) -> tuple[str, ...]:
 @starts_without_gc  # its roles' imports and builds are its start (cluster.roles.startup)
 class ColocatedHost:
     """Learner rank `rank` and the roles `held_roles(cfg, rank)` in one process (a plain class;
-    `cluster.placement.actors` runs it as a Ray actor)."""
+    `cluster.placement.launch` runs it as a Ray actor)."""
 
     def __init__(
         self,
@@ -73,7 +73,7 @@ class ColocatedHost:
         if pad_token_id is None:  # the driver's rule, on the same tokenizer (it loads it meanwhile)
             from transformers import AutoTokenizer
 
-            from cluster.prompts.data import pad_token_id as pad_of
+            from cluster.prompts.loader import pad_token_id as pad_of
 
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
         place = Place(rank, worker_config, environment, pad_token_id)

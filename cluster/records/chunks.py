@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cluster.prompts.data import Prompt
+from cluster.prompts.loader import Prompt
 from rollout_workers.environment import FAILED
 
 

@@ -9,7 +9,7 @@ role's records into the next one's input is cluster/'s job, so it lives in these
 One module per side: this one holds the rollout worker, the reference and the scorer (torch and
 transformers); the learner rank's lives in `cluster.roles.learner_actor` (DeepSpeed too), so an actor
 process imports only its own role's modules (an actor imports the module that defines its class: a
-worker importing DeepSpeed as well paid ~2.6 s more of start-up). `cluster.placement.actors` imports both
+worker importing DeepSpeed as well paid ~2.6 s more of start-up). `cluster.placement.launch` imports both
 only when it starts actors, so a driver that starts none of them (the colocated placement) never pays
 for those imports.
 """

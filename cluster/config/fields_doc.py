@@ -1,4 +1,4 @@
-"""The configuration reference, generated from the schema: `python -m cluster.config.reference`.
+"""The configuration reference, generated from the schema: `python -m cluster.config.fields_doc`.
 
 Every field of `RunConfig`, depth first in declaration order, as one Markdown table row: its dotted
 path, its type (a `Literal`'s allowed values), its default and the description the schema gives it.
@@ -19,7 +19,7 @@ from pydantic_core import PydanticUndefined
 
 HEADER = """# Configuration reference
 
-Generated from the schema by `python -m cluster.config.reference` (do not edit by hand: the tests
+Generated from the schema by `python -m cluster.config.fields_doc` (do not edit by hand: the tests
 compare this file with the command's output). The overview is in [configuration.md](configuration.md).
 
 | field | type | default | description |
