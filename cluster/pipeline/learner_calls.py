@@ -10,6 +10,8 @@ from typing import Any
 
 import ray
 
+from cluster.config.schema import RunConfig
+from cluster.placement.launch import Roles
 from cluster.records.chunks import Parts, RolloutBatch
 from cluster.records.groups import LostInputs, shard_parts
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
@@ -20,7 +22,7 @@ class LearnerStepError(RuntimeError):
     """The learner failed or timed out; the run stops (its last checkpoint stays resumable)."""
 
 
-def engines_hold(cfg: Any, version: int) -> int | None:
+def engines_hold(cfg: RunConfig, version: int) -> int | None:
     """The version the driver vouches every rollout engine holds as the learner's current weights, which
     lets a learner step skip its proximal pass (`learner.bypass`), or None where it cannot say so.
 
@@ -38,7 +40,7 @@ class LearnerRanks:
     """Learner steps over the run's ranks (`roles.ranks`; colocated hosts in `roles.hosts`).
     `resume_hint()` is the tail of a stopping error: how to continue the run."""
 
-    def __init__(self, cfg: Any, roles: Any, resume_hint: Callable[[], str]) -> None:
+    def __init__(self, cfg: RunConfig, roles: Roles, resume_hint: Callable[[], str]) -> None:
         self.cfg, self.roles, self.resume_hint = cfg, roles, resume_hint
 
     def train_calls(self, parts: Parts, engines_hold: int | None = None) -> list[tuple[str, Any, list]]:

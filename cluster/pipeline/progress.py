@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from cluster.config.schema import RunConfig
 from cluster.pipeline.checkpoint import LEARNER_DIR, Cadence, checkpoint_step, read_state, save_checkpoint
 from cluster.records.chunks import Parts, kept
 
@@ -71,7 +72,7 @@ class Checkpointer:
     """The run's checkpoints: when one is due (`checkpoint.every_steps` / `every_minutes`), writing one
     per step at most, pruning (`keep_last`, `keep_best` by `best_metric`) and reading one back."""
 
-    def __init__(self, run_dir: Path, cfg: Any) -> None:
+    def __init__(self, run_dir: Path, cfg: RunConfig) -> None:
         self.run_dir, self.cfg = run_dir, cfg
         ck = cfg.checkpoint
         self.cadence = Cadence(ck.every_steps, ck.every_minutes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from cluster.config.schema import RunConfig
 from cluster.records.calls import Call, CallTracker
 from cluster.records.deadlines import Deadline
 from cluster.records.ray_waits import wait_until
@@ -59,7 +60,7 @@ class PublishingStep(Protocol):
 class AsyncPublisher(WeightPublisher):
     """The async pipeline's publisher: besides the published version, the version each worker holds."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)
         self.collective = self.sync.whole_group  # one broadcast reaches every worker at once
         self.worker_versions: dict[str, int] = {}

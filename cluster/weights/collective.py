@@ -10,6 +10,7 @@ from typing import Any, get_args
 import numpy as np
 import ray
 
+from cluster.config.schema import RunConfig
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
 from cluster.weights.push import (
     Fingerprint,
@@ -74,7 +75,7 @@ class CollectiveWeightSync:
         self._shared: str | None = None  # its shared-memory segment, when the bundles travel through one
 
     @classmethod
-    def from_config(cls, cfg: Any) -> CollectiveWeightSync:
+    def from_config(cls, cfg: RunConfig) -> CollectiveWeightSync:
         """The run's group: its bucket size, backend (`weight_backend`), transport, and whether loads cut
         into a generation (`pipeline.partial_rollout`)."""
         r = cfg.rollout
@@ -289,7 +290,7 @@ def _drop_silent(
         raise _LostMembers(silent)
 
 
-def weight_backend(cfg: Any) -> str:
+def weight_backend(cfg: RunConfig) -> str:
     """The weight group's backend: NCCL when learner ranks and rollout workers both have GPUs, else gloo
     (CPU buffers at both ends)."""
     return "nccl" if cfg.learner.num_gpus_per_rank and cfg.rollout.num_gpus_per_worker else "gloo"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cluster.config.schema import RunConfig
 from cluster.roles.registry import CallKind
 from cluster.weights.probe_cadence import ProbeCadence
 from cluster.weights.push import (
@@ -29,7 +30,7 @@ class WeightPublisher:
     """Publishes the learner's weights to the rollout workers (object store, collective, or in-process
     for colocated hosts) and records what each push cost."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.cut_in = cfg.pipeline.partial_rollout  # loads may cut into a generation (async only)
         self.version = 0

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from cluster.config.schema import RunConfig
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, wait_until
 from cluster.roles.registry import WEIGHTS_GROUP
 
@@ -119,7 +120,7 @@ class ObjectStorePush:
     """`rollout.weight_sync: object_store` as a pusher (`cluster.weights.syncs`): `push_weights`."""
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ObjectStorePush:
+    def from_config(cls, cfg: RunConfig) -> ObjectStorePush:
         return cls()
 
     def push(self, *args: Any, **kwargs: Any) -> tuple[SyncResult, Any]:

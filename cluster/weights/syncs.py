@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cluster.config.schema import RunConfig
 from kernel.registry import Part, Registry
 
 
@@ -44,6 +45,6 @@ WEIGHT_SYNCS: Registry[WeightSync] = Registry(
 )
 
 
-def pusher(cfg: Any) -> Any:
+def pusher(cfg: RunConfig) -> Any:
     """The pusher of the run's `rollout.weight_sync`."""
     return WEIGHT_SYNCS.function(cfg.rollout.weight_sync).from_config(cfg)
