@@ -35,7 +35,7 @@ from cluster.records.chunks import Chunk, Faults
 from cluster.records.deadlines import Deadline
 from cluster.reporting.metrics import sample_metrics, version_metrics
 from cluster.roles.registry import CallKind, running
-from cluster.weights.async_publisher import AsyncPublisher
+from cluster.weights.async_publisher import AsyncPublisher, ExportRefs
 
 LEARNER_KINDS = (CallKind.TRAIN, CallKind.EXPORT)
 
@@ -201,6 +201,11 @@ class StreamPipeline:
             for name, ref, chunks in self.parts.learner.train_calls(taken.parts)
         ]
 
+    def track_export(self, refs: ExportRefs) -> list[Call]:
+        """A learner export's calls (`AsyncPublisher.start_export`), tracked like any call."""
+        add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
+        return [add(name, ref, CallKind.EXPORT, limit, label=label) for name, ref, label in refs.calls]
+
     def _check_learner_deadlines(self) -> None:
         for call in self.collector.tracker.expired():
             if call.kind in LEARNER_KINDS:
@@ -215,16 +220,20 @@ class StreamPipeline:
         self.faults = Faults()
         scaling = self.scale(targets)
         busy0 = dict(self.busy)
-        learner = LearnerStep(step, self.start_train, self.give_back, self.weights, self.cfg.rollout.dtype)
+        learner = LearnerStep(
+            step, self.start_train, self.track_export, self.give_back, self.weights, self.cfg.rollout.dtype
+        )
         # every tracked call has its own deadline; with none tracked nothing can move: `idle` runs
         idle = Deadline(
             f"step {step} of the async pipeline", "timeouts.generate_s", self.cfg.timeouts.generate_s
         )
         while not learner.done:
-            if self.weights.collective:
-                self.weights.broadcast_due(learner)
-                if learner.done:
+            if self.weights.collective and learner.publishing:
+                if self.weights.broadcast_step(learner.step):
+                    learner.published()
                     break
+            elif self.weights.collective and learner.waiting:
+                self.weights.broadcast_behind()
             self._dispatch()
             gate = self.parts.learner_gate
             held = learner.waiting and gate is not None and gate()

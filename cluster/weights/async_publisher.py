@@ -6,7 +6,7 @@
 - `rollout.weight_sync: collective`: a broadcast reaches its whole group at once, so workers cannot
   swap one by one. When a step's training ends, no new chunk is handed out (`paused`); the chunks in
   flight finish (their samples count as usual, one version older), then learner rank 0 broadcasts to
-  every started worker and generation resumes (`broadcast_due`). A worker that is behind (new, or a
+  every started worker and generation resumes (`broadcast_step`). A worker that is behind (new, or a
   replacement) gets no chunk until a broadcast includes it: the next publication, or at once while
   the learner waits for data. Its work in hand goes to an up-to-date worker or waits for one
   (`StreamCollector.held`).
@@ -20,10 +20,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.config.schema import RunConfig
-from cluster.records.calls import Call, CallTracker
+from cluster.records.calls import CallTracker
 from cluster.records.deadlines import Deadline
 from cluster.records.ray_waits import wait_until
 from cluster.roles.registry import LEARNER, CallKind
@@ -43,18 +44,14 @@ class StreamDispatch(Protocol):
     def track_prepare(self, tracker: CallTracker, member: Any, calls: list) -> None: ...
 
 
-class PublishingStep(Protocol):
-    """What the publisher reads of the learner's step in progress (`cluster.pipeline.learner_step.LearnerStep`)."""
+@dataclass(frozen=True)
+class ExportRefs:
+    """An export in flight (`AsyncPublisher.start_export`): what the driver tracks, (actor, reference,
+    label) per call (each rank's small flag; rank 0's fingerprint, labelled "fingerprint"), and rank 0's
+    bundle, which stays an object reference the driver hands to the workers."""
 
-    step: int
-
-    @property
-    def training(self) -> bool: ...
-
-    @property
-    def publishing(self) -> bool: ...
-
-    def published(self) -> None: ...
+    calls: list[tuple[str, Any, str]]
+    bundle: Any
 
 
 class AsyncPublisher(WeightPublisher):
@@ -76,7 +73,7 @@ class AsyncPublisher(WeightPublisher):
             collector.may_generate = lambda m: not self.behind(m)
 
     def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
-        if kind == CallKind.GENERATE and self.collective:  # it joins the next broadcast (`broadcast_due`)
+        if kind == CallKind.GENERATE and self.collective:  # it joins the next broadcast (`broadcast_step`, `broadcast_behind`)
             self.worker_versions[member.name] = 0
             return []
         if kind == CallKind.GENERATE:
@@ -122,24 +119,24 @@ class AsyncPublisher(WeightPublisher):
             c = self.collector
             c.track_prepare(c.tracker, member, self.prepare(CallKind.GENERATE, member, cut_in=cut_in))
 
-    def broadcast_due(self, learner: PublishingStep) -> None:
-        """rollout.weight_sync='collective': broadcast when a step's weights are due (`learner.publishing`:
-        to every started worker, once their chunks in flight are done; none is handed out meanwhile), or
-        when a started worker is behind and the learner is between steps (to those workers only: they
-        hold no chunk, the others keep sampling). Never while the learner trains."""
-        c = self.collector
-        if learner.training:
-            return
+    def broadcast_step(self, version: int) -> bool:
+        """rollout.weight_sync='collective', a step's weights v`version` are due: broadcast them to every
+        started worker once their chunks in flight are done (none is handed out meanwhile; with partial
+        rollouts the broadcast cuts into generation at once). True once broadcast."""
         started = self._started()
-        if learner.publishing:
-            self.paused = not self.cut_in  # with partial rollouts the broadcast cuts into generation
-            if self.paused and any(c.tracker.pending(m.name) for m in started):
-                return  # their chunks in flight finish first
-            self.broadcast(learner.step, started)
-            self.paused = False
-            learner.published()
-        elif behind := [
-            m for m in started if self.behind(m) and (self.cut_in or not c.tracker.pending(m.name))
+        self.paused = not self.cut_in
+        if self.paused and any(self.collector.tracker.pending(m.name) for m in started):
+            return False  # their chunks in flight finish first
+        self.broadcast(version, started)
+        self.paused = False
+        return True
+
+    def broadcast_behind(self) -> None:
+        """rollout.weight_sync='collective', the learner between steps: broadcast the current version to
+        the started workers that are behind and hold no chunk (the others keep sampling)."""
+        c = self.collector
+        if behind := [
+            m for m in self._started() if self.behind(m) and (self.cut_in or not c.tracker.pending(m.name))
         ]:
             self.broadcast(self.version, behind)
 
@@ -173,20 +170,17 @@ class AsyncPublisher(WeightPublisher):
                 self.checked([m.name], self.fingerprint)
                 self.worker_versions[m.name] = self.version
 
-    def start_export(self, version: int) -> tuple[list[Call], Any]:
+    def start_export(self, version: int) -> ExportRefs:
         """Every rank exports v`version` (ZeRO-3 gathers); rank 0's result is the bundle, and its
         fingerprint (probe logprobs when `probe_wanted` for the current workers, checksum, digest) is
-        what the workers must acknowledge. The driver tracks each rank's small flag; the bundle stays an
-        object reference it hands to the workers."""
-        add, limit = self.collector.tracker.add, self.cfg.timeouts.weight_sync_s
+        what the workers must acknowledge."""
         describe = bundle_facts(self.cfg.rollout.dtype)
         probe = self.probe_wanted(version, self.roles.workers.names)
         calls, bundle = [], None
         for i, r in enumerate(self.roles.ranks):
             flag, exported = r.export_split.remote(describe, self.cfg.rollout.dtype, probe)
             bundle = exported if i == 0 else bundle
-            name = LEARNER.member_name(i)
-            calls.append(add(name, flag, CallKind.EXPORT, limit, label=name))
+            calls.append((LEARNER.member_name(i), flag, LEARNER.member_name(i)))
         fingerprint = self.roles.ranks[0].export_fingerprint.remote()  # after the export, same actor
-        calls.append(add(LEARNER.member_name(0), fingerprint, CallKind.EXPORT, limit, label="fingerprint"))
-        return calls, bundle
+        calls.append((LEARNER.member_name(0), fingerprint, "fingerprint"))
+        return ExportRefs(calls, bundle)
