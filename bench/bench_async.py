@@ -122,7 +122,7 @@ def run_side(config: str, overrides: list[str], steps: int) -> dict:
         "generator_idle": statistics.mean(
             m.get("pipeline/generator_idle_frac", _sync_gen_idle(m)) for m in rows
         ),
-        "staleness": statistics.mean(m.get("staleness/mean", 0.0) for m in rows),
+        "staleness": statistics.mean(m.get("rollout/staleness_mean", 0.0) for m in rows),
         "phases": {k: statistics.median(m[k] for m in rows) for k in PHASES},
         "rows": rows,
     }

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernel.metric_names import merge_metrics
 from learner.advantages import kl_loss, needs_critic
 from learner.algorithms import count_sequences
 from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
@@ -216,7 +217,7 @@ def train_step(
     metrics = ppo_update(ctx, batch)
     if math.isfinite(stats["objective/kl"]) and stats["train/sequences"] > 0:
         kl_controller.update(stats["objective/kl"], int(stats["train/sequences"]))
-    metrics.update(stats)
+    metrics = merge_metrics(metrics, stats)  # the update's and the batch's: no name is both
     metrics["objective/kl_coef"] = kl_coef if config.kl.mode == "reward" else config.kl.loss_coef
-    metrics["time/train"] = float(all_reduce([time.perf_counter() - start], "max", device)[0])
+    metrics["train/compute_s"] = float(all_reduce([time.perf_counter() - start], "max", device)[0])
     return metrics

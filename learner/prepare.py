@@ -208,7 +208,7 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
     stats = {
         "train/tokens": g.tokens - g.filtered_tokens,
         "train/sequences": g.sequences,
-        "rollout/reward_mean": g.reward / seqs,
+        "train/reward_mean": g.reward / seqs,
         "objective/kl": g.kl / seqs,
         "rollout/logprob_gap": math.nan if bypass else g.logprob_gap / tokens,
         "values/mean": g.values / tokens,

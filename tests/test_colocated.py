@@ -27,6 +27,7 @@ SMALL = {"data.prompts_per_step": 16, "rollout.chunk_size": 16, "learner.micro_b
 # Metrics that measure time or the process layout, not the arithmetic.
 NOT_ARITHMETIC = (
     "time/",
+    "train/compute_s",  # the learner ranks' own seconds
     "throughput/",
     "scale/",
     "pipeline/",

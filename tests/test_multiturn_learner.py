@@ -214,7 +214,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
     """One group of four episodes, right in the end after 0-3 wrong guesses (-0.05 each): outcomes 1.0,
     returns 1, .95, .9, .85 (the return dynamic sampling filters on, tests/test_dynamic_sampling.py).
     grpo (kl 0): mean .925, std sqrt(.0125 / 3) = .0645497: advantages +-1.161895 and +-0.387298 on every
-    model token; rollout/reward_mean is the mean return, .925, as the driver's."""
+    model token; train/reward_mean is the mean return, .925, as the driver's rollout/reward_mean."""
     from test_dynamic_sampling import _guess_episode
     from test_learner_packing import GradientTap
 
@@ -229,7 +229,7 @@ def test_the_learner_trains_and_reports_the_episodes_return(tiny_policy_dir):
     batch = pack_trajectories(trajs, pad_id=0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
     stats = prepare(LearnerContext(tap, LearnerConfig(advantage="grpo"), 1.0, 0), batch, 0.0)
-    assert stats["rollout/reward_mean"] == pytest.approx(0.925, rel=1e-6)
+    assert stats["train/reward_mean"] == pytest.approx(0.925, rel=1e-6)
     adv = batch.tokens.advantages
     for row, want in enumerate([1.161895, 0.387298, -0.387298, -1.161895]):
         valid = batch.mask[row] > 0
@@ -281,4 +281,4 @@ def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_po
     np.testing.assert_allclose(batch.tokens.advantages.tolist(), want, atol=1e-6)
     assert (stats["reward_norm/count"], stats["reward_norm/mean"]) == (3.0, pytest.approx(1.0))
     assert stats["reward_norm/std"] == pytest.approx(2.0)
-    assert stats["rollout/reward_mean"] == pytest.approx(1.0)  # the raw returns' mean
+    assert stats["train/reward_mean"] == pytest.approx(1.0)  # the raw returns' mean

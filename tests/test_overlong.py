@@ -323,7 +323,7 @@ def test_the_ramp_reaches_the_scores_the_learner_trains_on(policy_path):
     adv = batch.tokens.advantages
     assert float(adv[0, 0]) == pytest.approx(1.25) and float(adv[1, 0]) == pytest.approx(-1.25)
     assert stats["train/overlong_penalty_mean"] == pytest.approx(-0.5)  # (0 + -1) / 2 sequences
-    assert stats["rollout/reward_mean"] == pytest.approx(0.5)  # the raw scores
+    assert stats["train/reward_mean"] == pytest.approx(0.5)  # the raw scores
 
 
 def test_an_overlong_max_tokens_that_is_not_the_workers_limit_stops_the_step(policy_path):

@@ -10,6 +10,7 @@ import threading
 import pytest
 import ray
 from demo_run import CONFIG, SMALL_STEPS, SYNC_DEMO_STEPS, demo_overrides, prompt_file, train_rows
+from test_metric_names import undeclared
 
 from cluster.config.schema import ConfigError, load_config
 from cluster.pipeline.checkpoint import latest_checkpoint
@@ -46,6 +47,8 @@ def test_async_with_zero_staleness_reproduces_sync(
     extra = {"pipeline.mode": "async", "pipeline.max_staleness": 0, "rollout.weight_sync": weight_sync}
     streamed = train_rows(cfg_for(demo_assets, SYNC_DEMO_STEPS, **extra), tmp_path / "async", SYNC_DEMO_STEPS)
     for want, got in zip(sync_demo_rows, streamed, strict=True):
+        # every name in either pipeline's row is declared by exactly one producer
+        assert undeclared(want) == [] and undeclared(got) == []
         assert got["staleness/max"] == 0.0
         for key in COMPARED:
             # Same prompts, chunks, seeds, weights and trajectory order: equal up to float noise.

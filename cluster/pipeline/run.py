@@ -48,6 +48,7 @@ from cluster.reporting.startup_clock import StartupClock
 from cluster.reporting.summary import RunSummary
 from cluster.reporting.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
 from cluster.reporting.trackers.run_logger import RunLogger
+from kernel.metric_names import merge_metrics
 
 FIXED_COUNTS = (
     "this run uses cluster.placement='colocated': each rollout worker, reference and reward replica lives in "
@@ -257,7 +258,8 @@ class Run:
     def finish_step(self, step: int, metrics: dict[str, float], worker_lags: dict | None = None) -> None:
         """Record a finished step everywhere (the run's loggers, history); checkpoint if due.
         `worker_lags` (async): versions each rollout worker trails, exported per worker to Ray metrics."""
-        metrics.update({f"weights/{stage}": s for stage, s in self.weights.take_stages().items()})
+        stages = {f"weights/{s}": t for s, t in self.weights.take_stages().items()}
+        metrics.update(merge_metrics(metrics, stages))  # in place: `iteration` returns this row
         self.log.step(StepRow(step, metrics, worker_lags=worker_lags or {}))
         self.flat_groups.observe(step, metrics)
         self.progress.history.append(metrics)

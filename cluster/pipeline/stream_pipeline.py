@@ -33,9 +33,10 @@ from cluster.pipeline.stream_buffer import StreamBuffer, Taken
 from cluster.records.calls import Call
 from cluster.records.chunks import Chunk, Faults
 from cluster.records.deadlines import Deadline
-from cluster.reporting.metrics import sample_metrics, version_metrics
+from cluster.reporting.metrics import StepFaults, StepTimes, step_metrics, version_metrics
 from cluster.roles.registry import CallKind, running
 from cluster.weights.async_publisher import AsyncPublisher, ExportRefs
+from kernel.metric_names import merge_metrics
 
 LEARNER_KINDS = (CallKind.TRAIN, CallKind.EXPORT)
 
@@ -262,10 +263,10 @@ class StreamPipeline:
         progress.samples_seen += int(metrics["rollout/samples"])
         progress.record_batch(taken.parts)
         if self.parts.group_filter is not None:
-            metrics.update(self._dynamic_metrics(taken))
-        metrics["scale/events"] = float(len(scaling))
+            metrics = merge_metrics(metrics, self._dynamic_metrics(taken))
+        metrics = merge_metrics(metrics, {"scale/events": float(len(scaling))})
         if self.eval_ready is not None:  # a held-out round that finished during this step
-            metrics.update(self.eval_ready)
+            metrics = merge_metrics(metrics, self.eval_ready)
             self.eval_ready = None
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         result = StepResult(metrics, worker_lags=self.weights.lags(live))
@@ -310,6 +311,8 @@ class StreamPipeline:
         self.faults.events.append(f"learner inputs of chunks {sorted(lost)} lost; generating them again")
 
     def _metrics(self, step: LearnerStep, busy0: dict[str, float]) -> dict[str, float]:
+        """The step's row (`step_metrics`, as sync mode builds it) with the async pipeline's own: the
+        buffer, the staleness histogram, how new weights cut into responses, idle fractions, lags."""
         taken, depth = step.taken, step.depth
         now = time.perf_counter()
         wall, self.t_last = now - self.t_last, now
@@ -319,12 +322,7 @@ class StreamPipeline:
         eta = self.cfg.pipeline.max_staleness
         live = [n for n in self.roles.workers.names if n not in self.collector.draining]
         lags = list(self.weights.lags(live).values())
-        return {
-            **sample_metrics(taken.parts, wall, self.parts.data_stats, self.cfg.reward),
-            "rollout/queue_depth": float(depth),
-            "rollout/staleness_mean": float(staleness.mean()),
-            **step.metrics,
-            "staleness/mean": float(staleness.mean()),
+        own = {
             "staleness/max": float(staleness.max()),
             **{f"staleness/hist_{k}": float((staleness == k).sum()) for k in range(eta + 1)},
             **version_metrics([c.facts[j] for c, pos in taken.parts for j in pos], step.step - 1),
@@ -333,17 +331,21 @@ class StreamPipeline:
             "pipeline/learner_idle_frac": float(step.t_wait / wall),
             "weights/version_lag_mean": float(np.mean(lags)) if lags else 0.0,
             "weights/version_lag_max": float(max(lags)) if lags else 0.0,
-            "time/generate": gen_busy / n_workers,
-            "time/score": self.busy["score"] - busy0["score"],
             "time/wait_data": step.t_wait,
-            "time/train": step.t_train,
-            "time/weight_sync": step.t_sync,
-            "time/step": wall,
-            "policy_version": float(self.version),
-            "scale/rollout_workers": float(len(self.roles.workers) - len(self.collector.draining)),
-            "faults/actor_replacements": float(self.faults.replacements),
-            "faults/redispatched_chunks": float(self.faults.redispatched),
-            "faults/lost_chunks": float(self.faults.lost),
             "staleness/dropped_samples": float(step.stale_samples),
             "staleness/requeued_prompts": float(step.stale_prompts),
         }
+        return step_metrics(
+            taken.parts,
+            step.metrics,
+            StepTimes(
+                gen_busy / n_workers, self.busy["score"] - busy0["score"], step.t_train, step.t_sync, wall
+            ),
+            StepFaults(self.faults.replacements, self.faults.redispatched, self.faults.lost),
+            list(taken.staleness),
+            data_stats=self.parts.data_stats,
+            reward=self.cfg.reward,
+            version=self.version,
+            workers=len(self.roles.workers) - len(self.collector.draining),
+            own=own,
+        )

@@ -12,8 +12,9 @@ from cluster.pipeline.dynamic_sampling import StepAccount, round_seed, split_chu
 from cluster.pipeline.failures import check_failures
 from cluster.pipeline.pipelines import RunParts, StepResult, replace_in_pool
 from cluster.records.chunks import RolloutBatch
-from cluster.reporting.metrics import SyncStepTimes, sync_step_metrics
+from cluster.reporting.metrics import StepFaults, StepTimes, step_metrics
 from cluster.weights.publisher import WeightPublisher
+from kernel.metric_names import merge_metrics
 
 
 class SyncPipeline:
@@ -61,24 +62,26 @@ class SyncPipeline:
         progress.step = step
         progress.samples_seen += len(batch.kept)
         progress.record_batch(batch.parts)
-        times = SyncStepTimes(train=t_train, weight_sync=t_sync, wall=time.perf_counter() - t0)
-        metrics = sync_step_metrics(
-            batch,
+        version = p.weights.version
+        wall = time.perf_counter() - t0
+        metrics = step_metrics(
+            batch.parts,
             learner_metrics,
-            times,
-            p.data_stats,
-            cfg.reward,
-            p.weights.version,
-            len(p.roles.workers),
-            p.weights.replacements,
+            StepTimes(batch.time_generate, batch.time_score, t_train, t_sync, wall),
+            StepFaults(batch.replacements + p.weights.replacements, batch.redispatched, batch.lost),
+            [version - 1 - c.facts[j].version for c, j in batch.kept],
+            data_stats=p.data_stats,
+            reward=cfg.reward,
+            version=version,
+            workers=len(p.roles.workers),
+            own={"rollout/queue_depth": float(batch.queue_depth), "scale/events": float(len(scaling))},
         )
-        metrics["scale/events"] = float(len(scaling))
         if account is not None:
             progress.record_filtered(account.filtered_prompts)
-            metrics.update(account.metrics())
-            metrics["dynamic/filtered_total"] = float(progress.filtered_total)
+            dynamic = {**account.metrics(), "dynamic/filtered_total": float(progress.filtered_total)}
+            metrics = merge_metrics(metrics, dynamic)
         if p.evaluator.due(step):
-            metrics.update(p.evaluator.evaluate(f"held-out evaluation at step {step}")[0])
+            metrics = merge_metrics(metrics, p.evaluator.evaluate(f"held-out evaluation at step {step}")[0])
         return StepResult(metrics)
 
     def collect_informative(self, step: int) -> tuple[RolloutBatch, StepAccount]:

@@ -1,4 +1,4 @@
-"""Per-step metrics: what a trained step reports (`sample_metrics`, `sync_step_metrics`); the run's
+"""Per-step metrics: what a trained step reports (`sample_metrics`, `step_metrics`: both pipelines build their rows with it); the run's
 loggers (`cluster.reporting.trackers`) write them, `metrics.jsonl` first."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from cluster.records.chunks import Parts, RolloutBatch, kept
+from cluster.records.chunks import Parts, kept
 from cluster.reporting.flat_groups import METRIC as FLAT_METRIC
 from cluster.reporting.flat_groups import flat_groups_frac
 from cluster.reporting.summary import reward_to_prob
+from kernel.metric_names import merge_metrics
 from rollout_workers.environment import FAILED, EpisodeStatus
 
 
@@ -106,7 +107,7 @@ def version_metrics(facts: list[Any], version: int) -> dict[str, float]:
     """How the trained samples' tokens spread over policy versions (`SampleFacts.spans`), for a learner
     at `version`: versions per response, the share of responses whose generation new weights cut into,
     the segments after the first summed over the batch (`pipeline.partial_rollout`), and the mean lag
-    of a token (a sample's own staleness is its oldest token's: `staleness/mean`)."""
+    of a token (a sample's own staleness is its oldest token's: `rollout/staleness_mean`)."""
     spans = [f.spans or ((f.version, f.length),) for f in facts]
     if not spans:
         return {}
@@ -154,40 +155,55 @@ def episode_metrics(facts: list[Any], prefix: str = "") -> dict[str, float]:
 
 
 @dataclass(frozen=True)
-class SyncStepTimes:
-    """Seconds of one sync step's phases (generation and scoring come with the batch)."""
+class StepTimes:
+    """Seconds of one step's phases."""
 
-    train: float
+    generate: float  # the workers' generation (async: the busy time per worker)
+    score: float  # scoring not hidden behind generation
+    train: float  # the learner's step, as the driver waited for it
     weight_sync: float
     wall: float
 
 
-def sync_step_metrics(
-    batch: RolloutBatch,
+@dataclass(frozen=True)
+class StepFaults:
+    replacements: int  # actors lost and replaced during the step
+    redispatched: int  # chunks handed to another actor
+    lost: int  # chunks whose objects were lost with their node and generated again
+
+
+def step_metrics(
+    parts: Parts,
     learner: dict[str, float],
-    times: SyncStepTimes,
+    times: StepTimes,
+    faults: StepFaults,
+    staleness: list[int],
+    *,
     data_stats: Any,
     reward: Any,
     version: int,
     workers: int,
-    sync_replacements: int,
+    own: dict[str, float],
 ) -> dict[str, float]:
-    """The row of a sync step: its samples', the learner's, and the step's times and faults; `version`
-    is the one just published (the samples were drawn with `version - 1`)."""
-    staleness = [version - 1 - c.facts[j].version for c, j in batch.kept]
-    return {
-        **sample_metrics(batch.parts, times.wall, data_stats, reward),
-        "rollout/queue_depth": float(batch.queue_depth),
-        "rollout/staleness_mean": float(np.mean(staleness)),
-        **learner,
-        "time/generate": batch.time_generate,
-        "time/score": batch.time_score,
-        "time/train": times.train,
-        "time/weight_sync": times.weight_sync,
-        "time/step": times.wall,
-        "policy_version": float(version),
-        "scale/rollout_workers": float(workers),
-        "faults/actor_replacements": float(batch.replacements + sync_replacements),
-        "faults/redispatched_chunks": float(batch.redispatched),
-        "faults/lost_chunks": float(batch.lost),
-    }
+    """The row of a step, built the same way by both pipelines: its samples' metrics, its times, versions
+    and faults, the pipeline's `own` metrics (sync: the scoring queue; async: the buffer, the staleness
+    histogram, idle fractions) and the learner's. `version` is the one just published; `staleness` each
+    trained sample's versions behind it. A name produced twice is an error (`merge_metrics`)."""
+    return merge_metrics(
+        sample_metrics(parts, times.wall, data_stats, reward),
+        {
+            "rollout/staleness_mean": float(np.mean(staleness)),
+            "time/generate": times.generate,
+            "time/score": times.score,
+            "time/train": times.train,
+            "time/weight_sync": times.weight_sync,
+            "time/step": times.wall,
+            "policy_version": float(version),
+            "scale/rollout_workers": float(workers),
+            "faults/actor_replacements": float(faults.replacements),
+            "faults/redispatched_chunks": float(faults.redispatched),
+            "faults/lost_chunks": float(faults.lost),
+        },
+        own,
+        learner,
+    )

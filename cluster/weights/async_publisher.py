@@ -73,7 +73,9 @@ class AsyncPublisher(WeightPublisher):
             collector.may_generate = lambda m: not self.behind(m)
 
     def prepare(self, kind: str, member: Any, cut_in: bool = False) -> list:
-        if kind == CallKind.GENERATE and self.collective:  # it joins the next broadcast (`broadcast_step`, `broadcast_behind`)
+        if (
+            kind == CallKind.GENERATE and self.collective
+        ):  # it joins the next broadcast (`broadcast_step`, `broadcast_behind`)
             self.worker_versions[member.name] = 0
             return []
         if kind == CallKind.GENERATE:
