@@ -34,6 +34,8 @@ from cluster.reporting.job_env import (
 )
 from cluster.reporting.local_ray import dashboard_port, moved_dashboard
 from cluster.roles.registry import ROLES
+from learner.registry import resolve
+from reward_service.backends import REWARD_KINDS
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -76,11 +78,11 @@ def preflight(cfg: RunConfig) -> RunPrompts:
     prompt_files(cfg.data.prompts_path, "data.prompts_path")
     if cfg.eval.prompts_path:
         prompt_files(cfg.eval.prompts_path, "eval.prompts_path")
-    if cfg.reward.kind == "rule":
-        from reward_service.weighted import load_functions
-
+    # the reward kind's own check before any actor starts (the rule kind's: its functions load)
+    check = REWARD_KINDS[cfg.reward.kind].check
+    if check is not None:
         try:
-            load_functions(cfg.reward)
+            resolve(check)(cfg.reward)
         except (ValueError, ImportError) as err:  # the message names the field
             raise ConfigError(str(err)) from None
     tokenizer = load_tokenizer(cfg)

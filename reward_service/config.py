@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import string
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from reward_service.backends import REWARD_KINDS
+
+# The allowed values of reward.kind: the registered reward kinds (reward_service.backends).
+RewardKindName = Literal[REWARD_KINDS.names()]
 
 # A function's name is its metric's: reward/<name>.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -212,14 +218,11 @@ class FunctionEntry:
 
 
 class RewardConfig(_Strict):
-    kind: Literal["model", "rule", "remote", "judge", "environment"] = Field(
+    kind: RewardKindName = Field(
         "model",
-        description="Reward source: a sequence-classification model, reward functions (reward.rule or "
-        "reward.functions), a remote HTTP "
-        "endpoint, 'judge': a causal LM prompted with each sample (reward.judge), or 'environment': the rewards of each multi-turn episode's environment (rollout.environment), "
-        "all of them: the outcome (the last turn's reward) on the last model token and each earlier turn's reward "
-        "on that turn's last token. With any other kind an episode's transcript is scored and that score is its "
-        "whole reward: none of the environment's turn rewards is used.",
+        description=f"Reward source: {REWARD_KINDS.describe()}. With any kind but the environment's an "
+        "episode's transcript is scored and that score is its whole reward: none of the environment's turn "
+        "rewards is used.",
     )
     model_path: str | None = Field(
         None, description="Folder of the reward model (save_pretrained layout); kind='model'."
@@ -295,8 +298,11 @@ class RewardConfig(_Strict):
                 "reward.rule/reward.rule_module and reward.functions: set one (reward.rule is the "
                 "one-function shorthand of reward.functions)"
             )
-        if self.kind != "rule":
-            raise ValueError(f"reward.functions: needs reward.kind='rule' (got {self.kind!r})")
+        takers = [k.name for k in REWARD_KINDS if "functions" in k.needs]
+        if self.kind not in takers:
+            raise ValueError(
+                f"reward.functions: needs reward.kind={' or '.join(map(repr, takers))} (got {self.kind!r})"
+            )
         seen: dict[str, int] = {}
         for i, f in enumerate(self.functions):
             name = f.metric_name
@@ -310,10 +316,10 @@ class RewardConfig(_Strict):
 
     @model_validator(mode="after")
     def _judge_is_its_own_role(self) -> RewardConfig:
-        """kind='judge' starts judge actors (reward.judge.*) and no scorer: the scorer's counts and
-        resources set away from their defaults would be silently unused, so they are refused, naming the
-        judge's field."""
-        if self.kind != "judge":
+        """A kind of its own role (kind='judge') starts its actors (reward.judge.*) and no scorer: the
+        scorer's counts and resources set away from their defaults would be silently unused, so they are
+        refused, naming the judge's field."""
+        if not REWARD_KINDS[self.kind].own_role:
             return self
         fields = type(self).model_fields
         scorer_only = sorted(
@@ -329,16 +335,12 @@ class RewardConfig(_Strict):
         return self
 
     def missing(self) -> str | None:
-        """What `kind` needs and the section lacks (checked once the whole run config is read, since
-        overrides may set the kind and its fields in any order); None when nothing is missing."""
-        needs = {
-            "model": (self.model_path, "reward.model_path"),
-            "rule": (self.function_entries(), "reward.rule or reward.functions"),
-            "remote": (self.url, "reward.url"),
-            "judge": (self.judge.model_path, "reward.judge.model_path"),
-        }
-        if self.kind in needs and not needs[self.kind][0]:
-            return f"{needs[self.kind][1]} is required when reward.kind={self.kind!r}"
+        """What `kind` needs (its `needs`, one of which must be set) and the section lacks (checked once
+        the whole run config is read, since overrides may set the kind and its fields in any order); None
+        when nothing is missing."""
+        needs = REWARD_KINDS[self.kind].needs
+        if needs and not any(functools.reduce(getattr, f.split("."), self) for f in needs):
+            return f"{' or '.join(f'reward.{f}' for f in needs)} is required when reward.kind={self.kind!r}"
         return None
 
     def function_entries(self) -> list[FunctionEntry]:

@@ -340,3 +340,58 @@ def test_the_call_kind_check_sees_comparisons_arguments_and_keys(tmp_path):
     )
     found = call_kind_literals(tmp_path, {"start", "train", "generate"}, tmp_path / "cluster" / "r.py")
     assert found == ["cluster/x.py:1 'start'", "cluster/x.py:3 'train'", "cluster/x.py:4 'generate'"]
+
+
+def reward_kind_literals(root: Path, kinds: set[str]) -> list[str]:
+    """`file:line 'kind'` for every string constant equal to a reward kind's name on one side of a
+    comparison whose other side's source mentions `kind` (`cfg.reward.kind == "rule"`,
+    `kind in ("rule", "environment")`), in any module of `root/cluster`."""
+    found = []
+    for f in sorted((root / "cluster").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            for k, side in enumerate(sides):
+                if not any("kind" in ast.unparse(other) for j, other in enumerate(sides) if j != k):
+                    continue
+                found += [
+                    f"{f.relative_to(root)}:{c.lineno} {c.value!r}"
+                    for c in ast.walk(side)
+                    if isinstance(c, ast.Constant) and c.value in kinds
+                ]
+    return sorted(set(found))
+
+
+def test_no_module_of_cluster_compares_a_reward_kind_by_name():
+    """What cluster/ asks of a reward kind (which role scores, what its scores mean, which held-out
+    metrics exist, what it needs) is a field of its entry in `reward_service.backends.REWARD_KINDS`,
+    never a comparison with the kind's name, so a new kind is its backend and its entry. Messages may
+    name a kind (reward.kind='judge'): they compare nothing."""
+    from reward_service.backends import REWARD_KINDS
+
+    kinds = set(REWARD_KINDS.names())
+    assert kinds >= {"model", "rule", "remote", "judge", "environment"}
+    assert reward_kind_literals(ROOT, kinds) == []
+
+
+def test_the_reward_kind_check_sees_comparisons_with_any_kind(tmp_path):
+    (tmp_path / "cluster" / "roles").mkdir(parents=True)
+    (tmp_path / "cluster" / "roles" / "x.py").write_text(
+        'runs = lambda c: c.reward.kind != "judge"\n'
+        'if cfg.reward.kind in ("rule", "environment"):\n'
+        "    pass\n"
+        'if "model" == kind:\n'
+        "    pass\n"
+        'label = "judge"\n'
+        'if role.name == "judge":\n'
+        "    pass\n"
+        "msg = f\"reward.kind='judge' needs {x}\"\n"
+    )
+    found = reward_kind_literals(tmp_path, {"judge", "rule", "environment", "model"})
+    assert found == [
+        "cluster/roles/x.py:1 'judge'",
+        "cluster/roles/x.py:2 'environment'",
+        "cluster/roles/x.py:2 'rule'",
+        "cluster/roles/x.py:4 'model'",
+    ]

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from cluster.config.schema import RunConfig
+from reward_service.backends import REWARD_KINDS
 
 NOTICES: list[Callable[[RunConfig], str | None]] = []
 
@@ -24,7 +25,7 @@ def environment_rewards_unused(cfg: RunConfig) -> str | None:
     """Multi-turn episodes scored by another reward kind: the environment's own rewards (every turn's and
     the outcome) are dropped by design (`reward_service.scorer.ScoreBatch.turn_rewards`)."""
     env, kind = cfg.rollout.environment, cfg.reward.kind
-    if not env.enabled or kind == "environment":
+    if not env.enabled or REWARD_KINDS[kind].turn_rewards:
         return None
     return (
         f"rollout.environment.name={env.name!r} with reward.kind={kind!r}: the environment's rewards (each "

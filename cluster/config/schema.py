@@ -25,6 +25,7 @@ from cluster.config.sections import (
 )
 from learner.config import LearnerConfig
 from learner.registry import ADVANTAGES, LOSS_AGGS
+from reward_service.backends import REWARD_KINDS
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
 
@@ -127,7 +128,7 @@ class RunConfig(_Strict):
     def _environment(self) -> None:
         """Multi-turn rollouts: what they need of the other sections."""
         env = self.rollout.environment
-        if self.reward.kind == "environment" and not env.enabled:
+        if REWARD_KINDS[self.reward.kind].turn_rewards and not env.enabled:
             raise ValueError(
                 "reward.kind='environment' scores multi-turn episodes by their environment: set "
                 "rollout.environment.name, or another reward.kind"

@@ -25,7 +25,7 @@ from cluster.prompts.loader import Prompt
 from cluster.records.chunks import Chunk, Parts, RolloutBatch, chunk_seed, every_sample, kept
 from cluster.reporting.metrics import episode_metrics, function_failure_metrics, function_metrics
 from cluster.reporting.reward_failures import RewardFailureLog
-from cluster.reporting.summary import reward_to_prob
+from reward_service.backends import REWARD_KINDS, reward_to_prob
 from rollout_workers.config import SamplingConfig
 
 # The chunk-seed "step" of every evaluation chunk: far from any training step's seeds.
@@ -94,7 +94,7 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
         "eval/policy_version": float(min(versions)) if versions else float("nan"),
         "eval/reward_failures": float(sum(len(pos) for _c, pos in parts) - len(scored)),
     }
-    if cfg.reward.kind in ("rule", "environment"):
+    if REWARD_KINDS[cfg.reward.kind].accuracy:
         every = [(c, j) for c, pos in parts for j in pos]
         correct = [bool(c.scores.ok[j]) and c.scores.scores[j] >= cfg.eval.correct_at for c, j in every]
         m["eval/accuracy"] = float(np.mean(correct)) if every else float("nan")
@@ -105,7 +105,7 @@ def eval_metrics(cfg: RunConfig, parts: Parts) -> dict:
     m.update(episode_metrics([c.facts[j] for c, pos in parts for j in pos], prefix="eval/"))
     m.update(function_metrics(scored, prefix="eval/"))
     m.update(function_failure_metrics(parts, prefix="eval/"))
-    probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
+    probs = reward_to_prob(scores, cfg.reward)
     if probs is not None:
         m["eval/reward_prob_mean"] = float(probs.mean()) if len(probs) else float("nan")
     return m
@@ -174,7 +174,7 @@ def print_eval(title: str, metrics: dict | None, batch: RolloutBatch, tokenizer,
     if metrics is not None:
         print(headline(metrics), flush=True)
     scored, scores = batch.kept, batch.scores
-    probs = reward_to_prob(scores, cfg.reward.kind, cfg.reward.score)
+    probs = reward_to_prob(scores, cfg.reward)
     # each prompt's first sample (a prompt's samples are consecutive in its chunk), when it was scored
     firsts = [
         i

@@ -15,8 +15,8 @@ import numpy as np
 from cluster.records.chunks import Parts, kept
 from cluster.reporting.flat_groups import METRIC as FLAT_METRIC
 from cluster.reporting.flat_groups import flat_groups_frac
-from cluster.reporting.summary import reward_to_prob
 from kernel.metric_names import merge_metrics
+from reward_service.backends import reward_to_prob
 from rollout_workers.environment import FAILED, EpisodeStatus
 
 
@@ -70,7 +70,7 @@ def sample_metrics(parts: Parts, wall: float, data_stats: Any, reward: Any) -> d
         "data/truncated_prompts": float(data_stats.truncated),
         "data/skipped_prompts": float(data_stats.skipped_long),
     }
-    probs = reward_to_prob(scores, reward.kind, reward.score)
+    probs = reward_to_prob(scores, reward)
     if probs is not None:
         m["rollout/reward_prob_mean"] = float(probs.mean())
     if (flat := flat_groups_frac(parts)) is not None:

@@ -4,19 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
-
-def reward_to_prob(scores: np.ndarray, kind: str, score: str) -> np.ndarray | None:
-    """P(positive) for classifier rewards, so the demo reads in the classifier's own units."""
-    if kind != "model":
-        return None
-    if score == "logit_diff":
-        return 1.0 / (1.0 + np.exp(-scores))
-    if score == "prob":
-        return scores
-    return None
-
 
 @dataclass
 class RunSummary:

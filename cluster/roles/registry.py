@@ -23,6 +23,7 @@ from typing import Any
 from cluster.config.schema import RunConfig
 from cluster.records.chunks import Chunk, prompt_facts
 from learner.registry import resolve
+from reward_service.backends import REWARD_KINDS
 
 WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
 
@@ -242,7 +243,7 @@ REWARD = Role(
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
-    runs=lambda c: c.reward.kind != "judge",  # the judge role scores instead
+    runs=lambda c: not REWARD_KINDS[c.reward.kind].own_role,  # a role of its own (the judge) scores instead
 )
 
 JUDGE = Role(
@@ -260,7 +261,7 @@ JUDGE = Role(
     # its calls' time is the step's time/score, exported as the reward role's busy time
     path_fields=("model_path",),
     section="reward.judge",
-    runs=lambda c: c.reward.kind == "judge",
+    runs=lambda c: REWARD_KINDS[c.reward.kind].own_role,
 )
 
 ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE)  # also the bundle order of the plan
