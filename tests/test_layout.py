@@ -342,18 +342,23 @@ def test_the_call_kind_check_sees_comparisons_arguments_and_keys(tmp_path):
     assert found == ["cluster/x.py:1 'start'", "cluster/x.py:3 'train'", "cluster/x.py:4 'generate'"]
 
 
-def reward_kind_literals(root: Path, kinds: set[str]) -> list[str]:
+def reward_kind_literals(
+    root: Path, kinds: set[str], mention: str = "kind", skip: tuple[str, ...] = ()
+) -> list[str]:
     """`file:line 'kind'` for every string constant equal to a reward kind's name on one side of a
     comparison whose other side's source mentions `kind` (`cfg.reward.kind == "rule"`,
-    `kind in ("rule", "environment")`), in any module of `root/cluster`."""
+    `kind in ("rule", "environment")`), in any module of `root/cluster` but those in `skip` (paths
+    relative to `root`). With another `mention` and names, the same for another registry's names."""
     found = []
     for f in sorted((root / "cluster").rglob("*.py")):
+        if str(f.relative_to(root)) in skip:
+            continue
         for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             if not isinstance(node, ast.Compare):
                 continue
             sides = [node.left, *node.comparators]
             for k, side in enumerate(sides):
-                if not any("kind" in ast.unparse(other) for j, other in enumerate(sides) if j != k):
+                if not any(mention in ast.unparse(other) for j, other in enumerate(sides) if j != k):
                     continue
                 found += [
                     f"{f.relative_to(root)}:{c.lineno} {c.value!r}"
@@ -395,3 +400,24 @@ def test_the_reward_kind_check_sees_comparisons_with_any_kind(tmp_path):
         "cluster/roles/x.py:2 'rule'",
         "cluster/roles/x.py:4 'model'",
     ]
+
+
+def test_no_module_of_cluster_but_the_judges_engines_compares_an_engine_by_name():
+    """What placement and the config ask of an engine (the GPUs it spans, its sequence limit) is a field
+    of its entry in `rollout_workers.engines.ENGINES`; `cluster/roles/judge_engines.py`, which builds
+    the judge's model on an engine, is the one module that names them."""
+    from rollout_workers.engines import ENGINES
+
+    names = set(ENGINES.names())
+    assert names >= {"hf", "vllm"}
+    skip = ("cluster/roles/judge_engines.py",)
+    assert reward_kind_literals(ROOT, names, mention="engine", skip=skip) == []
+
+
+def test_the_engine_check_sees_a_comparison_with_an_engine(tmp_path):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "x.py").write_text(
+        'if r.engine != "vllm" or cfg.rollout.engine in ("hf",):\n    pass\n'
+    )
+    found = reward_kind_literals(tmp_path, {"hf", "vllm"}, mention="engine")
+    assert found == ["cluster/x.py:1 'hf'", "cluster/x.py:1 'vllm'"]

@@ -38,6 +38,24 @@ def test_a_fields_allowed_values_are_its_registrys_names(path, registry):
     assert registry.field == path
 
 
+def test_the_judges_engines_are_the_judge_configs_choices_and_rollout_engines():
+    from cluster.roles.judge_engines import JUDGE_ENGINES
+
+    assert field_values("reward.judge.engine") == set(JUDGE_ENGINES.names())
+    assert set(JUDGE_ENGINES.names()) <= set(ENGINES.names())
+
+
+def test_an_engine_declares_its_devices_and_sequence_limit():
+    from rollout_workers.config import RolloutConfig
+
+    hf, vllm = RolloutConfig(engine="hf"), RolloutConfig(engine="vllm", vllm={"tensor_parallel_size": 2})
+    assert ENGINES["hf"].devices(hf) == 1 and ENGINES["vllm"].devices(vllm) == 2
+    assert ENGINES["hf"].fit_length(hf, 99) is hf
+    assert ENGINES["vllm"].fit_length(vllm, 99).vllm.max_model_len == 99
+    fixed = RolloutConfig(engine="vllm", vllm={"max_model_len": 50})
+    assert ENGINES["vllm"].fit_length(fixed, 99).vllm.max_model_len == 50  # the user's limit stays
+
+
 def test_every_registered_part_of_the_cluster_resolves():
     for registry in (PIPELINES, WEIGHT_SYNCS, SCHEDULES):
         for part in registry:

@@ -28,6 +28,7 @@ from learner.registry import ADVANTAGES, LOSS_AGGS
 from reward_service.backends import REWARD_KINDS
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
+from rollout_workers.engines import ENGINES
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -259,8 +260,7 @@ class RunConfig(_Strict):
                 "rollout.weight_sync='collective' (weights move in memory)",
             ),
             (
-                self.rollout.engine == "vllm"
-                and self.rollout.vllm.tensor_parallel_size > 1
+                ENGINES[self.rollout.engine].devices(self.rollout) > 1
                 and self.rollout.num_gpus_per_worker > 0,
                 "rollout.vllm.tensor_parallel_size > 1 on GPUs (an engine of its own placement group)",
             ),

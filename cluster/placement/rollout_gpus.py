@@ -29,10 +29,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config.schema import RunConfig
 from cluster.prompts.chat import template_kwargs
 from rollout_workers.config import RolloutConfig
+from rollout_workers.engines import ENGINES
 
 
 def worker_config(cfg: RunConfig) -> RolloutConfig:
-    """The rollout section a worker is started with: `vllm.max_model_len` filled in from the data, an
+    """The rollout section a worker is started with: the engine's sequence limit filled in from the data
+    (`Engine.fit_length`: vLLM's `max_model_len`), an
     unset `sleep_level` 1 where the roles are colocated on GPUs (the engine frees its memory for the
     learner step: vLLM sleep mode), `interruptible` from pipeline.partial_rollout, the text of an
     environment module given as a .py file, and for chat observations the prompts' template and kwargs
@@ -58,15 +60,14 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
             update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
         env = env.model_copy(update=update)
         r = r.model_copy(update={"environment": env})
-    if r.engine != "vllm" or r.vllm.max_model_len is not None:
-        return r
     longest = env.max_total_tokens if env.enabled else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
-    return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_model_len": longest})})
+    return ENGINES[r.engine].fit_length(r, longest)
 
 
 class RolloutPlacement:
-    """The placement groups of tensor-parallel vLLM workers on GPUs, one per worker slot (the
-    other workers are bundles of the run's placement plan, `cluster.placement`)."""
+    """The placement groups of workers whose engine spans several GPUs (`Engine.devices`: vLLM's tensor
+    parallelism), one per worker slot (the other workers are bundles of the run's placement plan,
+    `cluster.placement`)."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.rollout = cfg.rollout
@@ -76,13 +77,13 @@ class RolloutPlacement:
     @property
     def tensor_parallel_on_gpus(self) -> bool:
         r = self.rollout
-        return r.engine == "vllm" and r.vllm.tensor_parallel_size > 1 and r.num_gpus_per_worker > 0
+        return ENGINES[r.engine].devices(r) > 1 and r.num_gpus_per_worker > 0
 
     def bundles(self) -> list[dict[str, float]]:
         """One worker's group: the wrapper's CPUs (and custom resources) with the first GPU."""
         r = self.rollout
         first = {"GPU": 1.0, "CPU": r.num_cpus_per_worker, **r.resources}
-        return [first] + [{"GPU": 1.0} for _ in range(r.vllm.tensor_parallel_size - 1)]
+        return [first] + [{"GPU": 1.0} for _ in range(ENGINES[r.engine].devices(r) - 1)]
 
     def group(self, slot: int) -> Any:
         if slot not in self.groups:
