@@ -98,10 +98,10 @@ def side_policy_base(path: str) -> dict:
     """The learner's LoRA model: the adapters-off forward that replaces the reference actor's."""
     import torch
 
+    from kernel.sequences import response_tokens
     from learner.config import LoRAConfig
     from learner.lora import adapters_off
     from learner.model import PolicyWithValueHead
-    from learner.sequences import response_tokens
 
     torch.manual_seed(0)
     model = PolicyWithValueHead.from_pretrained(path, lora=LoRAConfig(rank=16, alpha=32.0)).eval()

@@ -139,7 +139,7 @@ def generate(args, s: Shared, row: Row) -> None:
 def behaviour_gaps(args, s: Shared, row: Row) -> None:
     from transformers import AutoModelForCausalLM
 
-    from learner.sequences import right_padded, sequence_logprobs
+    from kernel.sequences import right_padded, sequence_logprobs
 
     sequences = [np.concatenate([p, o.response_ids]) for p, o in s.samples]
     teacher = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32, local_files_only=True)
@@ -284,7 +284,7 @@ def push(args, s: Shared, engine, adapter: bool = False) -> tuple[dict, list, in
     rollout.lora_sync='adapter'), load it into `engine`, time both, and check the engine's digest
     against the bundle's and its probe logprobs against the learner's. Returns the facts, the engine's
     probe logprobs, the bundle's bytes and why the push failed (None: it passed)."""
-    from learner.sequences import probe_sequences
+    from kernel.sequences import probe_sequences
     from rollout_workers.weights import sampled_digest, torch_dtype
 
     s.learner.config.export_adapter = adapter

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from learner.sequences import pack_sequences
+from kernel.sequences import pack_sequences
 from learner.trajectory import Trajectory
 
 __all__ = ["Batch", "TokenFields", "Trajectory", "dummy_batch", "pack_trajectories"]

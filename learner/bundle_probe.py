@@ -1,7 +1,7 @@
 """The probe's logprobs from the exported weights: the learner's side of a weight push without ZeRO-3's hooks.
 
 A push that scores the probe (`rollout.probe_every`) compares what an engine computes with what the
-learner computes on a few fixed sequences (`learner.sequences.probe_sequences`). Under ZeRO-3 a
+learner computes on a few fixed sequences (`kernel.sequences.probe_sequences`). Under ZeRO-3 a
 forward of the training engine fetches every parameter through DeepSpeed's per-module hooks, one
 collective each (at 0.5B over gloo: 3.7-5.6 s, against 1.8-2.6 s for the export's bucketed gather of
 the same bytes). The export has just gathered the full weights onto rank 0, so on a CPU learner rank 0
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from learner.sequences import right_padded, sequence_logprobs
+from kernel.sequences import right_padded, sequence_logprobs
 
 
 def skeleton(config) -> nn.Module:

@@ -11,10 +11,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kernel.sequences import pack_rows, response_tokens
 from learner.batch import Batch
 from learner.config import LearnerConfig
 from learner.micro_batches import plan_micro_batches
-from learner.sequences import pack_rows, response_tokens
 
 
 def world_size() -> int:
@@ -80,7 +80,7 @@ def forward_scores(
 
     With `extra=1` every output has R+1 positions: position `len_i` of row i then holds what the
     state after its last token gives (the value a truncated response bootstraps from). `packed`: one
-    padding-free row (`learner.sequences.pack_rows`), outputs only at real response positions. The
+    padding-free row (`kernel.sequences.pack_rows`), outputs only at real response positions. The
     model scores the tokens itself (`PolicyWithValueHead.forward` with `targets`: from full logits, or
     chunked from the hidden states)."""
     R = b.mask.shape[1] + extra

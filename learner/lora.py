@@ -1,7 +1,7 @@
 """LoRA on the policy (`learner.lora`): PEFT adapters injected into the HF model, merged for export.
 
 `apply_lora` injects PEFT's LoRA layers into the HF causal LM in place (the model keeps its own
-class, so every type-based path of learner.sequences still applies) and freezes everything else:
+class, so every type-based path of kernel.sequences still applies) and freezes everything else:
 only `lora_A` / `lora_B` (and `modules_to_save` copies) train. Parameter names change the way PEFT
 changes them: a targeted `<module>.weight` becomes `<module>.base_layer.weight`, with
 `<module>.lora_A.default.weight` [r, in] and `<module>.lora_B.default.weight` [out, r] beside it.

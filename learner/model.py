@@ -11,17 +11,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from learner.algorithms import entropy_from_logits, logprobs_from_logits
-from learner.chunked_logprobs import chunked_token_scores, linear_logits_reason
-from learner.config import LoRAConfig
-from learner.lora import apply_lora
-from learner.sequences import (
+from kernel.sequences import (
     PackedRows,
     fused_gelu_kwargs,
     gather_response,
     packed_response_logits,
     response_logits,
 )
+from learner.algorithms import entropy_from_logits, logprobs_from_logits
+from learner.chunked_logprobs import chunked_token_scores, linear_logits_reason
+from learner.config import LoRAConfig
+from learner.lora import apply_lora
 
 DEFAULT_CHUNK_TOKENS = 512  # what `logits_chunk_tokens: auto` chunks by where the architecture allows
 
@@ -95,9 +95,9 @@ def learner_config(path: str | Path):
 class PolicyWithValueHead(nn.Module):
     """Policy logits and values from one forward of the HF model, projected only where response tokens are scored.
 
-    For a row with prompt length p, position p-1+t scores response token t (see learner.sequences);
+    For a row with prompt length p, position p-1+t scores response token t (see kernel.sequences);
     the vocabulary projection runs on those R positions only where the model allows it, which keeps
-    the [B, R, V] logits small (`learner.sequences.response_logits`). With `logits_chunk_tokens` (an int,
+    the [B, R, V] logits small (`kernel.sequences.response_logits`). With `logits_chunk_tokens` (an int,
     see `resolve_chunk_tokens`) a forward given `targets` never builds those logits: the token logprobs
     come from the final hidden states a chunk at a time (`learner.chunked_logprobs`).
     """

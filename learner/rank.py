@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kernel.sequences import check_packing_exact, probe_sequences, right_padded
 from learner.advantages import needs_critic
 from learner.algorithms import AdaptiveKLController, FixedKLController
 from learner.batch import Trajectory
@@ -36,7 +37,6 @@ from learner.gather import cpu_state_dict
 from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_state_dict, save_adapter
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
-from learner.sequences import check_packing_exact, probe_sequences, right_padded
 from learner.shared_bundle import SharedSegment, export_layout, segment_views, write_rank_part
 from learner.shared_bundle import room as shared_room
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.sequences import pad_id_of, right_padded
+from kernel.sequences import pad_id_of, right_padded
 from reward_service.config import JudgeConfig, template_fields
 from reward_service.functions import RewardInput
 from reward_service.hf_models import DTYPES, max_positions

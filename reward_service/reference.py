@@ -8,8 +8,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.algorithms import logprobs_from_logits
-from learner.sequences import (
+from kernel.sequences import (
     check_packing_exact,
     fused_gelu_kwargs,
     pack_rows,
@@ -19,6 +18,7 @@ from learner.sequences import (
     response_logits,
     response_tokens,
 )
+from learner.algorithms import logprobs_from_logits
 from reward_service.config import ReferenceConfig
 from reward_service.hf_models import DTYPES
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from learner.sequences import pad_id_of
+from kernel.sequences import pad_id_of
 from rollout_workers.config import SamplingConfig
 from rollout_workers.types import FinishReason
 from rollout_workers.weights import sampled_digest, state_checksum
@@ -119,7 +119,7 @@ class RolloutEngine(ABC):
     def probe_logprobs(self, sequences: list[np.ndarray]) -> list[np.ndarray]:
         """Teacher-forced logprobs (temperature 1, float32 [L-1]) of tokens 1..L-1 of each sequence,
         computed by this engine's own forward on the weights it holds: the functional fingerprint
-        that acknowledges a weight swap (see `learner.sequences.probe_sequences`)."""
+        that acknowledges a weight swap (see `kernel.sequences.probe_sequences`)."""
         self._require_ready()
         return self._probe_logprobs(sequences)
 
@@ -282,7 +282,7 @@ class RolloutEngine(ABC):
 def read_special_ids(model_path: str) -> tuple[frozenset[int], int]:
     """(EOS ids, pad id) of a checkpoint: EOS from the tokenizer and the generation config together,
     so every backend stops on the same tokens. The pad id is the tokenizer's by the rule the driver
-    gives the learner (`learner.sequences.pad_id_of`); pads only fill masked positions."""
+    gives the learner (`kernel.sequences.pad_id_of`); pads only fill masked positions."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)

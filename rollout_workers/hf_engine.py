@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
+from kernel.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
 from rollout_workers.adapter import AdapterSlots
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, Interrupt, RolloutEngine, read_special_ids

@@ -50,7 +50,7 @@ class WeightAck:
     engine computes with those weights.
 
     `probe[i]` holds the engine's teacher-forced logprobs of tokens 1.. of the i-th fixed probe sequence
-    (`learner.sequences.probe_sequences(vocab)`); the learner computes the same on the weights it
+    (`kernel.sequences.probe_sequences(vocab)`); the learner computes the same on the weights it
     exported. `checksum` is `state_checksum` of the weights read back from the engine (None where the
     engine cannot read them back, as vLLM).
 

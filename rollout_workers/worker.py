@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.sequences import probe_sequences
+from kernel.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine
 from rollout_workers.engines import ENGINES

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.sequences import (
+from kernel.sequences import (
     gather_response,
     pack_sequences,
     probe_sequences,

@@ -15,8 +15,8 @@ import torch
 from tiny_models import FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
+from kernel.sequences import probe_sequences, right_padded
 from learner.bundle_probe import bundle_probe_logprobs
-from learner.sequences import probe_sequences, right_padded
 
 
 def _own_forward(model, sequences) -> list[np.ndarray]:

@@ -12,9 +12,9 @@ from pydantic import ValidationError
 from test_learner_lora import LORA, _trained
 
 from cluster.weights.push import WeightSyncError, describe_bundle, expected_fingerprint, verify_ack
+from kernel.sequences import probe_sequences, right_padded
 from learner.config import LoRAConfig
 from learner.lora import adapter_bundle, merged_cpu_state_dict
-from learner.sequences import probe_sequences, right_padded
 from rollout_workers.config import RolloutConfig
 from rollout_workers.weights import state_checksum
 from rollout_workers.worker import RolloutWorker

@@ -1,7 +1,7 @@
 """The dependency rule of the architecture (docs/architecture.md), checked on the source: `cluster/`
 composes the roles; a role (learner, rollout workers, reward service) imports nothing of `cluster/`,
 of the demos or benchmarks, and of no other role, except the shared kernel (`kernel/`: the registry
-type) and the pure, stateless `learner.algorithms`, `learner.sequences` and `learner.registry` (the names
+type, token and mask alignment) and the pure, stateless `learner.algorithms` and `learner.registry` (the names
 of the algorithm parts), which any role may use. Every import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROLES = ("learner", "rollout_workers", "reward_service")
 PROJECT = (*ROLES, "cluster", "kernel", "demos", "bench")
 # pure modules any role may import: the shared kernel (`kernel/`, the registry type) and the learner's
 # stateless math and part names
-SHARED = ("kernel", "learner.algorithms", "learner.sequences", "learner.registry")
+SHARED = ("kernel", "learner.algorithms", "learner.registry")
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:
@@ -77,7 +77,7 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
     role.mkdir()
     src = role / "x.py"
     src.write_text(
-        "from learner import sequences\n"
+        "from kernel import sequences\n"
         "def f():\n"
         "    import cluster.records.calls\n"
         "    from learner.rank import LearnerRank\n"
@@ -88,7 +88,7 @@ def test_the_checker_sees_lazy_relative_and_from_package_imports(tmp_path):
         "cluster.records.calls",
         "learner.rank",
     ]
-    assert ("learner.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "learner.sequences")
+    assert ("kernel.sequences" in [m for _l, m in found]) and allowed("rollout_workers", "kernel.sequences")
 
 
 def test_cluster_reaches_the_demos_only_through_its_one_hook():

@@ -15,6 +15,7 @@ from test_learner_ranks import _assert_same_weights, _config, _train, _weights, 
 from tiny_models import build_causal_lm
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kernel.sequences import check_packing_exact, pack_rows
 from learner.algorithms import entropy_from_logits
 from learner.batch import pack_trajectories
 from learner.config import LearnerConfig
@@ -23,7 +24,6 @@ from learner.forward import forward_scores
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import ppo_update
 from learner.prepare import prepare
-from learner.sequences import check_packing_exact, pack_rows
 from learner.trajectory import Trajectory
 from reward_service.config import ReferenceConfig
 from reward_service.reference import ReferencePolicy

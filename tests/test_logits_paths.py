@@ -18,7 +18,7 @@ from packaging.version import Version
 from tiny_models import FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
-import learner.sequences as sequences
+import kernel.sequences as sequences
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import forward_scores, pack_trajectories
 from learner.trajectory import Trajectory

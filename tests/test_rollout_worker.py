@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.sequences import gather_response, pack_sequences, response_tokens
+from kernel.sequences import gather_response, pack_sequences, response_tokens
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.hf_engine import truncate_logits
 from rollout_workers.types import Sample

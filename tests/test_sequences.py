@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.sequences import gather_response, pack_sequences, response_positions, response_tokens
+from kernel.sequences import gather_response, pack_sequences, response_positions, response_tokens
 
 
 def test_pack_and_positions_by_hand():
@@ -54,7 +54,7 @@ def test_gelu_new_and_gelu_pytorch_tanh_are_one_function(dtype, atol):
 def test_fused_gelu_kwargs_only_rename_a_gpt2_family_gelu_new():
     from transformers import GPT2Config, GPTNeoConfig, LlamaConfig
 
-    from learner.sequences import fused_gelu_kwargs
+    from kernel.sequences import fused_gelu_kwargs
 
     fused = {"activation_function": "gelu_pytorch_tanh"}
     assert fused_gelu_kwargs(GPT2Config()) == fused  # transformers' GPT-2 default is "gelu_new"
@@ -113,7 +113,7 @@ def test_every_loader_runs_a_gelu_new_checkpoint_with_the_fused_kernel(tiny_poli
 def test_pad_id_of_worked_cases(pad, eos, expected):
     from types import SimpleNamespace
 
-    from learner.sequences import pad_id_of
+    from kernel.sequences import pad_id_of
 
     assert pad_id_of(SimpleNamespace(pad_token_id=pad, eos_token_id=eos)) == expected
 
@@ -122,7 +122,7 @@ def test_pad_id_of_reads_tokenizers_and_configs():
     from tiny_models import build_tokenizer
     from transformers import GPT2Config
 
-    from learner.sequences import pad_id_of
+    from kernel.sequences import pad_id_of
 
     tok = build_tokenizer()
     assert pad_id_of(tok) == tok.pad_token_id == 0
@@ -167,7 +167,7 @@ def test_right_padded_batch_computes_each_sequences_own_logprobs(tmp_path, famil
     from tiny_models import build_causal_lm
     from transformers import AutoModelForCausalLM
 
-    from learner.sequences import probe_sequences, right_padded, sequence_logprobs
+    from kernel.sequences import probe_sequences, right_padded, sequence_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(build_causal_lm(tmp_path / family, family)).eval()
     sequences = probe_sequences(model.config.vocab_size)

@@ -22,7 +22,7 @@ from cluster.weights.push import (
     push_weights,
     verify_ack,
 )
-from learner.sequences import probe_sequences
+from kernel.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig
 from rollout_workers.types import WeightAck
 from rollout_workers.weights import state_checksum

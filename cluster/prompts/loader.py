@@ -154,7 +154,7 @@ def load_tokenizer(cfg: RunConfig):
 
 def pad_token_id(tokenizer) -> int:
     """The id the learner pads with: the tokenizer's, by the one rule every role shares (`pad_id_of`)."""
-    from learner.sequences import pad_id_of  # here, not at import: it imports torch
+    from kernel.sequences import pad_id_of  # here, not at import: it imports torch
 
     return pad_id_of(tokenizer)
 

@@ -4,7 +4,7 @@ what the workers' engines compute.
 Rank 0's exported state dict is put in the object store once (as the return value of
 `export_weights`) and every worker loads that same object; no copy passes through the driver.
 While exporting, rank 0 also records what the workers must acknowledge (`export_fingerprint`): its
-own teacher-forced logprobs on a few fixed probe sequences (`learner.sequences.probe_sequences`),
+own teacher-forced logprobs on a few fixed probe sequences (`kernel.sequences.probe_sequences`),
 through the training forward, and the bundle's checksum at the rollout dtype when the bundle is
 small enough for that to be cheap. Each worker answers with the version it now holds, its engine's
 logprobs on the same probe, and (hf) the checksum of the weights it reads back. What was sent
