@@ -326,7 +326,7 @@ class StreamPipeline:
             "staleness/max": float(staleness.max()),
             **{f"staleness/hist_{k}": float((staleness == k).sum()) for k in range(eta + 1)},
             **version_metrics([c.facts[j] for c, pos in taken.parts for j in pos], step.step - 1),
-            "pipeline/buffer_depth": float(depth),
+            "rollout/queue_depth": float(depth),  # the buffer when the step began
             "pipeline/generator_idle_frac": float(max(0.0, 1.0 - gen_busy / (n_workers * wall))),
             "pipeline/learner_idle_frac": float(step.t_wait / wall),
             "weights/version_lag_mean": float(np.mean(lags)) if lags else 0.0,

@@ -37,7 +37,8 @@ DRIVER_METRICS = MetricNames(
             "faults/actor_replacements",
             "faults/redispatched_chunks",
             "faults/lost_chunks",
-            # sync only
+            # the step's queue: sync, the most chunks waiting for scores at once; async, the scored
+            # prompts buffered when the step began (one gauge, rayppo_trajectory_queue_depth)
             "rollout/queue_depth",
             # async only
             "time/wait_data",
@@ -48,7 +49,6 @@ DRIVER_METRICS = MetricNames(
             "staleness/interrupted_frac",
             "staleness/interrupted_segments",
             "staleness/token_lag_mean",
-            "pipeline/buffer_depth",
             "pipeline/generator_idle_frac",
             "pipeline/learner_idle_frac",
             "weights/version_lag_mean",
