@@ -72,6 +72,40 @@ class VLLMConfig(_Strict):
     )
 
 
+class GatewayConfig(_Strict):
+    """The OpenAI-compatible endpoint a rollout worker serves to agents (rollout_workers/gateway/)."""
+
+    host: str = Field(
+        "127.0.0.1", description="Address the worker's gateway listens on ('0.0.0.0': every interface)."
+    )
+    port: int = Field(0, ge=0, le=65535, description="Its port (0: a free one, reported when it starts).")
+    call_format: Literal["hermes"] = Field(
+        "hermes",
+        description="How the policy writes tool calls, parsed into OpenAI tool_calls: 'hermes' = "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Hermes).',
+    )
+    on_history_break: Literal["split", "refuse"] = Field(
+        "split",
+        description="A call whose messages do not extend the session's previous call and its answer (history "
+        "dropped, edited or summarised; or a chat template that rewrites earlier turns): 'split' starts a new "
+        "sample sharing the session's reward, 'refuse' answers 400 (code history_rewritten). Counted either way.",
+    )
+    max_sessions: int = Field(
+        256, ge=1, description="Open sessions per worker; one more is refused with 429."
+    )
+    session_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="A session's deadline from its opening; past it its calls get 404 and it ends as timed out.",
+    )
+    batch_window_ms: float = Field(
+        5.0,
+        ge=0.0,
+        description="How long the first request of an idle engine waits for others to batch with.",
+    )
+    max_batch: int = Field(64, ge=1, description="Most calls generated in one engine call.")
+
+
 class EnvironmentConfig(_Strict):
     name: str | None = Field(
         None,
@@ -187,6 +221,10 @@ class RolloutConfig(_Strict):
     environment: EnvironmentConfig = Field(
         default_factory=EnvironmentConfig,
         description="Multi-turn rollouts with an environment (off unless `name` is set).",
+    )
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig,
+        description="The OpenAI-compatible endpoint each worker serves when agents drive the rollouts.",
     )
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine options (engine='vllm' only)."

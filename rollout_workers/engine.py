@@ -228,6 +228,11 @@ class RolloutEngine(ABC):
             self._unknown_weights = "the engine woke from a level-2 sleep, which discards the weights"
         return True
 
+    @property
+    def ready(self) -> bool:
+        """Awake and holding known weights: `generate` and `probe_logprobs` would not raise."""
+        return not self.is_sleeping and self._unknown_weights is None
+
     def _require_ready(self) -> None:
         if self.is_sleeping:
             raise RuntimeError(f"{self.name} engine is asleep: wake_up() first")

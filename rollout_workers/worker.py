@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,7 @@ class RolloutWorker:
             raise ValueError(f"initial_version must be >= 0, got {initial_version}")
         self.config = config
         self.worker_index = worker_index
+        self.model_path = str(model_path)
         self._engine = make_engine(str(model_path), config)
         self._episodes = make_episode_runner(self._engine, str(model_path), config.environment, environment)
         self._version = initial_version
@@ -109,6 +111,9 @@ class RolloutWorker:
         self._last_received: str | None = None  # digest of the last bundle loaded
         self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
         self._gate = WeightGate()
+        self._ready = threading.Event()  # set while awake (the gateway's calls wait for it)
+        self._ready.set()
+        self._gateway = None  # rollout_workers.gateway.server.GatewayServer once started
         self._stats = {
             "generate_calls": 0,
             "prompts": 0,
@@ -197,6 +202,53 @@ class RolloutWorker:
             s["generate_s"] += time.perf_counter() - t0
         return samples
 
+    def generate_ids(
+        self,
+        prompts: list[np.ndarray],
+        sampling: SamplingConfig,
+        seed: int,
+        stop_ids: frozenset[int] = frozenset(),
+        limits: list[int] | None = None,
+    ) -> tuple[list[list[GenerationOutput]], int]:
+        """The engine's outputs for validated token-id prompts, and the version that sampled them (the
+        agent gateway's engine calls: `rollout_workers.gateway`). Weights are never half loaded under a
+        call (the gate); while the engine sleeps (colocated, the learner's step) the call waits for
+        `wake_up` and for the weights loaded after it."""
+        ids = [self._check_prompt(i, p, sampling) for i, p in enumerate(prompts)]
+        while True:
+            self._ready.wait()
+            with self._gate.hold():
+                if not self._engine.ready:
+                    continue
+                t0 = time.perf_counter()
+                outputs = self._engine.generate(ids, sampling, int(seed), stop_ids, limits)
+                self._check_outputs(outputs, len(ids), sampling, stop_ids, limits)
+                s = self._stats
+                s["generate_calls"] += 1
+                s["prompts"] += len(ids)
+                s["samples"] += len(ids) * sampling.n
+                s["tokens"] += sum(len(o.response_ids) for outs in outputs for o in outs)
+                s["generate_s"] += time.perf_counter() - t0
+                return outputs, self._version
+
+    def start_gateway(self, model_name: str, template: str | None = None, kwargs: dict | None = None) -> dict:
+        """Serve the OpenAI-compatible gateway on `config.gateway.host:port` (`rollout_workers.gateway`);
+        returns {'url', 'admin_key'}. Idempotent."""
+        if self._gateway is None:
+            from rollout_workers.gateway.host import serve_worker
+
+            self._gateway = serve_worker(self, model_name, template, kwargs)
+        return {"url": self._gateway.url, "admin_key": self._gateway.gateway.admin_key}
+
+    def engine_limits(self) -> dict:
+        """{'eos_ids', 'max_model_len', 'vocab_size'} of the engine (what the gateway validates against)."""
+        e = self._engine
+        return {"eos_ids": e.eos_token_ids, "max_model_len": e.max_model_len, "vocab_size": e.vocab_size}
+
+    def take_sessions(self, session_ids: list[str]) -> list[Sample]:
+        """The training samples of ended gateway sessions (each taken once)."""
+        return self._gateway.gateway.take(session_ids)
+
     def load_weights(self, state: dict[str, torch.Tensor], version: int, probe: bool = True) -> WeightAck:
         """Load a weight bundle tagged `version` (with `rollout.lora_sync='adapter'` a LoRA adapter bundle,
         `RolloutEngine.load_adapter`); acknowledge it with what the engine now computes.
@@ -260,6 +312,7 @@ class RolloutWorker:
             },
         )
         self._last_received = received
+        self._sync_ready()
         self._stats["weight_loads"] += 1
         self._stats["load_s"] += time.perf_counter() - t0
         return ack
@@ -286,6 +339,7 @@ class RolloutWorker:
             t0 = time.perf_counter()
             changed = change()
             seconds = time.perf_counter() - t0
+            self._sync_ready()
             if changed:
                 self._stats[f"{kind}s"] += 1
                 self._stats[f"{kind}_s"] += seconds
@@ -300,6 +354,9 @@ class RolloutWorker:
             "changed": bool(changed),
             "seconds": seconds,
         }
+
+    def _sync_ready(self) -> None:
+        (self._ready.set if self._engine.ready else self._ready.clear)()
 
     def weight_receivers(self) -> int:
         """How many ranks of the learner's weight group this worker's engine takes (`join_weight_group`)."""

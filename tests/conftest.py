@@ -109,6 +109,7 @@ AREAS: dict[str, tuple[str, ...]] = {
         "test_environment_hosts*",
         "test_partial_rollout_engines*",
         "test_tools*",
+        "test_gateway*",
         "test_vllm_*",
     ),
     "reward": ("test_reward_*", "test_pass_at_k*"),
