@@ -104,6 +104,14 @@ class GatewayConfig(_Strict):
         description="How long the first request of an idle engine waits for others to batch with.",
     )
     max_batch: int = Field(64, ge=1, description="Most calls generated in one engine call.")
+    chat_template: str | None = Field(
+        None,
+        description="The Jinja template prompts are rendered with; None: the tokenizer's. Filled in by the cluster from data.chat_template.",
+    )
+    chat_template_kwargs: dict = Field(
+        default_factory=dict,
+        description="apply_chat_template arguments (filled in by the cluster from data.chat_template_kwargs).",
+    )
 
 
 class EnvironmentConfig(_Strict):

@@ -19,6 +19,7 @@ Seeding policy: the engine gets the caller's `seed` unchanged, so a chunk of pro
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
@@ -98,6 +99,7 @@ class RolloutWorker:
         worker_index: int = 0,
         initial_version: int = 0,
         environment: Any = None,
+        agents: Any = None,
     ) -> None:
         if initial_version < 0:
             raise ValueError(f"initial_version must be >= 0, got {initial_version}")
@@ -114,6 +116,8 @@ class RolloutWorker:
         self._ready = threading.Event()  # set while awake (the gateway's calls wait for it)
         self._ready.set()
         self._gateway = None  # rollout_workers.gateway.server.GatewayServer once started
+        self._agents = agents  # the agent runners (`rollout_workers.agent_sessions.Agents`), or None
+        self._agent_counts: collections.Counter = collections.Counter()
         self._stats = {
             "generate_calls": 0,
             "prompts": 0,
@@ -136,13 +140,17 @@ class RolloutWorker:
         sampling: SamplingConfig | None = None,
         texts: list[str] | None = None,
         metas: list[dict] | None = None,
+        messages: list[list[dict] | None] | None = None,
     ) -> list[Sample]:
         """`n` samples per prompt (prompt order, then sample index), each tagged with the version of its
         oldest token (`version_tags`): the version held, unless a load cut in before its first token.
 
         `prompt_indices[i]` is the caller's id for `prompts[i]`; `sampling` overrides the config's. With
         an environment (`config.environment`) each sample is a multi-turn episode: `texts` (default: the
-        decoded prompts) and `metas` (default: empty) are what the environment's `reset` receives.
+        decoded prompts) and `metas` (default: empty) are what the environment's `reset` receives. With
+        agent runners (`agents`) each sample is an agent session on this worker's gateway, the agent given
+        the row {'messages' (chat data: `messages`) or 'prompt' (text), and `metas`' columns}
+        (`rollout_workers.agent_sessions`).
         """
         sampling = sampling or self.config.sampling
         if len(prompt_indices) != len(prompts):
@@ -152,6 +160,8 @@ class RolloutWorker:
         if not prompts:
             return []
         ids = [self._check_prompt(idx, p, sampling) for idx, p in zip(prompt_indices, prompts, strict=True)]
+        if self._agents is not None:
+            return self._play_agents(prompt_indices, ids, sampling, texts, metas, messages)
         with self._gate.hold():
             t0 = time.perf_counter()
             version = self._version
@@ -231,14 +241,34 @@ class RolloutWorker:
                 s["generate_s"] += time.perf_counter() - t0
                 return outputs, self._version
 
-    def start_gateway(self, model_name: str, template: str | None = None, kwargs: dict | None = None) -> dict:
-        """Serve the OpenAI-compatible gateway on `config.gateway.host:port` (`rollout_workers.gateway`);
-        returns {'url', 'admin_key'}. Idempotent."""
+    def start_gateway(self, model_name: str) -> dict:
+        """Serve the OpenAI-compatible gateway on `config.gateway.host:port` (`rollout_workers.gateway`)
+        under `model_name`; returns {'url', 'admin_key'}. Idempotent."""
         if self._gateway is None:
             from rollout_workers.gateway.host import serve_worker
 
-            self._gateway = serve_worker(self, model_name, template, kwargs)
+            self._gateway = serve_worker(self, model_name)
         return {"url": self._gateway.url, "admin_key": self._gateway.gateway.admin_key}
+
+    def _play_agents(self, prompt_indices, ids, sampling, texts, metas, messages) -> list[Sample]:
+        """The samples of n agent sessions per prompt (`rollout_workers.agent_sessions.play`)."""
+        from rollout_workers.agent_sessions import play
+
+        self.start_gateway(self._agents.model_name)
+        texts = texts if texts is not None else [self._tokenizer().decode(p) for p in ids]
+        metas = metas if metas is not None else [{} for _ in ids]
+        messages = messages if messages is not None else [None] * len(ids)
+        rows = [
+            {**meta, **({"messages": m} if m is not None else {"prompt": t})}
+            for t, meta, m in zip(texts, metas, messages, strict=True)
+        ]
+        gateway = self._gateway.gateway
+        return play(
+            gateway, self._gateway.url, self._agents, prompt_indices, rows, sampling.n, self._agent_counts
+        )
+
+    def _tokenizer(self) -> Any:
+        return self._gateway.gateway.tokenizer
 
     def engine_limits(self) -> dict:
         """{'eos_ids', 'max_model_len', 'vocab_size'} of the engine (what the gateway validates against)."""
@@ -413,6 +443,7 @@ class RolloutWorker:
         s = dict(self._stats)
         s["busy_s"] = s["generate_s"] + s["load_s"] + s["sleep_s"] + s["wake_s"]
         s["loads_inside_generation"] = self._gate.cut_ins
+        s.update(self._agent_counts)
         if self._episodes is not None:
             caller = self._episodes.caller
             s.update(

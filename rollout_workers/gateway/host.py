@@ -12,7 +12,7 @@ from rollout_workers.gateway.gateway import Gateway
 from rollout_workers.gateway.server import GatewayServer
 
 
-def serve_worker(worker: Any, model_name: str, template: str | None, kwargs: dict | None) -> GatewayServer:
+def serve_worker(worker: Any, model_name: str) -> GatewayServer:
     """Start `worker`'s gateway (a `RolloutWorker`: its `generate_ids`, config and engine limits)."""
     from transformers import AutoTokenizer
 
@@ -37,7 +37,7 @@ def serve_worker(worker: Any, model_name: str, template: str | None, kwargs: dic
         run,
         engine["eos_ids"],
         engine["max_model_len"],
-        template,
-        kwargs,
+        config.gateway.chat_template,
+        config.gateway.chat_template_kwargs,
     )
     return GatewayServer(gateway, config.gateway.host, config.gateway.port)

@@ -1,0 +1,128 @@
+"""AgentRunner: plays agent episodes, each the user's own code against one gateway session.
+
+The user's agent is a function of the prompt row and an openai client whose base URL and API key are
+its session's (`client.base_url`, `client.api_key` for code that builds its own client):
+
+    async def agent(row: dict, client: openai.AsyncOpenAI) -> float | None
+
+or a plain `def agent(row, client: openai.OpenAI)`, run in a thread. It returns the episode's reward,
+or None when the reward comes from elsewhere (reported over HTTP, `POST /sessions/{id}/reward`, or
+scored by the run's reward kind). An agent that raises, returns anything else, or passes its deadline
+(`agent.timeout_s`, then cancelled) fails its episode; the outcome says why. The runner never sees a
+token: what was sampled is recorded by the gateway.
+
+A plain class; `cluster/` runs it as a threaded Ray actor, so several workers' calls run at once, each
+playing its tasks concurrently (at most `sessions_per_runner` per call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from agent_runners.config import AgentConfig
+from kernel.agent_records import AgentOutcome, AgentTask
+
+
+def load_agent(function: str, source: str | None = None) -> Callable:
+    """The function 'path.py:name' (run from `source` when given) or 'module:name' names; a ValueError
+    naming agent.function when it cannot be loaded or is not callable."""
+    target, _, name = function.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            module = types.ModuleType(f"rayppo_agent_{abs(hash((target, source)))}")
+            module.__file__ = target
+            text = source if source is not None else Path(target).read_text(encoding="utf-8")
+            sys.modules[module.__name__] = module
+            exec(compile(text, target, "exec"), module.__dict__)
+        else:
+            module = importlib.import_module(target)
+    except Exception as error:
+        raise ValueError(
+            f"agent.function: cannot load {target!r} ({type(error).__name__}: {error})"
+        ) from error
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"agent.function: {target!r} defines no function {name!r}")
+    return fn
+
+
+def as_reward(value: Any) -> float | None:
+    """The reward an agent returned: None, or a finite real number (a bool is refused: it is not a score)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"the agent returned {value!r}; return a finite number (its reward) or None")
+    return float(value)
+
+
+class AgentRunner:
+    def __init__(self, config: AgentConfig) -> None:
+        if not config.enabled:
+            raise ValueError("agent.function is not set")
+        self.config = config
+        self.agent = load_agent(config.function, config.source)  # type: ignore[arg-type]
+        self._async = inspect.iscoroutinefunction(self.agent)
+        self.played = 0
+
+    def ping(self) -> bool:
+        return True
+
+    def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
+        """Play every task (at most `sessions_per_runner` at once); one outcome per task, in order."""
+        return asyncio.run(self._run_all(tasks))
+
+    async def _run_all(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
+        slots = asyncio.Semaphore(self.config.sessions_per_runner)
+
+        async def one(task: AgentTask) -> AgentOutcome:
+            async with slots:
+                return await self._play(task)
+
+        outcomes = await asyncio.gather(*(one(t) for t in tasks))
+        self.played += len(tasks)
+        return list(outcomes)
+
+    async def _play(self, task: AgentTask) -> AgentOutcome:
+        t0 = time.monotonic()
+        try:
+            value = await asyncio.wait_for(self._call(task), timeout=task.timeout_s)
+            reward = as_reward(value)
+        except TimeoutError:
+            return AgentOutcome(
+                task.session_id,
+                "timeout",
+                None,
+                f"the agent ran past {task.timeout_s:.0f}s",
+                time.monotonic() - t0,
+            )
+        except Exception as error:
+            why = f"{type(error).__name__}: {error}"
+            return AgentOutcome(task.session_id, "failed", None, why, time.monotonic() - t0)
+        return AgentOutcome(task.session_id, "done", reward, None, time.monotonic() - t0)
+
+    async def _call(self, task: AgentTask) -> Any:
+        row = dict(task.row)
+        if self._async:
+            async with openai.AsyncOpenAI(
+                base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=task.timeout_s
+            ) as client:
+                return await self.agent(row, client)
+
+        def blocking() -> Any:
+            with openai.OpenAI(
+                base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=task.timeout_s
+            ) as client:
+                return self.agent(row, client)
+
+        return await asyncio.to_thread(blocking)

@@ -1,0 +1,103 @@
+"""A rollout worker whose samples are agent sessions: the real AgentRunner plays the user's agent (tests/
+agents/calc_agents.py, only the openai client) against the worker's gateway, and the worker returns the
+sessions as samples. Failures (an agent that raises, hangs past its deadline, returns a non-number)
+fail the session: its sample is a failed episode, dropped downstream, unless agent.train_failed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scripted_models import scripted_policy
+
+from agent_runners.config import AgentConfig
+from agent_runners.runner import AgentRunner
+from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.worker import RolloutWorker
+
+AGENTS = Path(__file__).parent / "agents" / "calc_agents.py"
+
+
+class InProcess:
+    """The runners as the worker sees them (`rollout_workers.agent_sessions.Agents`), one real AgentRunner
+    in this process (the cluster's are Ray actors: cluster/placement/agents.py)."""
+
+    def __init__(self, function: str, **fields) -> None:
+        self.config = AgentConfig(function=f"{AGENTS}:{function}", **fields)
+        self.runner = AgentRunner(self.config)
+        self.timeout_s, self.train_failed, self.model_name = (
+            self.config.timeout_s,
+            self.config.train_failed,
+            self.config.model_name,
+        )
+
+    def run(self, tasks):
+        return self.runner.run(tasks)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return scripted_policy(tmp_path_factory.mktemp("scripted"))
+
+
+def worker_with(policy, agents) -> RolloutWorker:
+    return RolloutWorker(
+        policy[0], RolloutConfig(sampling=SamplingConfig(max_new_tokens=20, n=2)), agents=agents
+    )
+
+
+def play(worker, answers=("408", "999")) -> list:
+    rows = [[{"role": "user", "content": "12*34="}] for _ in answers]
+    ids = [np.arange(3, 8) for _ in answers]  # the worker validates ids; the agent sees the messages
+    return worker.generate(
+        list(range(len(answers))), ids, seed=0, metas=[{"answer": a} for a in answers], messages=rows
+    )
+
+
+def test_the_users_agent_plays_sessions_that_become_samples_with_its_reward(policy):
+    worker = worker_with(policy, InProcess("tool_agent"))
+    try:
+        samples = play(worker)
+        assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert [s.episode.outcome for s in samples] == [1.0, 1.0, 0.0, 0.0]
+        # the agent that got 999 called twice: one sample of two completions, the tool result between masked
+        assert [s.episode.turns for s in samples] == [1, 1, 2, 2]
+        assert all(s.episode.status == "done" for s in samples)
+        stats = worker.stats()
+        assert stats["agent_done"] == 4 and stats["agent_no_calls"] == 0
+    finally:
+        worker._gateway.close()
+
+
+def test_a_plain_def_agent_runs_in_a_thread_with_a_sync_client(policy):
+    worker = worker_with(policy, InProcess("sync_agent"))
+    try:
+        assert [s.episode.outcome for s in play(worker, ("408",))] == [1.0, 1.0]
+    finally:
+        worker._gateway.close()
+
+
+@pytest.mark.parametrize(
+    ("function", "status", "error"),
+    [
+        ("raising_agent", "env_error", "RuntimeError: the agent's own bug"),
+        ("hanging_agent", "env_timeout", "ran past 2s"),
+        ("wrong_return", "env_error", "the agent returned 'yes'"),
+    ],
+)
+def test_a_failed_agent_fails_its_session_which_is_dropped_unless_configured(policy, function, status, error):
+    worker = worker_with(policy, InProcess(function, timeout_s=2.0))
+    try:
+        samples = play(worker, ("408",))
+        assert [s.episode.status for s in samples] == [status, status]
+        assert all(error in s.episode.error for s in samples)
+        assert worker.stats()[f"agent_{'timeout' if status == 'env_timeout' else 'failed'}"] == 2
+    finally:
+        worker._gateway.close()
+    trained = worker_with(policy, InProcess(function, timeout_s=2.0, train_failed=True))
+    try:
+        samples = play(trained, ("408",))
+        assert [(s.episode.status, s.episode.outcome) for s in samples] == [("done", 0.0), ("done", 0.0)]
+    finally:
+        trained._gateway.close()
