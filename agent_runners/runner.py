@@ -11,8 +11,9 @@ scored by the run's reward kind). An agent that raises, returns anything else, o
 (`agent.timeout_s`, then cancelled) fails its episode; the outcome says why. The runner never sees a
 token: what was sampled is recorded by the gateway.
 
-A plain class; `cluster/` runs it as a threaded Ray actor, so several workers' calls run at once, each
-playing its tasks concurrently (at most `sessions_per_runner` per call).
+A plain class with an async `run`; `cluster/` runs it as an async Ray actor, so several workers' calls
+run at once on its event loop, each playing its tasks concurrently (at most `sessions_per_runner` per
+call).
 """
 
 from __future__ import annotations
@@ -78,11 +79,8 @@ class AgentRunner:
     def ping(self) -> bool:
         return True
 
-    def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
+    async def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
         """Play every task (at most `sessions_per_runner` at once); one outcome per task, in order."""
-        return asyncio.run(self._run_all(tasks))
-
-    async def _run_all(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
         slots = asyncio.Semaphore(self.config.sessions_per_runner)
 
         async def one(task: AgentTask) -> AgentOutcome:

@@ -9,7 +9,9 @@ is ended with its outcome: a reward the agent returned is the session's (unless 
 HTTP first); a failed or timed-out agent, or a runner that died, fails the session, and its segments
 are then dropped downstream as failed episodes (counted, never trained) unless `agent.train_failed`.
 A session is one sample, or several when the agent broke its history (`Session.prepare`); a session
-that made no call yields none (counted: `agent_no_calls`).
+that made no call yields none (counted: `agent_no_calls`). When no session of a call reached the model
+(an agent that cannot run, runners that cannot be reached) the call raises, naming the first error:
+nothing to train on is a fault, not an empty batch.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def play(
         session.end(outcome.status, outcome.error)
         counts[f"agent_{outcome.status}"] += 1
         counts["agent_no_calls"] += not session.segments
+    silent = [o for s, o in zip(sessions, outcomes, strict=True) if o.status != "done" and not s.segments]
+    if silent and len(silent) == len(sessions):  # nothing reached the model: a broken agent or runner
+        gateway.take([s.id for s in sessions])
+        raise RuntimeError(
+            f"all {len(sessions)} agent sessions of this call failed before calling the model; the first: "
+            f"{silent[0].status}: {silent[0].error}"
+        )
     samples = gateway.take([s.id for s in sessions])
     if agents.train_failed:
         for sample in samples:

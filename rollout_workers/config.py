@@ -104,6 +104,12 @@ class GatewayConfig(_Strict):
         description="How long the first request of an idle engine waits for others to batch with.",
     )
     max_batch: int = Field(64, ge=1, description="Most calls generated in one engine call.")
+    max_total_tokens: int = Field(
+        512,
+        ge=2,
+        description="Longest session sample: its first prompt, every completion and what came between. A call "
+        "whose prompt and max_tokens would pass it is refused (400, context_length_exceeded).",
+    )
     chat_template: str | None = Field(
         None,
         description="The Jinja template prompts are rendered with; None: the tokenizer's. Filled in by the cluster from data.chat_template.",

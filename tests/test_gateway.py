@@ -174,9 +174,7 @@ def test_concurrent_sessions_of_the_async_client_are_batched(sampled):
     async def one(k: int) -> str:
         session = sampled.open(prompt_index=k)
         client = openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
-        answer = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": f"{k}*2="}]
-        )
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"{k}*2="}])
         await client.close()
         sampled.end(session, reward=float(k))
         return session["session_id"]

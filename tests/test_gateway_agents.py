@@ -5,6 +5,7 @@ fail the session: its sample is a failed episode, dropped downstream, unless age
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ class InProcess:
         )
 
     def run(self, tasks):
-        return self.runner.run(tasks)
+        return asyncio.run(self.runner.run(tasks))
 
 
 @pytest.fixture(scope="module")

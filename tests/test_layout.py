@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLES = ("learner", "rollout_workers", "reward_service")
+ROLES = ("learner", "rollout_workers", "reward_service", "agent_runners")
 PROJECT = (*ROLES, "cluster", "kernel", "demos", "bench")
 # pure modules any role may import: the shared kernel (`kernel/`, the registry type) and the learner's
 # stateless math and part names

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from agent_runners.config import AgentConfig
 from cluster.config.data_section import DataSection
 from cluster.config.sections import (
     CheckpointSection,
@@ -58,6 +59,23 @@ class RunConfig(_Strict):
     eval: EvalSection = Field(
         default_factory=EvalSection, description="Held-out evaluation during training (off without prompts)."
     )
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig,
+        description="Agent runners: the user's own agent plays every rollout through the workers' OpenAI-compatible "
+        "gateway (off unless agent.function is set; docs/agents.md).",
+    )
+
+    @property
+    def episodes(self) -> bool:
+        """Whether samples are multi-turn episodes: an environment's, or the agent sessions'."""
+        return self.rollout.environment.enabled or self.agent.enabled
+
+    @property
+    def longest_episode(self) -> int:
+        """The most tokens an episode holds, prompt included (`rollout.environment.max_total_tokens`, or for
+        agent sessions `rollout.gateway.max_total_tokens`)."""
+        env = self.rollout.environment
+        return env.max_total_tokens if env.enabled else self.rollout.gateway.max_total_tokens
 
     @model_validator(mode="after")
     def _combinations(self) -> RunConfig:
@@ -129,22 +147,32 @@ class RunConfig(_Strict):
     def _environment(self) -> None:
         """Multi-turn rollouts: what they need of the other sections."""
         env = self.rollout.environment
-        if REWARD_KINDS[self.reward.kind].turn_rewards and not env.enabled:
+        if REWARD_KINDS[self.reward.kind].turn_rewards and not self.episodes:
             raise ValueError(
-                "reward.kind='environment' scores multi-turn episodes by their environment: set "
-                "rollout.environment.name, or another reward.kind"
+                "reward.kind='environment' scores multi-turn episodes by their environment or agent: set "
+                "rollout.environment.name or agent.function, or another reward.kind"
             )
-        if not env.enabled:
+        if env.enabled and self.agent.enabled:
+            raise ValueError(
+                "rollout.environment.name and agent.function both set who plays the episodes: keep one"
+            )
+        if self.agent.enabled and self.pipeline.partial_rollout:
+            raise ValueError(
+                "pipeline.partial_rollout=true with agent.function: a session's calls already carry each token's "
+                "version, and weights load between calls; set pipeline.partial_rollout=false"
+            )
+        if not self.episodes:
             return
-        if self.data.max_prompt_tokens >= env.max_total_tokens:
+        where = "rollout.environment" if env.enabled else "rollout.gateway"
+        if self.data.max_prompt_tokens >= self.longest_episode:
             raise ValueError(
                 f"data.max_prompt_tokens={self.data.max_prompt_tokens} leaves no room for a model turn within "
-                f"rollout.environment.max_total_tokens={env.max_total_tokens}"
+                f"{where}.max_total_tokens={self.longest_episode}"
             )
         if self.learner.overlong_buffer > 0 or self.learner.overlong_filter:
             raise ValueError(
                 "learner.overlong_buffer / overlong_filter shape single-turn responses by their length; with "
-                "rollout.environment set use rollout.environment.max_total_tokens and missing_eos_penalty "
+                f"multi-turn episodes use {where}.max_total_tokens and missing_eos_penalty "
                 "(an episode the environment did not end counts as truncated) instead"
             )
         if self.learner.truncation == "bootstrap":
@@ -176,10 +204,10 @@ class RunConfig(_Strict):
 
     def _loss_norm_tokens(self) -> None:
         """Dr. GRPO's constant (learner.loss_norm_tokens) is the most response tokens a sample can have."""
-        le, env = self.learner, self.rollout.environment
+        le = self.learner
         if LOSS_AGGS[le.loss_agg].horizon and le.loss_norm_tokens is None:
             le.loss_norm_tokens = (
-                env.max_total_tokens if env.enabled else self.rollout.sampling.max_new_tokens
+                self.longest_episode if self.episodes else self.rollout.sampling.max_new_tokens
             )
 
     def _lr_schedule(self) -> None:

@@ -29,10 +29,10 @@ def engines_hold(cfg: RunConfig, version: int) -> int | None:
     The sync pipeline pushes v`version` after each step and every worker acknowledges it by digests of the
     weights its engine holds (a new or replaced worker loads and acknowledges it before its first sample),
     so the next batch is sampled on exactly the learner's weights. Not vouched: the async pipeline (samples
-    of older versions), a rollout dtype other than the learner's (other numerics), an environment (tokens the
-    learner sees may be re-rendered), or `learner.proximal_pass: always`."""
+    of older versions), a rollout dtype other than the learner's (other numerics), an environment or agent
+    sessions (tokens the learner sees may be re-rendered), or `learner.proximal_pass: always`."""
     sync = cfg.pipeline.mode == "sync"  # (partial rollouts are async only: the run config refuses them here)
-    same = cfg.rollout.dtype == cfg.learner.dtype and not cfg.rollout.environment.enabled
+    same = cfg.rollout.dtype == cfg.learner.dtype and not cfg.episodes
     return version if sync and same and cfg.learner.proximal_pass == "auto" else None
 
 

@@ -63,6 +63,7 @@ class ColocatedHost:
         worker_config: Any,
         pad_token_id: int | None = None,
         environment: Any = None,
+        agents: Any = None,
     ) -> None:
         t0 = time.perf_counter()
         import torch
@@ -76,7 +77,7 @@ class ColocatedHost:
             from cluster.prompts.loader import pad_token_id as pad_of
 
             pad_token_id = pad_of(AutoTokenizer.from_pretrained(cfg.tokenizer_path))
-        place = Place(rank, worker_config, environment, pad_token_id)
+        place = Place(rank, worker_config, environment, pad_token_id, agents)
         # The roles take turns, so each may use the threads the learner rank has (at least its own).
         self.threads = {role.name: role.host_threads(cfg) for role in ROLES}
         self._builders = {

@@ -48,6 +48,7 @@ class Roles:
     ranks: list[Any] = field(default_factory=list)
     hosts: list[Any] = field(default_factory=list)  # cluster.placement='colocated': one per learner rank
     environments: list[Any] = field(default_factory=list)  # rollout.environment.placement='actors'
+    agent_runners: list[Any] = field(default_factory=list)  # agent.function set
 
     @property
     def workers(self) -> ActorPool:
@@ -73,21 +74,24 @@ def make_pools(
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
     hosts, environment = environment_actors(cfg, plan, run_id)
+    runners, agents = agent_actors(cfg, run_id)
 
     def pool(role: Role) -> ActorPool:
-        cls = remote_class(role, Place(0, plan.rollout.config, environment))
+        cls = remote_class(role, Place(0, plan.rollout.config, environment, agents=agents))
 
         def start(name: str, slot: int) -> Any:
             opts = plan.options(role.name, slot)
             return cls.options(name=actor_name(run_id, name), **opts, **ACTOR_ENV).remote(
-                *role.args(cfg, Place(slot, plan.rollout.config, environment))
+                *role.args(cfg, Place(slot, plan.rollout.config, environment, agents=agents))
             )
 
         on_start = on_worker_start if role is ROLLOUT else None
         release = functools.partial(plan.release, role.name)
         return ActorPool(role.prefix, start, cfg.timeouts.actor_start_s, on_start, release=release)
 
-    return Roles({role.name: pool(role) for role in running(cfg)}, plan, environments=hosts)
+    return Roles(
+        {role.name: pool(role) for role in running(cfg)}, plan, environments=hosts, agent_runners=runners
+    )
 
 
 def remote_class(role: Role, place: Place) -> Any:
@@ -106,6 +110,18 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
 
     hosts = start_environment_hosts(env, lambda i: actor_name(run_id, f"environment-{i}"))
     return hosts, RemoteEnvironment(hosts, env.timeout_s)
+
+
+def agent_actors(cfg: RunConfig, run_id: str) -> tuple[list[Any], Any]:
+    """With agent.function set: the agent runners, started now, and the `RemoteAgents` the rollout
+    workers reach them through; else ([], None)."""
+    if not cfg.agent.enabled:
+        return [], None
+    from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
+
+    config = shipped(cfg.agent)
+    runners = start_agent_runners(config, lambda i: actor_name(run_id, f"agent-runner-{i}"))
+    return runners, RemoteAgents(runners, config)
 
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
@@ -154,6 +170,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
     wait = cfg.timeouts.actor_start_s
     roles = Roles({r.name: ActorPool(r.prefix, cannot_start(r.name), wait) for r in running(cfg)}, plan)
     roles.environments, environment = environment_actors(cfg, plan, run_id)
+    roles.agent_runners, agents = agent_actors(cfg, run_id)
     try:
         for rank in range(cfg.learner.num_ranks):
             roles.hosts.append(
@@ -163,7 +180,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
                     runtime_env={"env_vars": HOST_ENV},
                     **plan.options(LEARNER.name, rank),
                 )
-                .remote(rank, cfg, plan.rollout.config, environment=environment)
+                .remote(rank, cfg, plan.rollout.config, environment=environment, agents=agents)
             )
         roles.ranks = [RoleView(h, LEARNER.name) for h in roles.hosts]
     except BaseException:
@@ -219,7 +236,7 @@ def stop_roles(roles: Roles) -> None:
         # best effort: the actor is killed next anyway
         with contextlib.suppress(Exception):
             ray.get(rank.shutdown.remote(), timeout=30)
-    for actor in [*(roles.hosts or roles.ranks), *roles.environments]:
+    for actor in [*(roles.hosts or roles.ranks), *roles.environments, *roles.agent_runners]:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
     for pool in roles.pools():

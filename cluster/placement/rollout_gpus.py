@@ -60,7 +60,13 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
             update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
         env = env.model_copy(update=update)
         r = r.model_copy(update={"environment": env})
-    longest = env.max_total_tokens if env.enabled else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
+    if cfg.agent.enabled and r.gateway.chat_template is None:
+        # sessions are rendered with the prompts' template and kwargs, as the data path renders them
+        update = {"chat_template_kwargs": template_kwargs(cfg.data)}
+        if cfg.data.chat_template_file:
+            update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
+        r = r.model_copy(update={"gateway": r.gateway.model_copy(update=update)})
+    longest = cfg.longest_episode if cfg.episodes else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
     return ENGINES[r.engine].fit_length(r, longest)
 
 

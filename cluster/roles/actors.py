@@ -42,10 +42,11 @@ class StreamingRolloutWorker(RolloutWorker):
         sampling: Any = None,
         texts: list[str] | None = None,
         metas: list[dict] | None = None,
+        messages: list | None = None,
     ) -> tuple[list[SampleFacts], list]:
         """`generate`, returned as (facts per sample: prompt index, version, length, finish reason and
         the episode's facts; the samples). The driver fetches only the facts."""
-        samples = self.generate(prompt_indices, prompts, seed, sampling, texts, metas)
+        samples = self.generate(prompt_indices, prompts, seed, sampling, texts, metas, messages)
         return [sample_facts(s) for s in samples], samples
 
 

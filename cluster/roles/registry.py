@@ -51,6 +51,7 @@ class Place:
     worker_config: Any = None  # the rollout workers' section as placed (`RolloutPlacement.config`)
     environment: Any = None  # the `RemoteEnvironment` of rollout.environment.placement='actors', or None
     pad_token_id: int | None = None
+    agents: Any = None  # the `RemoteAgents` of agent.function, or None
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def _send_generate(handle: Any, chunk: Chunk) -> tuple[Any, Any]:
         chunk.sampling,
         [p.text for p in ps],
         [p.meta for p in ps],
+        [p.messages for p in ps],
     )
 
 
@@ -184,7 +186,7 @@ ROLLOUT = Role(
     resources=lambda c: Resources(
         c.rollout.num_cpus_per_worker, c.rollout.num_gpus_per_worker, c.rollout.resources
     ),
-    args=lambda c, p: (c.model.policy_path, p.worker_config, p.slot, 0, p.environment),
+    args=lambda c, p: (c.model.policy_path, p.worker_config, p.slot, 0, p.environment, p.agents),
     # the roles of a host take turns, so the worker may use the threads its learner rank has
     host_threads=lambda c: max(c.rollout.torch_threads, c.learner.torch_threads),
     work=Work(

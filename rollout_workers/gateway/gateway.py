@@ -81,9 +81,9 @@ class Gateway:
 
     # --- sessions ---
 
-    def open_session(
-        self, prompt_index: int = -1, sample_index: int = 0, timeout_s: float | None = None
-    ) -> Session:
+    def admit(self) -> None:
+        """Refuse one more session opened over HTTP past `max_sessions` (429 with Retry-After); the
+        worker's own sessions (one per sample of its generate call) are bounded by its chunk."""
         live = sum(s.ended is None for s in self.sessions.values())
         if live >= self.config.max_sessions:
             raise GatewayError(
@@ -92,6 +92,10 @@ class Gateway:
                 code="too_many_sessions",
                 retry_after=1.0,
             )
+
+    def open_session(
+        self, prompt_index: int = -1, sample_index: int = 0, timeout_s: float | None = None
+    ) -> Session:
         session = Session(
             "sess-" + uuid.uuid4().hex[:16],
             "gw-" + secrets.token_urlsafe(24),
@@ -145,7 +149,7 @@ class Gateway:
             ) from None
         return list(rendered["input_ids"])
 
-    def _check(self, request: Sampling, limit: int | None) -> tuple[int, frozenset[int]]:
+    def _check(self, request: Sampling, limit: int | None) -> tuple[int | None, frozenset[int]]:
         run = self.sampling
         if request.model != self.model:
             raise GatewayError(
@@ -176,7 +180,7 @@ class Gateway:
             stops = stop_token_ids(self.tokenizer, request.stops())
         except ValueError as error:
             raise GatewayError.bad_field("stop", str(error).split(": ", 1)[-1]) from None
-        return limit or cap, stops
+        return limit, stops
 
     async def chat(self, request: ChatRequest, session: Session) -> Answer:
         if request.top_logprobs:
@@ -226,16 +230,21 @@ class Gateway:
             session.record(prepared, answer.choices)
         return answer
 
-    async def _generate(self, request: Sampling, prepared: Prepared, limit: int, stops) -> Answer:
+    async def _generate(self, request: Sampling, prepared: Prepared, asked: int | None, stops) -> Answer:
+        """Generate a call's choices. Without `max_tokens` a call may take what is left of the session's
+        window (rollout.gateway.max_total_tokens, and the model's length), up to the run's max_new_tokens."""
         prompt = prepared.prompt
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
             raise GatewayError.bad_field("prompt", f"token ids must be in [0, {vocab})")
-        if self.max_model_len is not None and len(prompt) + limit > self.max_model_len:
+        window = min(x for x in (self.max_model_len, self.config.max_total_tokens) if x is not None)
+        room = window - len(prompt)
+        limit = asked if asked is not None else min(self.sampling.max_new_tokens, room)
+        if limit > room or limit < 1:
             raise GatewayError(
                 400,
-                f"messages: the prompt is {len(prompt)} tokens and max_tokens {limit}; the model "
-                f"holds {self.max_model_len}",
+                f"messages: the prompt is {len(prompt)} tokens and max_tokens {limit}; a session sample holds "
+                f"{window} (rollout.gateway.max_total_tokens and the model's length)",
                 param="messages",
                 code="context_length_exceeded",
             )

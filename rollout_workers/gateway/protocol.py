@@ -31,6 +31,9 @@ class GatewayError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after
 
+    def __reduce__(self):  # picklable (Ray sends a worker's exceptions to the driver)
+        return (_rebuild, (self.status, self.message, self.param, self.code, self.retry_after))
+
     @classmethod
     def bad_field(cls, param: str, message: str, code: str = "invalid_value") -> GatewayError:
         return cls(400, f"{param}: {message}", param=param, code=code)
@@ -54,6 +57,10 @@ class GatewayError(Exception):
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after is None else {"Retry-After": f"{max(1, round(self.retry_after))}"}
+
+
+def _rebuild(status, message, param, code, retry_after) -> GatewayError:
+    return GatewayError(status, message, param=param, code=code, retry_after=retry_after)
 
 
 class _Body(BaseModel):

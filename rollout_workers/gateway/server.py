@@ -106,6 +106,7 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
     async def open_session(request: Request) -> dict:
         admin(request)
         body = await _body(request, _OpenSession)
+        gateway.admit()
         session = gateway.open_session(body.prompt_index, body.sample_index, body.timeout_s)
         return {"session_id": session.id, "api_key": session.key, "base_url": base_url + "/v1"}
 

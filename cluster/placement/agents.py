@@ -1,0 +1,75 @@
+"""The agent runners as Ray actors (`agent.function` set), and the rollout workers' view of them.
+
+`start_agent_runners` starts `agent.num_runners` threaded actors (restarted by Ray when they die), the
+agent's .py file shipped as text in their config. `RemoteAgents` (picklable: it holds the handles) is
+what a rollout worker is built with: `run(tasks)` deals a generate call's sessions over the runners in
+equal slices, waits for each slice's outcomes, and turns a runner that died or passed its deadline into
+failed or timed-out outcomes for its slice (the sessions fail; a runner past its deadline is killed and
+restarted), so one bad runner never loses a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agent_runners.config import AgentConfig
+from agent_runners.runner import AgentRunner
+from kernel.agent_records import AgentOutcome, AgentTask
+
+RUNNER_CONCURRENCY = 64  # calls one runner serves at once (one per rollout worker asking; async actor)
+GRACE_S = 30.0  # a runner's slice deadline beyond its agents' own
+
+
+def shipped(config: AgentConfig) -> AgentConfig:
+    """`config` with a .py agent file's text in `source` (runners on any node run it without the file)."""
+    target = (config.function or "").rpartition(":")[0]
+    if not target.endswith(".py") or config.source is not None:
+        return config
+    path = Path(target)
+    if not path.is_file():
+        raise ValueError(f"agent.function: file {target!r} does not exist")
+    return config.model_copy(update={"source": path.read_text(encoding="utf-8")})
+
+
+def start_agent_runners(config: AgentConfig, name: Any) -> list[Any]:
+    actor = ray.remote(AgentRunner)
+    options = {"num_cpus": config.num_cpus, "max_restarts": -1, "max_concurrency": RUNNER_CONCURRENCY}
+    return [actor.options(name=name(i), **options).remote(config) for i in range(config.num_runners)]
+
+
+class RemoteAgents:
+    """The rollout workers' view of the runners (`rollout_workers.agent_sessions.Agents`)."""
+
+    def __init__(self, runners: list[Any], config: AgentConfig) -> None:
+        self.runners = list(runners)
+        self.timeout_s, self.train_failed = config.timeout_s, config.train_failed
+        self.model_name, self.slots = config.model_name, config.sessions_per_runner
+
+    def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
+        size = math.ceil(len(tasks) / len(self.runners)) if tasks else 0
+        slices = [tasks[i : i + size] for i in range(0, len(tasks), size)] if size else []
+        calls = [
+            (runner, part, runner.run.remote(part))
+            for runner, part in zip(self.runners, slices, strict=False)
+        ]
+        outcomes: list[AgentOutcome] = []
+        for runner, part, ref in calls:
+            deadline = self.timeout_s * math.ceil(len(part) / self.slots) + GRACE_S
+            try:
+                outcomes += ray.get(ref, timeout=deadline)
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(runner, no_restart=False)
+                outcomes += [
+                    AgentOutcome(
+                        t.session_id, "timeout", None, f"agent runner passed {deadline:.0f}s; restarted"
+                    )
+                    for t in part
+                ]
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+                why = f"agent runner died: {type(error).__name__}"
+                outcomes += [AgentOutcome(t.session_id, "failed", None, why) for t in part]
+        return outcomes
