@@ -29,10 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
 from agent_runners.config import AgentConfig
 from kernel.agent_records import AgentOutcome, AgentTask
+
+_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
 def load_agent(function: str, source: str | None = None) -> Callable:
@@ -75,6 +78,11 @@ class AgentRunner:
         self.agent = load_agent(config.function, config.source)  # type: ignore[arg-type]
         self._async = inspect.iscoroutinefunction(self.agent)
         self.played = 0
+        # one connection pool for every session's client (a client of its own would build an SSL context
+        # and a pool per episode: most of a runner's CPU at hundreds of episodes a call)
+        self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._sync_http = httpx.Client(timeout=config.timeout_s, limits=_LIMITS)
 
     def ping(self) -> bool:
         return True

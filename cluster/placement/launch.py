@@ -120,7 +120,9 @@ def agent_actors(cfg: RunConfig, run_id: str) -> tuple[list[Any], Any]:
     from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
 
     config = shipped(cfg.agent)
-    runners = start_agent_runners(config, lambda i: actor_name(run_id, f"agent-runner-{i}"))
+    names = [f"agent-runner-{i}" for i in range(config.num_runners)]
+    runners = start_agent_runners(config, lambda i: actor_name(run_id, names[i]))
+    wait_ready(runners, names, cfg.timeouts.actor_start_s)  # (a runner no node has room for: said here)
     return runners, RemoteAgents(runners, config)
 
 

@@ -236,6 +236,9 @@ def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
 
 
 def demand(cfg: RunConfig) -> dict[str, float]:
-    """Every resource the plan asks for in all (sizes a local Ray)."""
+    """Every resource the plan asks for in all, and the agent runners' CPUs (sizes a local Ray)."""
     plan = PlacementPlan(cfg)
-    return _sum(plan.bundles + [b for group in plan.own_groups() for b in group])
+    total = _sum(plan.bundles + [b for group in plan.own_groups() for b in group])
+    if cfg.agent.enabled:  # actors of their own, outside the plan's bundles
+        total["CPU"] = total.get("CPU", 0.0) + cfg.agent.num_runners * cfg.agent.num_cpus
+    return total
