@@ -24,8 +24,8 @@ class InProcess:
     """The runners as the worker sees them (`rollout_workers.agent_sessions.Agents`), one real AgentRunner
     in this process (the cluster's are Ray actors: cluster/placement/agents.py)."""
 
-    def __init__(self, function: str, **fields) -> None:
-        self.config = AgentConfig(function=f"{AGENTS}:{function}", **fields)
+    def __init__(self, function: str, file: Path = AGENTS, **fields) -> None:
+        self.config = AgentConfig(function=f"{file}:{function}", **fields)
         self.runner = AgentRunner(self.config)
         self.timeout_s, self.train_failed, self.model_name = (
             self.config.timeout_s,
@@ -102,3 +102,19 @@ def test_a_failed_agent_fails_its_session_which_is_dropped_unless_configured(pol
         assert [(s.episode.status, s.episode.outcome) for s in samples] == [("done", 0.0), ("done", 0.0)]
     finally:
         trained._gateway.close()
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool_loop_as_one_session(policy):
+    """The Agents SDK (function_tool, chat-completions model, its own tool loop) against the gateway:
+    the scripted policy calls the calculator every turn, so the SDK runs it, sends the result back, and
+    stops at its max_turns; the session is one sample of three completions with the tool messages masked."""
+    worker = worker_with(policy, InProcess("agent", AGENTS.parent / "sdk_agent.py"))
+    try:
+        samples = play(worker, ("408",))
+        for s in samples:
+            assert s.episode.status == "done" and s.episode.turns == 3
+            assert s.episode.info.get("history_breaks_history", 0) == 0
+            tok = worker._gateway.gateway.tokenizer
+            assert tok.decode(s.response_ids[s.episode.loss_mask == 0]).count("<|im_start|>tool\n408") == 2
+    finally:
+        worker._gateway.close()
