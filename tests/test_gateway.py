@@ -38,8 +38,10 @@ TOOLS = [
 class Served:
     """A worker with its gateway, and helpers to open, reward and end sessions over HTTP."""
 
-    def __init__(self, path: str, tok, **gateway) -> None:
-        config = RolloutConfig(sampling=SamplingConfig(max_new_tokens=20), gateway=GatewayConfig(**gateway))
+    def __init__(self, path: str, tok, engine: str = "hf", **gateway) -> None:
+        config = RolloutConfig(
+            engine=engine, sampling=SamplingConfig(max_new_tokens=20), gateway=GatewayConfig(**gateway)
+        )
         self.worker = RolloutWorker(path, config)
         self.tok = tok
         info = self.worker.start_gateway("tiny")
