@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,11 @@ watch: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_iteration.py
+
+# The agent gateway against the same worker driven directly: tokens/s and added latency at 1, 8 and 32
+# concurrent sessions (bench/bench_gateway.py).
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/bench_gateway.py $(ARGS)
 
 # This project against TRL's PPOTrainer on the demo (installs trl into .venv-trl on first use).
 bench-trl: $(STAMP)
