@@ -138,7 +138,7 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _stream(_chat_chunks(gateway, answer, include_usage), session)
-        return _chat_response(gateway, answer, body.logprobs)
+        return JSONResponse(_chat_response(gateway, answer, body.logprobs))  # plain JSON: no encoder walk
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -147,7 +147,7 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
         answer = await gateway.complete(body, session)
         if body.stream:
             return _stream(_completion_chunks(answer), session)
-        return _completion_response(answer)
+        return JSONResponse(_completion_response(answer))
 
     return app
 
