@@ -6,6 +6,7 @@ fail the session: its sample is a failed episode, dropped downstream, unless age
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,38 @@ def test_an_openai_agents_sdk_agent_runs_its_tool_loop_as_one_session(policy):
             assert tok.decode(s.response_ids[s.episode.loss_mask == 0]).count("<|im_start|>tool\n408") == 2
     finally:
         worker._gateway.close()
+
+
+@pytest.mark.slow
+def test_a_runner_killed_mid_session_fails_its_sessions_and_is_restarted(ray_local, policy):
+    """Runner actors on a real Ray: the runner is killed once every session has made its call (the
+    gateway's own record says so); the worker's generate call returns their samples as failed episodes
+    naming the dead runner, and the next call plays on the runner Ray restarted."""
+    import threading
+
+    from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
+
+    config = shipped(AgentConfig(function=f"{AGENTS}:calls_then_waits", timeout_s=60, num_cpus=0))
+    runners = start_agent_runners(config, lambda i: f"test-agent-runner-{i}")
+    worker = worker_with(policy, RemoteAgents(runners, config))
+    try:
+        out: list = []
+        call = threading.Thread(target=lambda: out.extend(play(worker, ("408",))))
+        call.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # both sessions have their completion recorded
+            if worker._gateway is not None:
+                live = list(worker._gateway.gateway.sessions.values())
+                if len(live) == 2 and all(s.segments for s in live):
+                    break
+            time.sleep(0.05)
+        ray_local.kill(runners[0], no_restart=False)
+        call.join(timeout=120)
+        assert [s.episode.status for s in out] == ["env_error", "env_error"]
+        assert all("agent runner died" in s.episode.error for s in out)
+        assert worker.stats()["agent_failed"] == 2
+        ray_local.get(runners[0].ping.remote(), timeout=120)  # restarted by Ray
+    finally:
+        worker._gateway.close()
+        for r in runners:
+            ray_local.kill(r, no_restart=True)

@@ -47,3 +47,9 @@ async def hanging_agent(row, client):
 async def wrong_return(row, client):
     await client.chat.completions.create(model="policy", messages=row["messages"])
     return "yes"
+
+
+async def calls_then_waits(row, client):
+    """One call, then a long wait: the runner is killed meanwhile (tests/test_gateway_agents.py)."""
+    await client.chat.completions.create(model="policy", messages=row["messages"])
+    await asyncio.sleep(3600)
