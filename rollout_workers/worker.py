@@ -20,6 +20,7 @@ Seeding policy: the engine gets the caller's `seed` unchanged, so a chunk of pro
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import socket
 import threading
@@ -32,7 +33,7 @@ import torch
 
 from kernel.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.engine import GenerationOutput, RolloutEngine
+from rollout_workers.engine import GenerationOutput, RolloutEngine, derive_seed
 from rollout_workers.engines import ENGINES
 from rollout_workers.environments import make_environment
 from rollout_workers.episodes import EpisodeRunner
@@ -116,6 +117,7 @@ class RolloutWorker:
         self._ready = threading.Event()  # set while awake (the gateway's calls wait for it)
         self._ready.set()
         self._gateway = None  # rollout_workers.gateway.server.GatewayServer once started
+        self._gateway_seeds = (derive_seed(worker_index, 2**40), itertools.count())
         self._agents = agents  # the agent runners (`rollout_workers.agent_sessions.Agents`), or None
         self._agent_counts: collections.Counter = collections.Counter()
         self._stats = {
@@ -161,7 +163,7 @@ class RolloutWorker:
             return []
         ids = [self._check_prompt(idx, p, sampling) for idx, p in zip(prompt_indices, prompts, strict=True)]
         if self._agents is not None:
-            return self._play_agents(prompt_indices, ids, sampling, texts, metas, messages)
+            return self._play_agents(prompt_indices, ids, int(seed), sampling, texts, metas, messages)
         with self._gate.hold():
             t0 = time.perf_counter()
             version = self._version
@@ -250,11 +252,14 @@ class RolloutWorker:
             self._gateway = serve_worker(self, model_name)
         return {"url": self._gateway.url, "admin_key": self._gateway.gateway.admin_key}
 
-    def _play_agents(self, prompt_indices, ids, sampling, texts, metas, messages) -> list[Sample]:
-        """The samples of n agent sessions per prompt (`rollout_workers.agent_sessions.play`)."""
+    def _play_agents(self, prompt_indices, ids, seed, sampling, texts, metas, messages) -> list[Sample]:
+        """The samples of n agent sessions per prompt (`rollout_workers.agent_sessions.play`). The gateway's
+        engine calls meanwhile draw their seeds from the call's `seed` in order (`gateway_seed`); which
+        calls share an engine call depends on when the agents send them."""
         from rollout_workers.agent_sessions import play
 
         self.start_gateway(self._agents.model_name)
+        self._gateway_seeds = (seed, itertools.count())
         texts = texts if texts is not None else [self._tokenizer().decode(p) for p in ids]
         metas = metas if metas is not None else [{} for _ in ids]
         messages = messages if messages is not None else [None] * len(ids)
@@ -269,6 +274,12 @@ class RolloutWorker:
 
     def _tokenizer(self) -> Any:
         return self._gateway.gateway.tokenizer
+
+    def gateway_seed(self) -> int:
+        """The seed of the gateway's next engine call: from the current generate call's seed, in order
+        (before any: from the worker's index)."""
+        base, counter = self._gateway_seeds
+        return derive_seed(base, next(counter))
 
     def engine_limits(self) -> dict:
         """{'eos_ids', 'max_model_len', 'vocab_size'} of the engine (what the gateway validates against)."""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import random
-import time
 from typing import Any
 
 from rollout_workers.gateway.batcher import BatchKey
@@ -20,10 +17,8 @@ def serve_worker(worker: Any, model_name: str) -> GatewayServer:
     tokenizer = AutoTokenizer.from_pretrained(worker.model_path, local_files_only=True)
     sampling = config.sampling
 
-    seeds = random.Random(f"gateway-{worker.worker_index}-{os.getpid()}-{time.time_ns()}")
-
     def run(prompts, key: BatchKey, limits: list[int]):
-        seed = key.seed if key.seed is not None else seeds.randrange(2**62)
+        seed = key.seed if key.seed is not None else worker.gateway_seed()
         return worker.generate_ids(
             prompts, sampling.model_copy(update={"n": key.n}), seed, key.stop_ids, limits
         )
