@@ -331,3 +331,24 @@ def test_the_completions_endpoint_extends_a_session_by_token_ids(scripted):
     (sample,) = scripted.worker.take_sessions([session["session_id"]])
     glue = len(follow) - len(prompt) - len(sampled)
     assert list(sample.episode.loss_mask) == [1] * len(sampled) + [0] * glue + [1] * len(sampled)
+
+
+def test_streamed_tool_calls_agree_with_the_unstreamed_answer(scripted):
+    session = scripted.open()
+    client = scripted.client(session)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "12*34="}], "tools": TOOLS}
+    whole = client.chat.completions.create(**ask).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
+    scripted.end(session)
