@@ -43,3 +43,30 @@ def test_an_environments_rewards_left_untrained_by_the_reward_kind_are_said_once
 
     preflight(_config(tmp_path, tiny_policy_dir, tiny_reward_dir, **{"reward.kind": "environment"}))
     assert "rollout.environment.name" not in capsys.readouterr().err
+
+
+def test_an_agents_rewards_left_untrained_by_the_reward_kind_are_said_at_the_start(tmp_path, tiny_policy_dir):
+    from cluster.config.notices import config_notices
+    from cluster.config.schema import load_config
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie was"}) + "\n")
+    agent = Path(__file__).resolve().parent / "agents" / "calc_agents.py"
+    sets = {
+        "model.policy_path": tiny_policy_dir,
+        "model.demo_assets": "null",
+        "data.prompts_path": prompts,
+        "agent.function": f"{agent}:tool_agent",
+        "reward.kind": "rule",
+        "reward.rule": "exact_match",
+    }
+    cfg = load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
+    (notice,) = [m for m in config_notices(cfg) if "agent.function" in m]
+    assert "the rewards the agent returns or reports are NOT trained" in notice
+    assert not [
+        m
+        for m in config_notices(
+            cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"kind": "environment"})})
+        )
+        if "agent.function" in m
+    ]

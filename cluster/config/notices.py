@@ -25,8 +25,15 @@ def environment_rewards_unused(cfg: RunConfig) -> str | None:
     """Multi-turn episodes scored by another reward kind: the environment's own rewards (every turn's and
     the outcome) are dropped by design (`reward_service.scorer.ScoreBatch.turn_rewards`)."""
     env, kind = cfg.rollout.environment, cfg.reward.kind
-    if not env.enabled or REWARD_KINDS[kind].turn_rewards:
+    if REWARD_KINDS[kind].turn_rewards or not cfg.episodes:
         return None
+    if cfg.agent.enabled:
+        return (
+            f"agent.function={cfg.agent.function!r} with reward.kind={kind!r}: the rewards the agent returns or "
+            f"reports are NOT trained; each session's reward is the reward.kind={kind!r} score of its transcript "
+            "(the response is every token after the prompt: completions, tool results and glue). Set "
+            "reward.kind='environment' to train on the agent's rewards."
+        )
     return (
         f"rollout.environment.name={env.name!r} with reward.kind={kind!r}: the environment's rewards (each "
         f"turn's and the outcome) are NOT trained; each episode's reward is the reward.kind={kind!r} score of "

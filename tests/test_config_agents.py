@@ -1,0 +1,40 @@
+"""The agent section's rules: each refusal names the field and what to do."""
+
+from __future__ import annotations
+
+import pytest
+from test_config import tree
+
+from cluster.config.schema import ConfigError, build_config
+
+AGENT = {"function": "my_agent.py:agent"}
+
+
+def test_an_agent_run_is_multi_turn_and_takes_the_sessions_reward():
+    cfg = build_config(
+        tree(agent=AGENT, reward={"kind": "environment"}, rollout={"gateway": {"max_total_tokens": 256}})
+    )
+    assert cfg.episodes and cfg.longest_episode == 256
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"agent": {"function": "my_agent.py"}}, r"agent\.function.*'path/to/agent\.py:function'"),
+        ({"agent": {**AGENT, "num_runners": 0}}, r"agent\.num_runners"),
+        (
+            {"agent": AGENT, "rollout": {"environment": {"name": "tools"}}},
+            "rollout.environment.name and agent.function both set",
+        ),
+        (
+            {"agent": AGENT, "pipeline": {"mode": "async", "partial_rollout": True, "max_staleness": 1}},
+            "partial_rollout=true with agent.function",
+        ),
+        ({"agent": AGENT, "data": {"max_prompt_tokens": 600}}, r"rollout\.gateway\.max_total_tokens=512"),
+        ({"reward": {"kind": "environment"}}, "rollout.environment.name or agent.function"),
+        ({"rollout": {"gateway": {"on_history_break": "merge"}}}, r"rollout\.gateway\.on_history_break"),
+    ],
+)
+def test_the_agent_rules_name_their_fields(sections, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(tree(**sections))
