@@ -7,7 +7,8 @@ sized so that the engine's forward passes dominate as in a real run). For each c
 - direct: C prompts per engine call (`RolloutWorker.generate_ids`), `calls` rounds: what the gateway
   can at best achieve when C sessions call at once;
 - gateway: C sessions at once, each `calls` sequential chat calls through the real `openai.AsyncOpenAI`
-  client over HTTP on 127.0.0.1 (the clients run in this process, on the same 2 cores as the server).
+  client over HTTP on 127.0.0.1 (one connection pool, as the agent runners share; the clients run in
+  this process, on the same 2 cores as the server).
 Printed: completion tokens/s of each side, their ratio, and per-call latency p50/p99 of each side with
 the gateway's added latency. Both sides sample the same way (the run's temperature, `max_tokens` each
 call, EOS allowed). Nothing is asserted; the harness waits for an idle machine first.
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
@@ -75,9 +77,13 @@ async def through_gateway(worker: RolloutWorker, concurrency: int, calls: int, l
     latencies: list[float] = []
     tokens = 0
 
+    shared = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))  # as the runners do
+
     async def one(session) -> None:
         nonlocal tokens
-        async with openai.AsyncOpenAI(base_url=base, api_key=session.key, max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=base, api_key=session.key, max_retries=0, http_client=shared
+        ) as client:
             for _ in range(calls):
                 t = time.perf_counter()
                 answer = await client.chat.completions.create(
