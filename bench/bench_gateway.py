@@ -81,16 +81,13 @@ async def through_gateway(worker: RolloutWorker, concurrency: int, calls: int, l
 
     async def one(session) -> None:
         nonlocal tokens
-        async with openai.AsyncOpenAI(
-            base_url=base, api_key=session.key, max_retries=0, http_client=shared
-        ) as client:
-            for _ in range(calls):
-                t = time.perf_counter()
-                answer = await client.chat.completions.create(
-                    model="bench", messages=MESSAGES, max_tokens=limit
-                )
-                latencies.append(time.perf_counter() - t)
-                tokens += answer.usage.completion_tokens
+        # not closed: closing the client would close the shared pool
+        client = openai.AsyncOpenAI(base_url=base, api_key=session.key, max_retries=0, http_client=shared)
+        for _ in range(calls):
+            t = time.perf_counter()
+            answer = await client.chat.completions.create(model="bench", messages=MESSAGES, max_tokens=limit)
+            latencies.append(time.perf_counter() - t)
+            tokens += answer.usage.completion_tokens
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(s) for s in sessions))
