@@ -38,6 +38,19 @@ from kernel.agent_records import AgentOutcome, AgentTask
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
+class _SharedAsyncPool(httpx.AsyncClient):
+    """The runner's connection pool, handed to every session's client: an agent that closes its client
+    (`async with client:`) must not close the pool under the other sessions."""
+
+    async def aclose(self) -> None:
+        return None
+
+
+class _SharedPool(httpx.Client):
+    def close(self) -> None:
+        return None
+
+
 def load_agent(function: str, source: str | None = None) -> Callable:
     """The function 'path.py:name' (run from `source` when given) or 'module:name' names; a ValueError
     naming agent.function when it cannot be loaded or is not callable."""
@@ -82,7 +95,7 @@ class AgentRunner:
         # and a pool per episode: most of a runner's CPU at hundreds of episodes a call)
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
-        self._sync_http = httpx.Client(timeout=config.timeout_s, limits=_LIMITS)
+        self._sync_http = _SharedPool(timeout=config.timeout_s, limits=_LIMITS)
 
     def ping(self) -> bool:
         return True

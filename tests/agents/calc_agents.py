@@ -17,20 +17,22 @@ TOOLS = [
 async def tool_agent(row, client):
     """Call the model; run its calculator calls; reward 1 when a call's result equals the row's answer."""
     messages = list(row["messages"])
-    for _ in range(2):
-        answer = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
-        message = answer.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls or []:
-            result = str(eval(json.loads(call.function.arguments)["expression"], {}))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            if result == row["answer"]:
-                return 1.0
+    async with client:  # closing its client must not close the runner's pool: the other sessions use it
+        for _ in range(2):
+            answer = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            message = answer.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls or []:
+                result = str(eval(json.loads(call.function.arguments)["expression"], {}))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                if result == row["answer"]:
+                    return 1.0
     return 0.0
 
 
 def sync_agent(row, client):
-    answer = client.chat.completions.create(model="policy", messages=row["messages"], tools=TOOLS)
+    with client:  # an agent that closes its client leaves the runner's shared pool open for the others
+        answer = client.chat.completions.create(model="policy", messages=row["messages"], tools=TOOLS)
     return float(answer.choices[0].finish_reason == "tool_calls")
 
 
