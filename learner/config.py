@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from kernel.strict import Strict as _Strict
 from learner.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
@@ -13,10 +14,6 @@ AdvantageName = Literal[ADVANTAGES.names()]
 PolicyLossName = Literal[POLICY_LOSSES.names()]
 LossAggName = Literal[LOSS_AGGS.names()]
 KLName = Literal[KL_ESTIMATORS.names()]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class KLConfig(_Strict):
