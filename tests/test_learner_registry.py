@@ -82,7 +82,7 @@ def test_the_config_rules_follow_each_estimators_needs(name):
         with pytest.raises(ValueError, match="needs a critic"):
             LearnerConfig(advantage=name, truncation="bootstrap")
     stale = {"pipeline": {"mode": "async", "max_staleness": 1}}
-    resolved = build_config({**TREE, **sampled, **stale, "learner": learner}).learner.off_policy
+    resolved = build_config({**TREE, **sampled, **stale, "learner": learner}).resolved.off_policy
     assert resolved == ("none" if est.corrects_off_policy else "tis")
 
 
@@ -95,12 +95,12 @@ def test_a_policy_loss_defined_with_one_aggregation_needs_it():
 def test_dr_grpos_constant_is_the_longest_response_a_run_can_sample():
     dr = {"advantage": "grpo", "group_std_normalize": False, "loss_agg": "seq-mean-token-sum-norm"}
     rollout = {"sampling": {"n": 4, "max_new_tokens": 24}}
-    assert build_config({**TREE, "rollout": rollout, "learner": dr}).learner.loss_norm_tokens == 24
+    assert build_config({**TREE, "rollout": rollout, "learner": dr}).resolved.loss_norm_tokens == 24
     given = build_config({**TREE, "rollout": rollout, "learner": {**dr, "loss_norm_tokens": 100}})
-    assert given.learner.loss_norm_tokens == 100
+    assert given.resolved.loss_norm_tokens == 100
     # another aggregation leaves it unset (unused)
     plain = build_config({**TREE, "rollout": rollout, "learner": {"advantage": "grpo"}})
-    assert plain.learner.loss_norm_tokens is None
+    assert plain.resolved.loss_norm_tokens is None
 
 
 def test_parts_are_frozen_records():
