@@ -10,12 +10,14 @@ from pydantic import Field, field_validator
 
 from kernel.strict import Strict as _Strict
 from learner.config_blocks import KLConfig, LoRAConfig
-from learner.registry import ADVANTAGES, LOSS_AGGS, POLICY_LOSSES
+from learner.registry import ADVANTAGES, LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
 AdvantageName = Literal[ADVANTAGES.names()]
 PolicyLossName = Literal[POLICY_LOSSES.names()]
 LossAggName = Literal[LOSS_AGGS.names()]
+OffPolicyName = Literal[OFF_POLICY.names()]  # a correction the learner applies ('auto' decided)
+OffPolicySetting = Literal[("auto", *OFF_POLICY.names())]  # what the config may say: 'auto' or a correction
 
 
 class LearnerFields(_Strict):
@@ -296,14 +298,12 @@ class LearnerFields(_Strict):
             "(a learner used alone needs it set). Unused by the other aggregations."
         ),
     )
-    off_policy: Literal["auto", "none", "tis", "mask", "geo_mask"] = Field(
+    off_policy: OffPolicySetting = Field(
         "auto",
         description=(
-            "Behaviour/proximal correction per token with rho = pi_prox/mu: 'tis' min(rho, cap), 'mask' "
-            "1[rho <= cap], 'geo_mask' drops a sequence whose geometric-mean rho is outside "
-            "off_policy_geo_bounds. 'auto' = 'tis' in async mode with max_staleness > 0 or when "
-            "rollout.dtype differs from learner.dtype, else 'none'; "
-            "'none' there is a config error."
+            f"Behaviour/proximal correction per token with rho = pi_prox/mu: {OFF_POLICY.describe()}. "
+            "'auto' = 'tis' in async mode with max_staleness > 0 or when rollout.dtype differs from "
+            "learner.dtype, else 'none'; 'none' there is a config error."
         ),
     )
     off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")

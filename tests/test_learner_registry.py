@@ -12,7 +12,15 @@ import pytest
 
 from cluster.config.schema import ConfigError, build_config
 from learner.config import KLConfig, LearnerConfig
-from learner.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, Part, Registry
+from learner.registry import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+    Part,
+    Registry,
+)
 
 TREE = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
 FIELDS = [
@@ -31,11 +39,26 @@ def test_the_config_allows_exactly_the_registered_names(registry, model, field):
         model(**{field: "not-registered"})
 
 
-@pytest.mark.parametrize("registry", [ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS])
+def test_the_off_policy_setting_is_auto_or_a_registered_correction():
+    """learner.off_policy allows 'auto' (decided by the run config) and exactly OFF_POLICY's names."""
+    assert typing.get_args(LearnerConfig.model_fields["off_policy"].annotation) == (
+        "auto",
+        *OFF_POLICY.names(),
+    )
+    assert OFF_POLICY.field == "learner.off_policy"
+    with pytest.raises(ValueError, match="off_policy"):
+        LearnerConfig(off_policy="not-registered")
+
+
+@pytest.mark.parametrize("registry", [ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS, OFF_POLICY])
 def test_every_part_reaches_a_function_with_the_registrys_signature(registry):
-    arity = {"advantage estimator": 2, "policy loss": 5, "loss aggregation": 3, "KL estimator": 1}[
-        registry.kind
-    ]
+    arity = {
+        "advantage estimator": 2,
+        "policy loss": 5,
+        "loss aggregation": 3,
+        "KL estimator": 1,
+        "off-policy correction": 1,
+    }[registry.kind]
     for part in registry:
         fn = registry.function(part.name)
         assert callable(fn) and len(inspect.signature(fn).parameters) == arity, part.name
@@ -46,7 +69,7 @@ def test_the_configuration_reference_lists_every_part_with_its_summary():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
-    for registry in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS):
+    for registry in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS, OFF_POLICY):
         for part in registry:
             cell = f"'{part.name}': {part.summary}".replace("|", "\\|")  # as a Markdown cell writes it
             assert cell in doc, part.name

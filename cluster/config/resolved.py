@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 
 from cluster.config.sections import PipelineSection, RunSection
 from learner.config import LearnerConfig
+from learner.config_fields import OffPolicyName
 from learner.registry import ADVANTAGES, LOSS_AGGS
 from reward_service.config import ReferenceConfig
 from rollout_workers.config import RolloutConfig
@@ -38,7 +39,7 @@ class RunConfig(Protocol):
 class Resolved:
     """The derived values of one run config, and the role sections built from them."""
 
-    off_policy: Literal["none", "tis", "mask", "geo_mask"]  # learner.off_policy, 'auto' decided
+    off_policy: OffPolicyName  # learner.off_policy, 'auto' decided: a registered correction
     overlong_max_tokens: int  # learner.overlong_max_tokens: rollout.sampling.max_new_tokens
     loss_norm_tokens: int | None  # learner.loss_norm_tokens, filled in for a horizon loss_agg
     lr_schedule_steps: int  # learner.lr_schedule_steps, unset: the run's optimizer steps

@@ -33,7 +33,7 @@ from cluster.config.sections import (
     _Strict,
 )
 from learner.config import LearnerConfig
-from learner.registry import ADVANTAGES
+from learner.registry import ADVANTAGES, OFF_POLICY
 from reward_service.backends import REWARD_KINDS
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
@@ -122,9 +122,10 @@ class RunConfig(_Strict):
         self._lora_sync()
         corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
         if stale(self) and off_policy(self) == "none" and not corrects:  # 'auto' is 'tis' there
+            corrections = ", ".join(repr(n) for n in OFF_POLICY.names() if n != "none")
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "
-                "from older policies: set learner.off_policy to 'tis', 'mask' or 'geo_mask' (the PPO ratio is "
+                f"from older policies: set learner.off_policy to one of {corrections} (the PPO ratio is "
                 "taken against the learner's proximal policy; this corrects for the behaviour policy), or "
                 "pipeline.max_staleness=0"
             )
