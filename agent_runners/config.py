@@ -3,12 +3,12 @@ schema."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from kernel.strict import Strict
 
 
-class AgentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class AgentConfig(Strict):
     function: str | None = Field(
         None,
         description="The user's agent: 'path/to/agent.py:function' or 'dotted.module:function', an `async def "

@@ -78,7 +78,7 @@ def ensure_trl_venv(venv: Path) -> Path:
 
 def trl_args(cfg: Any, steps: int) -> list[str]:
     """bench/trl_runner.py arguments equal to this project's config; raises on what TRL cannot do."""
-    s, lc = cfg.rollout.sampling, cfg.learner
+    s, lc = cfg.rollout.sampling, cfg.resolved.learner  # off_policy 'auto' decided
     batch = cfg.data.prompts_per_step * s.n
     problems = [
         text

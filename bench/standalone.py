@@ -74,9 +74,10 @@ def run_standalone(cfg: RunConfig, steps: int) -> StandaloneResult:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     temperature = cfg.rollout.sampling.temperature
     worker = RolloutWorker(cfg.model.policy_path, cfg.rollout, 0, 0)
-    reference = ReferencePolicy(cfg.reference_path, cfg.reference, temperature)
+    resolved = cfg.resolved  # the sections as the cluster starts the roles with them
+    reference = ReferencePolicy(cfg.reference_path, resolved.reference, temperature)
     scorer = RewardScorer(cfg.reward, cfg.tokenizer_path)
-    learner = LearnerRank(0, 1, cfg.model.policy_path, cfg.learner, cfg.run.seed, pad, temperature)
+    learner = LearnerRank(0, 1, cfg.model.policy_path, resolved.learner, cfg.run.seed, pad, temperature)
     learner.setup("127.0.0.1", free_port())
     result = StandaloneResult(setup_s=time.perf_counter() - t0)
     t_roll, t_lrn = cfg.rollout.torch_threads, cfg.learner.torch_threads

@@ -1,18 +1,21 @@
 """The learner's algorithm parts by name, each registered once with what it needs.
 
-Five registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
-loss aggregations (`learner.loss_agg`) and KL estimators (`learner.kl.estimator`,
-`learner.kl.loss_estimator`) and learning-rate schedules (`learner.lr_schedule`). Everything else reads a part from here: the config's allowed values
-(`LearnerConfig`'s `Literal`s are built from `names()`), the config's rules (an estimator that learns
-a critic, one that needs groups of samples, a loss defined with one aggregation), the allowed-values
-text of the configuration reference (`describe()`), and the function the learner calls
-(`function(name)`). A part names its function as "module:function" and it is imported on first use,
-so this module, and the config with it, loads without torch (the driver imports no framework).
+Six registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
+loss aggregations (`learner.loss_agg`), KL estimators (`learner.kl.estimator`,
+`learner.kl.loss_estimator`), learning-rate schedules (`learner.lr_schedule`) and off-policy
+corrections (`learner.off_policy`; its 'auto' is decided by the run config, cluster.config.resolved).
+Everything else reads a part from here: the config's allowed values (`LearnerConfig`'s `Literal`s are
+built from `names()`), the config's rules (an estimator that learns a critic, one that needs groups of
+samples, a loss defined with one aggregation), the allowed-values text of the configuration reference
+(`describe()`), and the function the learner calls (`function(name)`). A part names its function as
+"module:function" and it is imported on first use, so this module, and the config with it, loads
+without torch (the driver imports no framework).
 
 Adding a part is one entry here, its function and its test. The function's signature is the
 registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
-and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This module imports nothing of
-the project but the registry type (`kernel.registry`), so every role may import it.
+`learner.losses.Correction`, and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This
+module imports nothing of the project but the registry type (`kernel.registry`), so every role may
+import it.
 """
 
 from __future__ import annotations
@@ -157,6 +160,34 @@ SCHEDULES: Registry[Part] = Registry(
             name="cosine",
             function="learner.lr_schedule:cosine",
             summary="cosine decay to min_lr_ratio x lr at lr_schedule_steps",
+        ),
+    ],
+)
+
+OFF_POLICY: Registry[Part] = Registry(
+    "off-policy correction",
+    "learner.off_policy",
+    [
+        Part(
+            name="none",
+            function="learner.losses:no_correction",
+            summary="no correction: weight 1 on every token",
+        ),
+        Part(
+            name="tis",
+            function="learner.losses:tis_correction",
+            summary="min(rho, off_policy_cap) per token: truncated importance sampling (Espeholt et al. 2018)",
+        ),
+        Part(
+            name="mask",
+            function="learner.losses:mask_correction",
+            summary="1[rho <= off_policy_cap] per token: token rejection",
+        ),
+        Part(
+            name="geo_mask",
+            function="learner.losses:geo_mask_correction",
+            summary="drops every token of a sequence whose geometric-mean rho is outside off_policy_geo_bounds: "
+            "sequence rejection",
         ),
     ],
 )

@@ -8,8 +8,9 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from kernel.strict import Strict as _Strict
 from reward_service.backends import REWARD_KINDS
 
 # The allowed values of reward.kind: the registered reward kinds (reward_service.backends).
@@ -17,10 +18,6 @@ RewardKindName = Literal[REWARD_KINDS.names()]
 
 # A function's name is its metric's: reward/<name>.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RewardFunctionConfig(_Strict):

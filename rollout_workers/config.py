@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from kernel.strict import Strict as _Strict
 from rollout_workers.engines import ENGINES
 
 EngineName = Literal[ENGINES.names()]  # the registered engines (rollout_workers.engines)
 WeightTransport = Literal["auto", "broadcast", "shared_memory"]  # cluster.weights.collective reads them
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class SamplingConfig(_Strict):

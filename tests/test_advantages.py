@@ -341,7 +341,7 @@ def test_config_refuses_combinations_that_cannot_work():
     assert ok.learner.advantage == "rloo"
     # vtrace on stale samples: its own importance weights are the correction ('auto' resolves to none)
     stale = {"pipeline": {"mode": "async", "max_staleness": 2}}
-    assert build_config({**tree, **stale, "learner": {"advantage": "vtrace"}}).learner.off_policy == "none"
+    assert build_config({**tree, **stale, "learner": {"advantage": "vtrace"}}).resolved.off_policy == "none"
     with pytest.raises(ValueError, match="correct twice"):
         LearnerConfig(advantage="vtrace", off_policy="tis")
     with pytest.raises(ValueError, match="needs a critic"):

@@ -174,3 +174,51 @@ def test_the_scorers_reward_function_deadline_is_resolved_in_a_copy_and_checked(
         ConfigError, match=r"reward\.function_timeout_s=40 must be below timeouts\.score_s=40"
     ):
         build_config(tree(reward={"model_path": "r", "function_timeout_s": 40.0}, timeouts={"score_s": 40.0}))
+
+
+def test_derived_values_live_in_the_resolved_record_and_the_config_keeps_what_was_written():
+    """'auto' stays 'auto' and an unset length stays null in the config (and in the run folder's
+    config.yaml); `cfg.resolved` holds the decided values and the sections the learner ranks and the
+    reference actors start with. A config.yaml written before (the derived values filled in) loads and
+    resolves to the same values."""
+    from cluster.roles.registry import LEARNER, REFERENCE
+
+    lora = {"lora": {"rank": 4}, "lr_schedule": "cosine", "loss_agg": "seq-mean-token-sum-norm"}
+    written = tree(
+        learner={**lora, "advantage": "grpo", "group_std_normalize": False, "pack_sequences": True},
+        rollout={"sampling": {"n": 2, "max_new_tokens": 24}, "lora_sync": "adapter", "dtype": "bfloat16"},
+        reference={"model_path": None},
+        run={"steps": 5},
+    )
+    cfg = build_config(written)
+    le, ref = cfg.learner, cfg.reference
+    assert (le.off_policy, ref.source, ref.pack_sequences) == ("auto", "auto", None)
+    assert (le.overlong_max_tokens, le.loss_norm_tokens, le.lr_schedule_steps) == (None, None, None)
+    assert not le.reference_from_base and not le.export_adapter
+    r = cfg.resolved
+    assert (r.off_policy, r.reference_source, r.reference_pack_sequences) == ("tis", "policy_base", True)
+    assert (r.overlong_max_tokens, r.loss_norm_tokens, r.lr_schedule_steps) == (24, 24, 5)
+    assert r.reference_from_base and r.export_adapter
+    learner = r.learner
+    assert (learner.off_policy, learner.overlong_max_tokens, learner.loss_norm_tokens) == ("tis", 24, 24)
+    assert (learner.lr_schedule_steps, learner.reference_from_base, learner.export_adapter) == (5, True, True)
+    assert (r.reference.source, r.reference.pack_sequences) == ("policy_base", True)
+    assert LEARNER.args(cfg, type("P", (), {"slot": 0, "pad_token_id": 0})())[3] == learner
+    assert REFERENCE.args(cfg, None)[1] == r.reference and not REFERENCE.runs(cfg)
+    assert cfg.learner.off_policy == "auto"  # handing the roles their sections wrote nothing back
+    # the record is frozen; the old config.yaml of a run, derived values written in, resolves the same
+    with pytest.raises(AttributeError):
+        r.off_policy = "none"
+    old = cfg.model_dump(mode="json")
+    old["learner"].update(
+        off_policy="tis",
+        overlong_max_tokens=24,
+        loss_norm_tokens=24,
+        lr_schedule_steps=5,
+        reference_from_base=True,
+        export_adapter=True,
+    )
+    old["reference"].update(source="policy_base", pack_sequences=True)
+    again = build_config(yaml.safe_load(yaml.safe_dump(old)))
+    assert again.resolved.learner == learner and again.resolved.reference == r.reference
+    assert build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))).resolved == r

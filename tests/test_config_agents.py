@@ -17,6 +17,21 @@ def test_an_agent_run_is_multi_turn_and_takes_the_sessions_reward():
     assert cfg.episodes and cfg.longest_episode == 256
 
 
+def test_an_agent_runs_horizon_loss_normalises_by_its_longest_session():
+    """Dr. GRPO's constant (learner.loss_norm_tokens), resolved for agent sessions: the gateway's limit."""
+    learner = {"loss_agg": "seq-mean-token-sum-norm", "advantage": "grpo", "group_std_normalize": False}
+    cfg = build_config(
+        tree(
+            agent=AGENT,
+            reward={"kind": "environment"},
+            rollout={"gateway": {"max_total_tokens": 256}, "sampling": {"n": 2}},
+            learner=learner,
+        )
+    )
+    assert cfg.resolved.loss_norm_tokens == cfg.resolved.learner.loss_norm_tokens == 256
+    assert cfg.learner.loss_norm_tokens is None
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [

@@ -102,14 +102,15 @@ def test_the_scheduler_scales_every_group_by_the_factor():
 
 
 def test_the_run_fills_in_its_length_in_optimizer_steps():
-    """lr_schedule_steps = run.steps x ppo_epochs x num_minibatches, unless set."""
+    """lr_schedule_steps = run.steps x ppo_epochs x num_minibatches, unless set (in the resolved record)."""
     learner = {"ppo_epochs": 2, "num_minibatches": 3, "lr_schedule": "cosine", "warmup_steps": 5}
     run = {"run": {"steps": 7}, "data": {**BASE["data"], "prompts_per_step": 8}}
     cfg = build_config({**BASE, **run, "learner": learner})
-    assert cfg.learner.lr_schedule_steps == 7 * 2 * 3
-    assert build_config({**BASE, **run}).learner.lr_schedule_steps == 7  # constant: filled in too
+    assert cfg.resolved.lr_schedule_steps == cfg.resolved.learner.lr_schedule_steps == 7 * 2 * 3
+    assert cfg.learner.lr_schedule_steps is None  # the config keeps what was written
+    assert build_config({**BASE, **run}).resolved.lr_schedule_steps == 7  # constant: filled in too
     kept = build_config({**BASE, **run, "learner": {**learner, "lr_schedule_steps": 100}})
-    assert kept.learner.lr_schedule_steps == 100  # e.g. a run to be extended on resume
+    assert kept.resolved.lr_schedule_steps == 100  # e.g. a run to be extended on resume
     with pytest.raises(ConfigError) as info:
         build_config({**BASE, **run, "learner": {**learner, "warmup_steps": 42}})
     msg = str(info.value)
@@ -117,7 +118,7 @@ def test_the_run_fills_in_its_length_in_optimizer_steps():
     assert "7 x 2 x 3" in msg
     # constant: a warm-up as long as the run is allowed, as before
     ok = build_config({**BASE, **run, "learner": {"warmup_steps": 50}})
-    assert ok.learner.lr_schedule_steps == 7
+    assert ok.resolved.lr_schedule_steps == 7
 
 
 def test_config_errors_name_the_field_and_the_allowed_values():

@@ -12,7 +12,15 @@ import pytest
 
 from cluster.config.schema import ConfigError, build_config
 from learner.config import KLConfig, LearnerConfig
-from learner.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, Part, Registry
+from learner.registry import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+    Part,
+    Registry,
+)
 
 TREE = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
 FIELDS = [
@@ -31,11 +39,26 @@ def test_the_config_allows_exactly_the_registered_names(registry, model, field):
         model(**{field: "not-registered"})
 
 
-@pytest.mark.parametrize("registry", [ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS])
+def test_the_off_policy_setting_is_auto_or_a_registered_correction():
+    """learner.off_policy allows 'auto' (decided by the run config) and exactly OFF_POLICY's names."""
+    assert typing.get_args(LearnerConfig.model_fields["off_policy"].annotation) == (
+        "auto",
+        *OFF_POLICY.names(),
+    )
+    assert OFF_POLICY.field == "learner.off_policy"
+    with pytest.raises(ValueError, match="off_policy"):
+        LearnerConfig(off_policy="not-registered")
+
+
+@pytest.mark.parametrize("registry", [ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS, OFF_POLICY])
 def test_every_part_reaches_a_function_with_the_registrys_signature(registry):
-    arity = {"advantage estimator": 2, "policy loss": 5, "loss aggregation": 3, "KL estimator": 1}[
-        registry.kind
-    ]
+    arity = {
+        "advantage estimator": 2,
+        "policy loss": 5,
+        "loss aggregation": 3,
+        "KL estimator": 1,
+        "off-policy correction": 1,
+    }[registry.kind]
     for part in registry:
         fn = registry.function(part.name)
         assert callable(fn) and len(inspect.signature(fn).parameters) == arity, part.name
@@ -46,7 +69,7 @@ def test_the_configuration_reference_lists_every_part_with_its_summary():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
-    for registry in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS):
+    for registry in (ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_ESTIMATORS, OFF_POLICY):
         for part in registry:
             cell = f"'{part.name}': {part.summary}".replace("|", "\\|")  # as a Markdown cell writes it
             assert cell in doc, part.name
@@ -82,7 +105,7 @@ def test_the_config_rules_follow_each_estimators_needs(name):
         with pytest.raises(ValueError, match="needs a critic"):
             LearnerConfig(advantage=name, truncation="bootstrap")
     stale = {"pipeline": {"mode": "async", "max_staleness": 1}}
-    resolved = build_config({**TREE, **sampled, **stale, "learner": learner}).learner.off_policy
+    resolved = build_config({**TREE, **sampled, **stale, "learner": learner}).resolved.off_policy
     assert resolved == ("none" if est.corrects_off_policy else "tis")
 
 
@@ -95,12 +118,12 @@ def test_a_policy_loss_defined_with_one_aggregation_needs_it():
 def test_dr_grpos_constant_is_the_longest_response_a_run_can_sample():
     dr = {"advantage": "grpo", "group_std_normalize": False, "loss_agg": "seq-mean-token-sum-norm"}
     rollout = {"sampling": {"n": 4, "max_new_tokens": 24}}
-    assert build_config({**TREE, "rollout": rollout, "learner": dr}).learner.loss_norm_tokens == 24
+    assert build_config({**TREE, "rollout": rollout, "learner": dr}).resolved.loss_norm_tokens == 24
     given = build_config({**TREE, "rollout": rollout, "learner": {**dr, "loss_norm_tokens": 100}})
-    assert given.learner.loss_norm_tokens == 100
+    assert given.resolved.loss_norm_tokens == 100
     # another aggregation leaves it unset (unused)
     plain = build_config({**TREE, "rollout": rollout, "learner": {"advantage": "grpo"}})
-    assert plain.learner.loss_norm_tokens is None
+    assert plain.resolved.loss_norm_tokens is None
 
 
 def test_parts_are_frozen_records():

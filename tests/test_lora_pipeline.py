@@ -53,7 +53,7 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
     steps = 3
     overrides = demo_overrides(demo_assets, steps, **SMALL_STEPS, **LORA, **PIPELINES[pipeline])
     cfg = load_config(CONFIG, overrides)
-    assert cfg.reference.source == "policy_base" and cfg.learner.reference_from_base
+    assert cfg.resolved.reference_source == "policy_base" and cfg.resolved.learner.reference_from_base
     rows, pools, names, scaling = _run(cfg, tmp_path / "base", steps)
     assert pools == ["reward", "rollout"] and not any(n.startswith("reference") for n in names)
     assert scaling is not None and ("no reference actors to scale" in scaling or "colocated" in scaling)
@@ -65,7 +65,7 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
     assert abs(kls[-1]) > 1e-6
     if pipeline != "sync":
         return
-    assert cfg.learner.export_adapter
+    assert cfg.resolved.learner.export_adapter
     # merged pushes on the collective path, which on this one node writes them into shared memory
     merged = ["reference.source=actors", "rollout.lora_sync=merged", "rollout.weight_sync=collective"]
     actors = load_config(CONFIG, [*overrides, *merged])
@@ -78,11 +78,11 @@ def test_a_lora_run_takes_its_reference_from_the_base_weights(ray_local, demo_as
 
 def test_reference_source_errors_name_the_fields(demo_assets):
     base = demo_overrides(demo_assets, 1)
-    assert load_config(CONFIG, base).reference.source == "actors"  # no LoRA: reference actors
+    assert load_config(CONFIG, base).resolved.reference_source == "actors"  # no LoRA: reference actors
     with_model = load_config(
         CONFIG, [*base, "learner.lora.rank=4", f"reference.model_path={demo_assets.policy}"]
     )
-    assert with_model.reference.source == "actors" and not with_model.learner.reference_from_base
+    assert with_model.resolved.reference_source == "actors" and not with_model.resolved.reference_from_base
     cases = {
         ("reference.source=policy_base",): "needs learner.lora.rank > 0",
         (

@@ -372,9 +372,11 @@ def test_run_config_errors_name_the_learner_field():
     with pytest.raises(ConfigError, match=r"learner\.overlong_buffer"):
         build_config({**base, "learner": {"overlong_buffer": -2}})
     # L_max is the workers' limit: filled from it, any other value refused
-    assert build_config({**base, "learner": {"overlong_buffer": 2}}).learner.overlong_max_tokens == 24
+    assert (
+        build_config({**base, "learner": {"overlong_buffer": 2}}).resolved.learner.overlong_max_tokens == 24
+    )
     sampling = {"sampling": {"max_new_tokens": 16}}
-    assert build_config({**base, "rollout": sampling}).learner.overlong_max_tokens == 16
+    assert build_config({**base, "rollout": sampling}).resolved.overlong_max_tokens == 16
     with pytest.raises(ConfigError, match=r"learner\.overlong_max_tokens=20 differs from rollout\.sampling"):
         build_config({**base, "learner": {"overlong_max_tokens": 20}})
     with pytest.raises(ConfigError, match=r"learner\.overlong_buffer=20 must be <="):

@@ -56,14 +56,14 @@ def test_async_with_zero_staleness_reproduces_sync(
 
 
 def test_async_needs_an_off_policy_correction_when_stale(demo_assets):
-    assert cfg_for(demo_assets, 2, **{"pipeline.mode": "async"}).learner.off_policy == "tis"  # 'auto'
+    assert cfg_for(demo_assets, 2, **{"pipeline.mode": "async"}).resolved.off_policy == "tis"  # 'auto'
     assert (
-        cfg_for(demo_assets, 2, **{"pipeline.mode": "async", "pipeline.max_staleness": 0}).learner.off_policy
+        cfg_for(demo_assets, 2, **{"pipeline.mode": "async", "pipeline.max_staleness": 0}).resolved.off_policy
         == "none"
     )
-    assert cfg_for(demo_assets, 2).learner.off_policy == "none"
+    assert cfg_for(demo_assets, 2).resolved.off_policy == "none"
     assert (
-        cfg_for(demo_assets, 2, **{"rollout.dtype": "bfloat16"}).learner.off_policy == "tis"
+        cfg_for(demo_assets, 2, **{"rollout.dtype": "bfloat16"}).resolved.off_policy == "tis"
     )  # numerics differ
     with pytest.raises(ConfigError, match="learner.off_policy"):
         cfg_for(

@@ -53,9 +53,9 @@ class OneProcessLoop:
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
         temperature = cfg.rollout.sampling.temperature
         self.worker = RolloutWorker(cfg.model.policy_path, worker_config(cfg), 0, 0)
-        self.reference = ReferencePolicy(cfg.reference_path, cfg.reference, temperature)
+        self.reference = ReferencePolicy(cfg.reference_path, cfg.resolved.reference, temperature)
         self.scorer = RewardScorer(cfg.reward, cfg.tokenizer_path)
-        lc = cfg.learner
+        lc = cfg.resolved.learner  # as the cluster starts its ranks
         self.learner = LearnerRank(
             0, 1, cfg.model.policy_path, lc, cfg.run.seed, pad_token_id(tokenizer), temperature
         )

@@ -133,7 +133,7 @@ def test_a_lora_run_reaches_vllm_as_merged_weights(ray_local, demo_assets, tmp_p
     steps = 3
     sets = {"rollout.engine": "vllm", "learner.lora.rank": 4, "learner.lora.alpha": 16, "learner.lr": 3e-3}
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **SMALL_STEPS, **sets))
-    assert cfg.reference.source == "policy_base"
+    assert cfg.resolved.reference_source == "policy_base"
     trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()

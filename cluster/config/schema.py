@@ -14,6 +14,14 @@ from pydantic import Field, ValidationError, model_validator
 
 from agent_runners.config import AgentConfig
 from cluster.config.data_section import DataSection
+from cluster.config.resolved import (
+    Resolved,
+    off_policy,
+    optimizer_steps,
+    reference_source,
+    resolve,
+    stale,
+)
 from cluster.config.sections import (
     CheckpointSection,
     ClusterSection,
@@ -25,7 +33,7 @@ from cluster.config.sections import (
     _Strict,
 )
 from learner.config import LearnerConfig
-from learner.registry import ADVANTAGES, LOSS_AGGS
+from learner.registry import ADVANTAGES, OFF_POLICY
 from reward_service.backends import REWARD_KINDS
 from reward_service.config import ReferenceConfig, RewardConfig
 from rollout_workers.config import RolloutConfig
@@ -102,8 +110,6 @@ class RunConfig(_Strict):
                 f"data.dynamic_sampling.filter={ds.filter!r} compares the rewards of a prompt's samples: set "
                 "rollout.sampling.n >= 2, or data.dynamic_sampling.filter='none'"
             )
-        if self.reference.pack_sequences is None:  # the reference scores the way the learner does
-            self.reference.pack_sequences = self.learner.pack_sequences
         if self.pipeline.partial_rollout and self.pipeline.mode != "async":
             raise ValueError(
                 "pipeline.partial_rollout=true loads new weights into a worker while it generates, which only "
@@ -111,23 +117,15 @@ class RunConfig(_Strict):
             )
         self._environment()
         self._overlong()
-        self._loss_norm_tokens()
         self._lr_schedule()
         self._reference_source()
         self._lora_sync()
-        stale = self.pipeline.mode == "async" and self.pipeline.max_staleness > 0
         corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
-        if corrects and self.learner.off_policy == "auto":
-            self.learner.off_policy = "none"  # e.g. vtrace's truncated importance weights are the correction
-        if self.learner.off_policy == "auto":
-            # A correction is on whenever behaviour and proximal logprobs can differ: stale samples,
-            # or a generator whose numerics differ from the learner's (e.g. a bf16 engine).
-            mismatch = self.rollout.dtype != self.learner.dtype
-            self.learner.off_policy = "tis" if stale or mismatch else "none"
-        if stale and self.learner.off_policy == "none" and not corrects:
+        if stale(self) and off_policy(self) == "none" and not corrects:  # 'auto' is 'tis' there
+            corrections = ", ".join(repr(n) for n in OFF_POLICY.names() if n != "none")
             raise ValueError(
                 f"pipeline.mode='async' with pipeline.max_staleness={self.pipeline.max_staleness} trains on samples "
-                "from older policies: set learner.off_policy to 'tis', 'mask' or 'geo_mask' (the PPO ratio is "
+                f"from older policies: set learner.off_policy to one of {corrections} (the PPO ratio is "
                 "taken against the learner's proximal policy; this corrects for the behaviour policy), or "
                 "pipeline.max_staleness=0"
             )
@@ -190,9 +188,7 @@ class RunConfig(_Strict):
     def _overlong(self) -> None:
         """The overlong ramp ends where the workers cut responses: rollout.sampling.max_new_tokens."""
         le, max_new = self.learner, self.rollout.sampling.max_new_tokens
-        if le.overlong_max_tokens is None:
-            le.overlong_max_tokens = max_new
-        elif le.overlong_max_tokens != max_new:
+        if le.overlong_max_tokens is not None and le.overlong_max_tokens != max_new:
             raise ValueError(
                 f"learner.overlong_max_tokens={le.overlong_max_tokens} differs from rollout.sampling.max_new_tokens="
                 f"{max_new}, where the workers cut responses: leave it unset (null)"
@@ -202,35 +198,25 @@ class RunConfig(_Strict):
                 f"learner.overlong_buffer={le.overlong_buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
             )
 
-    def _loss_norm_tokens(self) -> None:
-        """Dr. GRPO's constant (learner.loss_norm_tokens) is the most response tokens a sample can have."""
-        le = self.learner
-        if LOSS_AGGS[le.loss_agg].horizon and le.loss_norm_tokens is None:
-            le.loss_norm_tokens = (
-                self.longest_episode if self.episodes else self.rollout.sampling.max_new_tokens
-            )
-
     def _lr_schedule(self) -> None:
         """The LR schedule spans the run: run.steps x ppo_epochs x num_minibatches optimizer steps, the
         slots its clock counts (learner.lr_schedule), unless learner.lr_schedule_steps is set."""
         le = self.learner
         if le.lr_schedule_steps is not None:
             return
-        total = self.run.steps * le.ppo_epochs * le.num_minibatches
+        total = optimizer_steps(self)
         if le.lr_schedule != "constant" and le.warmup_steps >= total:
             raise ValueError(
                 f"learner.warmup_steps={le.warmup_steps} must be less than the run's {total} optimizer steps "
                 f"(run.steps x learner.ppo_epochs x learner.num_minibatches = {self.run.steps} x {le.ppo_epochs} "
                 f"x {le.num_minibatches}): learner.lr_schedule={le.lr_schedule!r} decays after the warm-up"
             )
-        le.lr_schedule_steps = total
 
     def _reference_source(self) -> None:
-        """reference.source resolved ('auto'), checked, and handed to the learner (reference_from_base)."""
-        ref, lora = self.reference, self.learner.lora.rank
-        if ref.source == "auto":
-            ref.source = "policy_base" if lora > 0 and ref.model_path is None else "actors"
-        if ref.source == "policy_base":
+        """reference.source checked as resolved ('auto' decided: cluster.config.resolved), which the learner
+        is handed as learner.reference_from_base."""
+        ref, lora, source = self.reference, self.learner.lora.rank, reference_source(self)
+        if source == "policy_base":
             if lora == 0:
                 raise ValueError(
                     "reference.source='policy_base' is the policy's base weights with the LoRA adapters off: it "
@@ -241,15 +227,14 @@ class RunConfig(_Strict):
                     f"reference.source='policy_base' uses the policy's own base weights, but reference.model_path="
                     f"{ref.model_path!r} names another model: set reference.source='actors'"
                 )
-        if self.learner.reference_from_base and ref.source != "policy_base":
+        if self.learner.reference_from_base and source != "policy_base":
             raise ValueError(
                 "learner.reference_from_base is set by the cluster from reference.source: set "
                 "reference.source='policy_base' instead"
             )
-        self.learner.reference_from_base = ref.source == "policy_base"
 
     def _lora_sync(self) -> None:
-        """rollout.lora_sync checked and handed to the learner (export_adapter)."""
+        """rollout.lora_sync checked; the learner is handed it as learner.export_adapter (cluster.config.resolved)."""
         ro, le = self.rollout, self.learner
         if le.export_adapter and ro.lora_sync != "adapter":
             raise ValueError(
@@ -261,10 +246,10 @@ class RunConfig(_Strict):
                 "rollout.lora_sync='adapter' pushes the LoRA adapter alone: it needs learner.lora.rank > 0 "
                 "(or rollout.lora_sync='merged')"
             )
-        le.export_adapter = ro.lora_sync == "adapter"
-        if le.export_adapter and ro.vllm.max_lora_rank is None:
+        adapter = ro.lora_sync == "adapter"
+        if adapter and ro.vllm.max_lora_rank is None:
             ro.vllm.max_lora_rank = le.lora.rank
-        elif le.export_adapter and ro.vllm.max_lora_rank < le.lora.rank:
+        elif adapter and ro.vllm.max_lora_rank < le.lora.rank:
             raise ValueError(
                 f"rollout.vllm.max_lora_rank={ro.vllm.max_lora_rank} is below learner.lora.rank={le.lora.rank}: "
                 "leave it unset (null) or raise it"
@@ -338,6 +323,13 @@ class RunConfig(_Strict):
                 if not amount > 0:
                     raise ValueError(f"{field}.{name}: must be > 0 (got {amount})")
         return self
+
+    @property
+    def resolved(self) -> Resolved:
+        """The values this run derives from the config ('auto' decided, unset lengths filled in) and the
+        sections the learner ranks and reference actors are started with: cluster.config.resolved. The
+        config itself keeps what the user wrote."""
+        return resolve(self)
 
     @property
     def tokenizer_path(self) -> str:

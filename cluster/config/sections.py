@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cluster.config.pipelines import PIPELINES
 from cluster.config.sinks import SINKS
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from kernel.strict import Strict as _Strict
 
 
 class WandbSection(_Strict):

@@ -168,7 +168,7 @@ LEARNER = Role(
         p.slot,
         c.learner.num_ranks,
         c.model.policy_path,
-        c.learner,
+        c.resolved.learner,  # off_policy, lengths, reference_from_base, export_adapter filled in
         c.run.seed,
         p.pad_token_id,
         c.rollout.sampling.temperature,
@@ -216,7 +216,7 @@ REFERENCE = Role(
     actor="cluster.roles.actors:StreamingReference",
     count=lambda c: c.reference.num_replicas,
     resources=lambda c: Resources(c.reference.num_cpus, c.reference.num_gpus, c.reference.resources),
-    args=lambda c, p: (c.reference_path, c.reference, c.rollout.sampling.temperature),
+    args=lambda c, p: (c.reference_path, c.resolved.reference, c.rollout.sampling.temperature),
     host_threads=lambda c: c.learner.torch_threads,  # the separate placement's reference uses 1
     work=Work(
         CallKind.REFERENCE,
@@ -230,7 +230,7 @@ REFERENCE = Role(
     two_returns=frozenset({"sample_logprobs"}),
     path_fields=("model_path",),
     # reference.source='policy_base': the learner ranks compute it (the base weights, LoRA adapters off)
-    runs=lambda c: c.reference.source == "actors",
+    runs=lambda c: c.resolved.reference_source == "actors",
 )
 
 REWARD = Role(

@@ -1,0 +1,85 @@
+"""The parameter blocks of the learner's section that are sections of their own: the KL penalty
+(`learner.kl`: its estimators, coefficient and controller) and the LoRA adapters (`learner.lora`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kernel.strict import Strict as _Strict
+from learner.registry import KL_ESTIMATORS
+
+KLName = Literal[KL_ESTIMATORS.names()]  # the registered KL estimators (learner.registry)
+
+
+class KLConfig(_Strict):
+    estimator: KLName = Field(
+        "k1", description=f"Per-token KL estimator in the shaped reward: {KL_ESTIMATORS.describe()}."
+    )
+    coef: float = Field(0.05, ge=0.0, description="Initial (or fixed) KL coefficient beta.")
+    adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
+    target: float = Field(6.0, gt=0.0, description="Target KL per sequence for the adaptive controller.")
+    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon in samples.")
+    mode: Literal["reward", "loss"] = Field(
+        "reward",
+        description=(
+            "'reward': -coef * KL_t (by `estimator`) in every token's reward; 'loss': the reward carries no "
+            "KL and loss_coef * KL (by `loss_estimator`, gradient through log pi) is added to the loss."
+        ),
+    )
+    loss_coef: float = Field(0.001, ge=0.0, description="KL loss coefficient (mode='loss').")
+    loss_estimator: KLName = Field(
+        "k3",
+        description="Per-token KL estimator of the loss term (mode='loss'); the values as for `estimator`.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> KLConfig:
+        if self.mode == "loss" and self.adaptive:
+            raise ValueError("kl.adaptive controls the in-reward coefficient: it needs kl.mode='reward'")
+        return self
+
+
+class LoRAConfig(_Strict):
+    rank: int = Field(
+        0,
+        ge=0,
+        description=(
+            "LoRA rank r (0 = off: full fine-tuning). With r > 0 the policy's base weights are frozen and "
+            "only the adapters (and modules_to_save, and the value head where a critic is used) train; "
+            "exports and final/ carry the merged weights W + B A alpha/r under the base model's names "
+            "(see docs/lora.md)."
+        ),
+    )
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA alpha: the adapter's update is scaled by alpha/rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input (PEFT lora_dropout); 0 keeps the policy deterministic.",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description=(
+            "Linear modules that get adapters: names matched as PEFT matches them (a module's full name or "
+            "its last components, e.g. ['q_proj', 'v_proj'] or ['c_attn']), or 'all-linear' (every linear "
+            "layer but the output layer). A name matching no linear module is a config error listing "
+            "the model's linear module names."
+        ),
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Modules trained in full beside the adapters (PEFT modules_to_save, e.g. ['wpe']); exported "
+            "under their base names. A module tied to another (tied embeddings) is refused."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name modules or use 'all-linear'")
+        return self

@@ -1,0 +1,84 @@
+"""The cross-field rules of the learner's section: combinations of `learner.*` fields that cannot train
+together, each refused with the fields to change. The rules that need other sections of a run (the
+rollout's lengths, the pipeline's staleness) are the run config's (cluster.config.schema)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from learner.registry import ADVANTAGES, POLICY_LOSSES
+
+if TYPE_CHECKING:
+    from learner.config_fields import LearnerFields
+
+
+def check_learner(cfg: LearnerFields) -> None:
+    """Raise ValueError naming the fields of the first combination of `cfg` that cannot train."""
+    lo, hi = cfg.off_policy_geo_bounds
+    if not 0 < lo <= 1 <= hi:
+        raise ValueError(f"off_policy_geo_bounds must satisfy 0 < lo <= 1 <= hi (got {(lo, hi)})")
+    if cfg.vtrace_c_clip > cfg.vtrace_rho_clip:
+        raise ValueError(
+            f"vtrace_c_clip={cfg.vtrace_c_clip} must be <= vtrace_rho_clip={cfg.vtrace_rho_clip}"
+        )
+    estimator = ADVANTAGES[cfg.advantage]
+    if cfg.truncation == "bootstrap" and not estimator.critic:
+        critics = " or ".join(repr(e.name) for e in ADVANTAGES if e.critic)
+        raise ValueError(
+            f"truncation='bootstrap' needs a critic: advantage must be {critics} (got {cfg.advantage!r})"
+        )
+    if estimator.corrects_off_policy and cfg.off_policy not in ("auto", "none"):
+        raise ValueError(
+            f"advantage={cfg.advantage!r} corrects for the behaviour policy inside its targets; off_policy="
+            f"{cfg.off_policy!r} would correct twice: use 'auto' or 'none'"
+        )
+    wanted = POLICY_LOSSES[cfg.policy_loss].loss_agg
+    if wanted is not None and cfg.loss_agg != wanted:
+        raise ValueError(
+            f"learner.policy_loss={cfg.policy_loss!r} is defined with learner.loss_agg={wanted!r} (one term "
+            f"per sequence); got loss_agg={cfg.loss_agg!r}: set learner.loss_agg: {wanted}"
+        )
+    if cfg.num_gpus_per_rank not in (0.0, 1.0):
+        raise ValueError(
+            f"learner.num_gpus_per_rank must be 0 (CPU, gloo) or 1 (one GPU per rank, nccl); got "
+            f"{cfg.num_gpus_per_rank:g}: a rank drives exactly one device (use more ranks for more GPUs)"
+        )
+    if cfg.backend == "nccl" and cfg.num_gpus_per_rank != 1:
+        raise ValueError("learner.backend='nccl' needs learner.num_gpus_per_rank: 1 (allowed: 1 with nccl)")
+    if cfg.backend == "gloo" and cfg.num_gpus_per_rank != 0:
+        raise ValueError(
+            "learner.backend='gloo' trains on CPU: learner.num_gpus_per_rank must be 0 "
+            "(or set backend: nccl / auto to train on the GPU)"
+        )
+    if cfg.overlong_max_tokens is not None and cfg.overlong_buffer > cfg.overlong_max_tokens:
+        raise ValueError(
+            f"learner.overlong_buffer={cfg.overlong_buffer} must be <= learner.overlong_max_tokens="
+            f"{cfg.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
+        )
+    steps = cfg.lr_schedule_steps
+    if cfg.lr_schedule != "constant" and steps is not None and cfg.warmup_steps >= steps:
+        raise ValueError(
+            f"learner.warmup_steps={cfg.warmup_steps} must be less than learner.lr_schedule_steps={steps}: "
+            f"learner.lr_schedule={cfg.lr_schedule!r} decays after the warm-up (a shorter warm-up, or "
+            "lr_schedule: constant)"
+        )
+    if cfg.reference_from_base and cfg.lora.rank == 0:
+        raise ValueError(
+            "learner.reference_from_base needs learner.lora.rank > 0: without adapters the learner's weights "
+            "are the trained policy, not the frozen reference"
+        )
+    if cfg.export_adapter and cfg.lora.rank == 0:
+        raise ValueError(
+            "learner.export_adapter needs learner.lora.rank > 0: without adapters there is no adapter to "
+            "export (rollout.lora_sync='merged')"
+        )
+    if cfg.fused_adam and cfg.offload_optimizer:
+        raise ValueError(
+            "learner.fused_adam and learner.offload_optimizer: an offloaded optimizer is DeepSpeed's "
+            "DeepSpeedCPUAdam, not torch's AdamW; set one of them"
+        )
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise ValueError(
+            f"learner.offload_params needs learner.zero_stage: 3 (got {cfg.zero_stage}); "
+            "ZeRO-2 offloads only the optimizer (learner.offload_optimizer)"
+        )
