@@ -116,19 +116,38 @@ class AgentRunner:
         t0 = time.monotonic()
         try:
             value = await asyncio.wait_for(self._call(task), timeout=task.timeout_s)
-            reward = as_reward(value)
+            outcome = AgentOutcome(task.session_id, "done", as_reward(value), None, time.monotonic() - t0)
         except TimeoutError:
-            return AgentOutcome(
-                task.session_id,
-                "timeout",
-                None,
-                f"the agent ran past {task.timeout_s:.0f}s",
-                time.monotonic() - t0,
-            )
+            why = f"the agent ran past {task.timeout_s:.0f}s"
+            outcome = AgentOutcome(task.session_id, "timeout", None, why, time.monotonic() - t0)
         except Exception as error:
             why = f"{type(error).__name__}: {error}"
-            return AgentOutcome(task.session_id, "failed", None, why, time.monotonic() - t0)
-        return AgentOutcome(task.session_id, "done", reward, None, time.monotonic() - t0)
+            outcome = AgentOutcome(task.session_id, "failed", None, why, time.monotonic() - t0)
+        await self._close(task, outcome)
+        return outcome
+
+    def _pool(self) -> httpx.AsyncClient:
+        """The shared pool of the running event loop (a pool is bound to the loop it was made on)."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            self._http = _SharedAsyncPool(timeout=self.config.timeout_s, limits=_LIMITS)
+            self._http_loop = loop
+        return self._http
+
+    async def _close(self, task: AgentTask, outcome: AgentOutcome) -> None:
+        """End the session on the gateway as soon as its agent is done (its reward first), so that the
+        gateway stops waiting for its calls; the worker ends it again from the outcome if this fails."""
+        root = task.base_url.removesuffix("/v1")
+        auth = {"Authorization": f"Bearer {task.api_key}"}
+        try:
+            if outcome.reward is not None:
+                await self._pool().post(
+                    f"{root}/sessions/{task.session_id}/reward", headers=auth, json={"reward": outcome.reward}
+                )
+            body = {"status": outcome.status, "error": outcome.error}
+            await self._pool().post(f"{root}/sessions/{task.session_id}/end", headers=auth, json=body)
+        except httpx.HTTPError:
+            pass
 
     async def _call(self, task: AgentTask) -> Any:
         row = dict(task.row)

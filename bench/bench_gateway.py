@@ -7,8 +7,8 @@ sized so that the engine's forward passes dominate as in a real run). For each c
 - direct: C prompts per engine call (`RolloutWorker.generate_ids`), `calls` rounds: what the gateway
   can at best achieve when C sessions call at once;
 - gateway: C sessions at once, each `calls` sequential chat calls through the real `openai.AsyncOpenAI`
-  client over HTTP on 127.0.0.1 (one connection pool, as the agent runners share; the clients run in
-  this process, on the same 2 cores as the server).
+  client over HTTP on 127.0.0.1 (one connection pool, as the agent runners share; the clients run in a
+  process of their own, as runners do, on the same 2 cores as the server).
 Printed: completion tokens/s of each side, their ratio, and per-call latency p50/p99 of each side with
 the gateway's added latency. Both sides sample the same way (the run's temperature, `max_tokens` each
 call, EOS allowed). Nothing is asserted; the harness waits for an idle machine first.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -70,19 +72,16 @@ def direct(worker: RolloutWorker, prompt: list[int], concurrency: int, calls: in
     return {"tokens_s": tokens / (time.perf_counter() - t0), "latencies": latencies}
 
 
-async def through_gateway(worker: RolloutWorker, concurrency: int, calls: int, limit: int) -> dict:
-    gateway = worker._gateway.gateway
-    sessions = [gateway.open_session(prompt_index=i) for i in range(concurrency)]
-    base = worker._gateway.url + "/v1"
+async def _clients(base: str, keys: list[str], calls: int, limit: int) -> tuple[int, list[float], float]:
+    """Each key's session makes `calls` sequential chat calls, all sessions at once (in the client process)."""
+    shared = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))  # as the runners do
     latencies: list[float] = []
     tokens = 0
 
-    shared = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256))  # as the runners do
-
-    async def one(session) -> None:
+    async def one(key: str) -> None:
         nonlocal tokens
         # not closed: closing the client would close the shared pool
-        client = openai.AsyncOpenAI(base_url=base, api_key=session.key, max_retries=0, http_client=shared)
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, http_client=shared)
         for _ in range(calls):
             t = time.perf_counter()
             answer = await client.chat.completions.create(model="bench", messages=MESSAGES, max_tokens=limit)
@@ -90,8 +89,23 @@ async def through_gateway(worker: RolloutWorker, concurrency: int, calls: int, l
             tokens += answer.usage.completion_tokens
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(s) for s in sessions))
-    seconds = time.perf_counter() - t0
+    await asyncio.gather(*(one(k) for k in keys))
+    return tokens, latencies, time.perf_counter() - t0
+
+
+def _client_process(base: str, keys: list[str], calls: int, limit: int) -> tuple[int, list[float], float]:
+    return asyncio.run(_clients(base, keys, calls, limit))
+
+
+def through_gateway(worker: RolloutWorker, pool, concurrency: int, calls: int, limit: int) -> dict:
+    """The sessions' clients run in another process (as agent runners do), so they share the cores but
+    not the server's interpreter."""
+    gateway = worker._gateway.gateway
+    sessions = [gateway.open_session(prompt_index=i) for i in range(concurrency)]
+    base = worker._gateway.url + "/v1"
+    tokens, latencies, seconds = pool.submit(
+        _client_process, base, [s.key for s in sessions], calls, limit
+    ).result()
     for s in sessions:
         s.end("done")
     gateway.take([s.id for s in sessions])
@@ -118,13 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     worker.start_gateway("bench")
     prompt = worker._gateway.gateway._render(MESSAGES, None)
     direct(worker, prompt, 4, 2, args.max_tokens)  # warm-up: first-call costs on neither side
-    asyncio.run(through_gateway(worker, 4, 2, args.max_tokens))
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    through_gateway(worker, pool, 4, 2, args.max_tokens)
     if not args.no_wait:
         wait_for_idle()
     rows = []
     for c in args.sessions:
         d = direct(worker, prompt, c, args.calls, args.max_tokens)
-        g = asyncio.run(through_gateway(worker, c, args.calls, args.max_tokens))
+        g = through_gateway(worker, pool, c, args.calls, args.max_tokens)
         rows.append((c, d, g))
     print(
         f"policy: GPT-2 n_embd={args.n_embd} n_layer={args.n_layer}, hf engine, {args.calls} calls per session, "
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{dp[0]:.3f} / {dp[1]:.3f} | {gp[0]:.3f} / {gp[1]:.3f} | {gp[0] - dp[0]:.3f} / {gp[1] - dp[1]:.3f} |"
         )
     worker._gateway.close()
+    pool.shutdown()
 
 
 if __name__ == "__main__":

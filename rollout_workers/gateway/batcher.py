@@ -1,7 +1,10 @@
 """Concurrent calls batched into engine calls: the gateway's requests do not run one by one.
 
 Calls arrive on the server's event loop; one thread owns the engine. When the engine is free it takes
-every call waiting (after waiting up to `window_s` for more when only one waits, up to `max_batch`),
+every call waiting, and more while they keep arriving (each within `window_s` of the one before) or
+while fewer are waiting than sessions are open (`expected`: a session's agent between two calls), for
+at most `_MAX_WINDOWS` windows in all and `max_batch` calls: sessions answered by one engine call send
+their next calls milliseconds apart, and a round split over two engine calls costs nearly twice one. It
 groups them by what one engine call must share (`BatchKey`: choices per prompt, seed, stop tokens) and
 generates each group in one call; calls that arrive meanwhile wait for the next round. A call whose
 caller has gone (a client that disconnected) is dropped from its round before it runs.
@@ -28,6 +31,8 @@ class BatchKey:
     stop_ids: frozenset[int]
 
 
+_MAX_WINDOWS = 8  # the longest a round waits for stragglers, in windows
+
 # (prompts, key, per-prompt token limits) -> (outputs per prompt, the policy version that produced them)
 RunBatch = Callable[[list[np.ndarray], BatchKey, list[int]], tuple[list[list[GenerationOutput]], int]]
 
@@ -42,8 +47,10 @@ class _Call:
 
 
 class Batcher:
-    def __init__(self, run: RunBatch, window_s: float, max_batch: int) -> None:
-        self._run, self._window, self._max = run, window_s, max_batch
+    def __init__(
+        self, run: RunBatch, window_s: float, max_batch: int, expected: Callable[[], int] = lambda: 0
+    ) -> None:
+        self._run, self._window, self._max, self._expected = run, window_s, max_batch, expected
         self._queue: queue.Queue[_Call | None] = queue.Queue()
         self.batches = 0  # engine calls made
         self.calls = 0  # gateway calls they served
@@ -67,12 +74,17 @@ class Batcher:
         if first is None:
             return None
         calls = [first]
-        deadline = time.monotonic() + self._window
+        cap = time.monotonic() + _MAX_WINDOWS * self._window
         while len(calls) < self._max:
+            # more calls while they keep coming (within a window of the last), or until every open
+            # session has one waiting; never past the cap
+            waiting_for_more = len(calls) < self._expected()
             try:
-                wait = deadline - time.monotonic() if len(calls) == 1 else 0.0
+                wait = min(self._window, cap - time.monotonic())
                 call = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
+                if waiting_for_more and time.monotonic() < cap:
+                    continue
                 break
             if call is None:
                 self._queue.put(None)  # stop after this round

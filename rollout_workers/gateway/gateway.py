@@ -60,7 +60,7 @@ class Gateway:
         self._kwargs = dict(template_kwargs or {}) | ({"chat_template": template} if template else {})
         self._between, self.template_refusal = self._extender(template, template_kwargs)
         self._parse = CALL_FORMATS[config.call_format]
-        self._batcher = Batcher(run, config.batch_window_ms / 1000.0, config.max_batch)
+        self._batcher = Batcher(run, config.batch_window_ms / 1000.0, config.max_batch, self.open_sessions)
         self._clock = clock
         self.admin_key = "gw-admin-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}  # by id
@@ -80,6 +80,9 @@ class Gateway:
         return (lambda ids, messages: observe(ids, messages, self.eos_ids)), None
 
     # --- sessions ---
+
+    def open_sessions(self) -> int:
+        return sum(s.ended is None for s in list(self.sessions.values()))
 
     def admit(self) -> None:
         """Refuse one more session opened over HTTP past `max_sessions` (429 with Retry-After); the

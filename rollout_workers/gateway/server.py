@@ -8,7 +8,7 @@ The session routes, authenticated by the gateway's admin key (the agent runners 
 another process gets a session from whoever holds it) or, for reward and end, by the session's key:
     POST /sessions                      {prompt_index?, sample_index?, timeout_s?} -> {session_id, api_key, base_url}
     POST /sessions/{id}/reward          {reward, completion_id?}
-    POST /sessions/{id}/end             {status?: 'done' | 'failed', error?} -> the session's counts
+    POST /sessions/{id}/end             {status?: 'done' | 'failed' | 'timeout', error?} -> the session's counts
     GET  /healthz
 
 A streamed answer is generated whole, then sent as chunks (one per token of text, tool calls in one
@@ -49,7 +49,7 @@ class _Reward(BaseModel):
 
 class _End(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    status: str = Field("done", pattern="^(done|failed)$")
+    status: str = Field("done", pattern="^(done|failed|timeout)$")
     error: str | None = None
 
 
