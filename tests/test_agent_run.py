@@ -13,7 +13,7 @@ from test_demo_calculator import _overrides, calculator_assets  # noqa: F401 (th
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "calculator_agent_tiny.yaml"
-SDK_AGENT = Path(__file__).resolve().parent / "agents" / "sdk_agent.py"
+SDK_AGENT = Path(__file__).resolve().parent / "agent_files" / "sdk_agent.py"
 
 
 @pytest.mark.slow

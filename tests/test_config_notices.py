@@ -51,7 +51,7 @@ def test_an_agents_rewards_left_untrained_by_the_reward_kind_are_said_at_the_sta
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie was"}) + "\n")
-    agent = Path(__file__).resolve().parent / "agents" / "calc_agents.py"
+    agent = Path(__file__).resolve().parent / "agent_files" / "calc_agents.py"
     sets = {
         "model.policy_path": tiny_policy_dir,
         "model.demo_assets": "null",

@@ -1,5 +1,5 @@
 """A rollout worker whose samples are agent sessions: the real AgentRunner plays the user's agent (tests/
-agents/calc_agents.py, only the openai client) against the worker's gateway, and the worker returns the
+agent_files/calc_agents.py, only the openai client) against the worker's gateway, and the worker returns the
 sessions as samples. Failures (an agent that raises, hangs past its deadline, returns a non-number)
 fail the session: its sample is a failed episode, dropped downstream, unless agent.train_failed."""
 
@@ -18,7 +18,7 @@ from agent_runners.runner import AgentRunner
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.worker import RolloutWorker
 
-AGENTS = Path(__file__).parent / "agents" / "calc_agents.py"
+AGENTS = Path(__file__).parent / "agent_files" / "calc_agents.py"
 
 
 class InProcess:
