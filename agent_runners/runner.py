@@ -90,7 +90,6 @@ class AgentRunner:
         self.config = config
         self.agent = load_agent(config.function, config.source)  # type: ignore[arg-type]
         self._async = inspect.iscoroutinefunction(self.agent)
-        self.played = 0
         # one connection pool for every session's client (a client of its own would build an SSL context
         # and a pool per episode: most of a runner's CPU at hundreds of episodes a call)
         self._http: httpx.AsyncClient | None = None
@@ -109,7 +108,6 @@ class AgentRunner:
                 return await self._play(task)
 
         outcomes = await asyncio.gather(*(one(t) for t in tasks))
-        self.played += len(tasks)
         return list(outcomes)
 
     async def _play(self, task: AgentTask) -> AgentOutcome:

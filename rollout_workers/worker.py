@@ -206,12 +206,7 @@ class RolloutWorker:
                             token_versions=token_versions,
                         )
                     )
-            s = self._stats
-            s["generate_calls"] += 1
-            s["prompts"] += len(ids)
-            s["samples"] += len(samples)
-            s["tokens"] += sum(len(x.response_ids) for x in samples)
-            s["generate_s"] += time.perf_counter() - t0
+            self._count(len(ids), len(samples), sum(len(x.response_ids) for x in samples), t0)
         return samples
 
     def generate_ids(
@@ -235,13 +230,18 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 outputs = self._engine.generate(ids, sampling, int(seed), stop_ids, limits)
                 self._check_outputs(outputs, len(ids), sampling, stop_ids, limits)
-                s = self._stats
-                s["generate_calls"] += 1
-                s["prompts"] += len(ids)
-                s["samples"] += len(ids) * sampling.n
-                s["tokens"] += sum(len(o.response_ids) for outs in outputs for o in outs)
-                s["generate_s"] += time.perf_counter() - t0
+                tokens = sum(len(o.response_ids) for outs in outputs for o in outs)
+                self._count(len(ids), len(ids) * sampling.n, tokens, t0)
                 return outputs, self._version
+
+    def _count(self, prompts: int, samples: int, tokens: int, t0: float) -> None:
+        """One generation's counters (`stats`): its prompts, samples, response tokens and seconds since `t0`."""
+        s = self._stats
+        s["generate_calls"] += 1
+        s["prompts"] += prompts
+        s["samples"] += samples
+        s["tokens"] += tokens
+        s["generate_s"] += time.perf_counter() - t0
 
     def start_gateway(self, model_name: str) -> dict:
         """Serve the OpenAI-compatible gateway on `config.gateway.host:port` (`rollout_workers.gateway`)

@@ -52,22 +52,23 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
         if not source.is_file():
             raise ValueError(f"rollout.environment.module: file {env.module!r} does not exist")
         r = r.model_copy(update={"environment": env.model_copy(update={"module_source": source.read_text()})})
+    # chat observations and agent sessions are rendered with the prompts' template and kwargs
+    # (data.chat_template / _kwargs, data.tools as their JSON schemas: the workers never import the tools)
     if env.observation_format == "chat" and env.chat_template is None:
-        # observations are rendered with the prompts' template and kwargs (data.chat_template / _kwargs,
-        # data.tools as their JSON schemas: the workers never import the tools' functions)
-        update: dict = {"chat_template_kwargs": template_kwargs(cfg.data)}
-        if cfg.data.chat_template_file:
-            update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
-        env = env.model_copy(update=update)
+        env = _with_prompts_template(env, cfg)
         r = r.model_copy(update={"environment": env})
     if cfg.agent.enabled and r.gateway.chat_template is None:
-        # sessions are rendered with the prompts' template and kwargs, as the data path renders them
-        update = {"chat_template_kwargs": template_kwargs(cfg.data)}
-        if cfg.data.chat_template_file:
-            update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
-        r = r.model_copy(update={"gateway": r.gateway.model_copy(update=update)})
+        r = r.model_copy(update={"gateway": _with_prompts_template(r.gateway, cfg)})
     longest = cfg.longest_episode if cfg.episodes else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
     return ENGINES[r.engine].fit_length(r, longest)
+
+
+def _with_prompts_template(section: Any, cfg: RunConfig) -> Any:
+    """`section` (with `chat_template` and `chat_template_kwargs` fields) given the prompts' template."""
+    update: dict = {"chat_template_kwargs": template_kwargs(cfg.data)}
+    if cfg.data.chat_template_file:
+        update["chat_template"] = Path(cfg.data.chat_template_file).read_text(encoding="utf-8")
+    return section.model_copy(update=update)
 
 
 class RolloutPlacement:

@@ -156,7 +156,6 @@ class Session:
         self.ended: SessionEnd | None = None
         self.error: str | None = None
         self.counts: collections.Counter = collections.Counter()
-        self.opened = time.monotonic()
         self.lock = asyncio.Lock()  # a session's calls run one at a time (each extends the one before)
 
     def prepare(self, messages: list[dict[str, Any]], tools: Any) -> Prepared:
