@@ -23,7 +23,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    served = Served(*scripted_policy(tmp_path_factory.mktemp("scripted")), engine="vllm")
+    # a wide batch window (cap 4 s): a round of open sessions is batched by construction, not by timing
+    served = Served(*scripted_policy(tmp_path_factory.mktemp("scripted")), engine="vllm", batch_window_ms=500)
     yield served
     served.worker._gateway.close()
 
@@ -44,16 +45,17 @@ def test_a_tool_loop_through_vllm_is_one_sample_of_what_it_sampled(served):
 
 def test_concurrent_sessions_share_vllm_engine_calls(served):
     before = served.worker._gateway.gateway.stats()
+    sessions = [served.open(prompt_index=k) for k in range(8)]  # all open before any call: 8 expected
 
-    async def one(k: int) -> None:
-        session = served.open(prompt_index=k)
+    async def one(session: dict) -> None:
         async with openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1*2="}])
-        served.end(session)
 
     async def many() -> None:
-        await asyncio.gather(*(one(k) for k in range(8)))
+        await asyncio.gather(*(one(s) for s in sessions))
 
     asyncio.run(many())
+    for session in sessions:
+        served.end(session)
     after = served.worker._gateway.gateway.stats()
     assert after["calls"] - before["calls"] == 8 and after["batches"] - before["batches"] < 8
