@@ -128,7 +128,7 @@ def test_a_runner_killed_mid_session_fails_its_sessions_and_is_restarted(ray_loc
     naming the dead runner, and the next call plays on the runner Ray restarted."""
     import threading
 
-    from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
+    from cluster.placement.agents import RemoteAgents, runner_up, shipped, start_agent_runners
 
     config = shipped(AgentConfig(function=f"{AGENTS}:calls_then_waits", timeout_s=60, num_cpus=0))
     runners = start_agent_runners(config, lambda i: f"test-agent-runner-{i}")
@@ -149,7 +149,7 @@ def test_a_runner_killed_mid_session_fails_its_sessions_and_is_restarted(ray_loc
         assert [s.episode.status for s in out] == ["env_error", "env_error"]
         assert all("agent runner died" in s.episode.error for s in out)
         assert worker.stats()["agent_failed"] == 2
-        ray_local.get(runners[0].ping.remote(), timeout=120)  # restarted by Ray
+        assert runner_up(runners[0])  # restarted by Ray: the runners' own readiness wait says so
     finally:
         worker._gateway.close()
         for r in runners:

@@ -5,7 +5,8 @@ agent's .py file shipped as text in their config. `RemoteAgents` (picklable: it 
 what a rollout worker is built with: `run(tasks)` deals a generate call's sessions over the runners in
 equal slices, waits for each slice's outcomes, and turns a runner that died or passed its deadline into
 failed or timed-out outcomes for its slice (the sessions fail; a runner past its deadline is killed and
-restarted), so one bad runner never loses a chunk.
+restarted), so one bad runner never loses a chunk. A runner Ray is still restarting is waited for (up to
+`RESTART_WAIT_S`) before its slice is dealt, so the call after a death plays on the restarted runner.
 """
 
 from __future__ import annotations
@@ -22,6 +23,26 @@ from kernel.agent_records import AgentOutcome, AgentTask
 
 RUNNER_CONCURRENCY = 64  # calls one runner serves at once (one per rollout worker asking; async actor)
 GRACE_S = 30.0  # a runner's slice deadline beyond its agents' own
+RESTART_WAIT_S = 120.0  # how long a call waits for a runner Ray is restarting
+
+
+def runner_up(runner: Any, within_s: float = RESTART_WAIT_S) -> bool:
+    """Whether `runner` answers a ping within `within_s`, waiting while Ray restarts it (a restarting
+    actor refuses calls at once with `ActorUnavailableError`; a ping is safe to repeat)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            ray.get(runner.ping.remote(), timeout=max(0.1, left))
+            return True
+        except ray.exceptions.ActorUnavailableError:
+            if left <= 0:
+                return False
+            time.sleep(min(0.5, max(0.0, left)))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
 
 def shipped(config: AgentConfig) -> AgentConfig:
@@ -53,11 +74,15 @@ class RemoteAgents:
         size = math.ceil(len(tasks) / len(self.runners)) if tasks else 0
         slices = [tasks[i : i + size] for i in range(0, len(tasks), size)] if size else []
         calls = [
-            (runner, part, runner.run.remote(part))
+            (runner, part, runner.run.remote(part) if runner_up(runner) else None)
             for runner, part in zip(self.runners, slices, strict=False)
         ]
         outcomes: list[AgentOutcome] = []
         for runner, part, ref in calls:
+            if ref is None:
+                why = f"agent runner did not come back within {RESTART_WAIT_S:.0f}s"
+                outcomes += [AgentOutcome(t.session_id, "failed", None, why) for t in part]
+                continue
             deadline = self.timeout_s * math.ceil(len(part) / self.slots) + GRACE_S
             try:
                 outcomes += ray.get(ref, timeout=deadline)
