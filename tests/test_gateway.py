@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
@@ -358,3 +359,36 @@ def test_streamed_tool_calls_agree_with_the_unstreamed_answer(scripted):
         (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
     ]
     scripted.end(session)
+
+
+def _until(condition, within_s: float = 60.0) -> None:
+    """Wait for a record the gateway itself keeps to say so."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "the gateway never recorded it"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_before_its_answer_fails_its_session(scripted, stream):
+    """The engine is held (as a weight load holds it) while the client gives up and closes its connection;
+    the gateway notices the disconnect as it happens, records the call once the engine answers, and ends
+    the session failed: its sample is a failed episode, dropped downstream unless `train_failed`."""
+    session = scripted.open()
+    impatient = openai.OpenAI(
+        base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=3.0
+    )
+    live = scripted.worker._gateway.gateway.sessions[session["session_id"]]
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "12*34="}], "tools": TOOLS}
+    with scripted.worker._gate.hold(load=True):
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(**ask, stream=stream)
+        _until(lambda: live.counts["disconnects"] == 1)  # seen while the call waits for the engine
+        assert live.ended is None
+    _until(lambda: live.ended is not None)
+    assert (live.ended, live.counts["calls"], live.counts["disconnects"]) == ("failed", 1, 1)
+    with pytest.raises(openai.NotFoundError):  # an ended session takes no more calls
+        scripted.client(session).chat.completions.create(**ask)
+    (sample,) = scripted.worker.take_sessions([session["session_id"]])
+    assert sample.episode.status == "env_error" and "disconnected" in sample.episode.error
+    assert len(sample.response_ids) > 0  # the engine's tokens were recorded before the session failed

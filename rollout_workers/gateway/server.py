@@ -12,8 +12,10 @@ another process gets a session from whoever holds it) or, for reward and end, by
     GET  /healthz
 
 A streamed answer is generated whole, then sent as chunks (one per token of text, tool calls in one
-delta); a client that disconnects before the last chunk fails its session (`end('failed')`): the agent
-never saw the answer, so the episode is not trained.
+delta). A client that goes away before it has the whole answer fails its session (`end('failed')`,
+counted as `disconnects`): the agent never saw the answer, so the episode is not trained. The gateway
+listens for the disconnect while the call waits for the engine (noticed as it happens; the call still
+completes and is recorded, then the session ends failed) and while a stream is being sent.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout_workers.gateway.gateway import Answer, Gateway
@@ -134,7 +136,9 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
     async def chat(request: Request):
         session = gateway.session_of(_key(request))
         body = await _body(request, ChatRequest)
-        answer = await gateway.chat(body, session)
+        answer = await _unless_gone(request, gateway.chat(body, session), session)
+        if answer is None:
+            return Response(status_code=CLIENT_CLOSED)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _stream(_chat_chunks(gateway, answer, include_usage), session)
@@ -144,12 +148,42 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
     async def completions(request: Request):
         session = gateway.session_of(_key(request))
         body = await _body(request, CompletionRequest)
-        answer = await gateway.complete(body, session)
+        answer = await _unless_gone(request, gateway.complete(body, session), session)
+        if answer is None:
+            return Response(status_code=CLIENT_CLOSED)
         if body.stream:
             return _stream(_completion_chunks(answer), session)
         return JSONResponse(_completion_response(answer))
 
     return app
+
+
+GONE = "the client disconnected before it had the answer"
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the access log says why
+
+
+def _gone(session) -> None:
+    """The client left before it had the whole answer: the agent never saw it."""
+    session.counts["disconnects"] += 1
+    session.end("failed", GONE)
+
+
+async def _unless_gone(request: Request, call: Any, session) -> Answer | None:
+    """`call`'s answer, or None when the client disconnects meanwhile (the body is read, so the next ASGI
+    message is `http.disconnect`). The disconnect is counted at once; the call still runs to its end (its
+    tokens are recorded), then the session fails."""
+    answer = asyncio.ensure_future(call)
+    listen = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({answer, listen}, return_when=asyncio.FIRST_COMPLETED)
+        if not (listen.done() and listen.result().get("type") == "http.disconnect"):
+            return await answer
+        session.counts["disconnects"] += 1
+        await answer
+        session.end("failed", GONE)
+        return None
+    finally:
+        listen.cancel()
 
 
 def _usage(answer: Answer) -> dict:
@@ -294,8 +328,7 @@ def _stream(chunks: list[dict], session) -> StreamingResponse:
             sent = True
         finally:
             if not sent:  # the client went away before the last chunk: the agent never saw the answer
-                session.counts["disconnects"] += 1
-                session.end("failed", "the client disconnected mid-stream")
+                _gone(session)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
