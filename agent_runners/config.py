@@ -3,7 +3,9 @@ schema."""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from kernel.strict import Strict
 
@@ -15,6 +17,12 @@ class AgentConfig(Strict):
         "agent(row, client)` (or a plain def, run in a thread with a sync client) that plays one episode with "
         "an openai client pointed at its session and returns its reward (a number), or None when the reward "
         "comes from elsewhere. None: the rollouts are not agent sessions.",
+    )
+    runners: Literal["actors", "external"] = Field(
+        "actors",
+        description="Who plays the episodes. 'actors': agent runner actors run `function`. 'external': agents "
+        "outside the cluster that only speak HTTP claim them from the workers' gateways (`POST /sessions/claim`, "
+        "listed in the run folder's gateways.json; `python -m agent_runners.external` is one such agent).",
     )
     source: str | None = Field(
         None,
@@ -47,6 +55,21 @@ class AgentConfig(Strict):
             raise ValueError(f"give 'path/to/agent.py:function' or 'dotted.module:function', got {value!r}")
         return value
 
+    @model_validator(mode="after")
+    def _one_player(self) -> AgentConfig:
+        if self.runners == "external" and self.function is not None:
+            raise ValueError(
+                f"agent.runners='external' with agent.function={self.function!r}: external agents play the "
+                "episodes, so no runner would run it; drop agent.function or set agent.runners='actors'"
+            )
+        return self
+
     @property
     def enabled(self) -> bool:
-        return self.function is not None
+        """Whether the rollouts are agent sessions (played by the runner actors or by external agents)."""
+        return self.function is not None or self.runners == "external"
+
+    @property
+    def actors(self) -> int:
+        """How many runner actors the run starts."""
+        return self.num_runners if self.function is not None else 0

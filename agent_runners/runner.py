@@ -105,12 +105,13 @@ class AgentRunner:
 
         async def one(task: AgentTask) -> AgentOutcome:
             async with slots:
-                return await self._play(task)
+                return await self.play(task)
 
         outcomes = await asyncio.gather(*(one(t) for t in tasks))
         return list(outcomes)
 
-    async def _play(self, task: AgentTask) -> AgentOutcome:
+    async def play(self, task: AgentTask) -> AgentOutcome:
+        """One episode, its session ended on the gateway with its outcome (reward first)."""
         t0 = time.monotonic()
         try:
             value = await asyncio.wait_for(self._call(task), timeout=task.timeout_s)

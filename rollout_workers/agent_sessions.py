@@ -27,13 +27,15 @@ from rollout_workers.types import Sample
 
 
 class Agents(Protocol):
-    """The runners as the worker sees them: play these tasks, one outcome each, in order."""
+    """Who plays the episodes, as the worker sees them: play these tasks (sessions open on `gateway`), one
+    outcome each, in order. The runner actors (`cluster.placement.agents.RemoteAgents`), or agents outside
+    the cluster that claim them over HTTP (`rollout_workers.gateway.claims.ExternalAgents`)."""
 
     timeout_s: float
     train_failed: bool
     model_name: str
 
-    def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]: ...
+    def run(self, tasks: list[AgentTask], gateway: Gateway) -> list[AgentOutcome]: ...
 
 
 def play(
@@ -55,7 +57,7 @@ def play(
                 AgentTask(session.id, session.key, base_url + "/v1", gateway.model, row, agents.timeout_s)
             )
     try:
-        outcomes = agents.run(tasks)
+        outcomes = agents.run(tasks, gateway)
     except Exception as error:  # the runners could not be reached: every session fails
         outcomes = [AgentOutcome(t.session_id, "failed", None, f"agent runners: {error!r}") for t in tasks]
     for session, outcome in zip(sessions, outcomes, strict=True):

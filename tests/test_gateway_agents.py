@@ -34,7 +34,7 @@ class InProcess:
             self.config.model_name,
         )
 
-    def run(self, tasks):
+    def run(self, tasks, gateway=None):
         return asyncio.run(self.runner.run(tasks))
 
 

@@ -70,7 +70,7 @@ class RunConfig(_Strict):
     agent: AgentConfig = Field(
         default_factory=AgentConfig,
         description="Agent runners: the user's own agent plays every rollout through the workers' OpenAI-compatible "
-        "gateway (off unless agent.function is set; docs/agents.md).",
+        "gateway (off unless agent.function is set or agent.runners is 'external'; docs/agents.md).",
     )
 
     @property
@@ -148,7 +148,7 @@ class RunConfig(_Strict):
         if REWARD_KINDS[self.reward.kind].turn_rewards and not self.episodes:
             raise ValueError(
                 "reward.kind='environment' scores multi-turn episodes by their environment or agent: set "
-                "rollout.environment.name or agent.function, or another reward.kind"
+                "rollout.environment.name, agent.function or agent.runners='external', or another reward.kind"
             )
         if env.enabled and self.agent.enabled:
             raise ValueError(

@@ -29,6 +29,7 @@ from cluster.pipeline.learner_calls import LearnerRanks
 from cluster.pipeline.pipelines import LearnerGate, Pipeline, RunParts, collector_for, replace_in_pool
 from cluster.pipeline.progress import Checkpointer, RunProgress
 from cluster.pipeline.stopping import StopRequest
+from cluster.placement.gateway_book import GatewayBook
 from cluster.placement.launch import Roles, launch_colocated, start_roles, stop_roles
 from cluster.placement.plan import on_driver_node
 from cluster.prompts.loader import (
@@ -97,6 +98,11 @@ class Run:
         self.learner_gate = learner_gate
         self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
         self.flat_groups = FlatGroupWatch(cfg.learner.advantage)  # warns once when no group trains
+        self.gateways = (  # agent.runners='external': where agents outside the cluster find the gateways
+            GatewayBook(self.run_dir, self.run_id, cfg.agent.model_name, cfg.timeouts.actor_start_s)
+            if cfg.agent.runners == "external"
+            else None
+        )
 
     @property
     def version(self) -> int:
@@ -126,7 +132,9 @@ class Run:
         self.prompts: list[Prompt] = prompts
         self.stream = PromptStream(prompts, cfg.run.seed, cfg.data.shuffle)
         pad = pad_token_id(self.tokenizer)
-        self.roles = start_roles(cfg, pad, self.run_id, self.weights.bring_up_to_date, launched=self.roles)
+        self.roles = start_roles(cfg, pad, self.run_id, self._worker_started, launched=self.roles)
+        for member in self.roles.workers.members:  # (colocated workers start inside their hosts)
+            self._list_gateway(member.handle, member.name)
         self.weights.bind(self.roles, self.replace_lost_worker)
         self.learner = LearnerRanks(cfg, self.roles, self.checkpoints.resume_hint)
         check_ranks_see_run_folder(cfg, self.run_dir, self.roles.ranks, cfg.timeouts.actor_start_s)
@@ -193,6 +201,8 @@ class Run:
         return {name: len(pool) for name, pool in self.roles.by_role.items()}
 
     def close(self) -> None:
+        if self.gateways is not None:
+            self.gateways.close()
         self.log.close()
         if self.control is not None:
             ray.kill(self.control, no_restart=True)
@@ -227,6 +237,15 @@ class Run:
         self.evaluator.before = next((r for r in rows if r["step"] == 0), None)  # the held-out 'before' row
 
     # ------------------------------------------------------------------ one iteration
+
+    def _worker_started(self, handle: Any, name: str) -> None:
+        """A new or replaced rollout worker: the current weights, and its gateway listed for external agents."""
+        self.weights.bring_up_to_date(handle, name)
+        self._list_gateway(handle, name)
+
+    def _list_gateway(self, handle: Any, name: str) -> None:
+        if self.gateways is not None:
+            self.gateways.add(handle, name)
 
     def targets(self) -> dict[str, int]:
         """The pools' counts asked for through the control actor (`cluster.scale`)."""

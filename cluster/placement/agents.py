@@ -70,7 +70,8 @@ class RemoteAgents:
         self.timeout_s, self.train_failed = config.timeout_s, config.train_failed
         self.model_name, self.slots = config.model_name, config.sessions_per_runner
 
-    def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
+    def run(self, tasks: list[AgentTask], gateway: Any = None) -> list[AgentOutcome]:
+        """Deal the tasks over the runners (the gateway's sessions are theirs to call; not read here)."""
         size = math.ceil(len(tasks) / len(self.runners)) if tasks else 0
         slices = [tasks[i : i + size] for i in range(0, len(tasks), size)] if size else []
         calls = [

@@ -114,9 +114,15 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
 
 def agent_actors(cfg: RunConfig, run_id: str) -> tuple[list[Any], Any]:
     """With agent.function set: the agent runners, started now, and the `RemoteAgents` the rollout
-    workers reach them through; else ([], None)."""
+    workers reach them through; with agent.runners='external', no actors and the workers' `ExternalAgents`
+    (agents outside the cluster claim the sessions); else ([], None)."""
     if not cfg.agent.enabled:
         return [], None
+    if cfg.agent.runners == "external":
+        from rollout_workers.gateway.claims import ExternalAgents
+
+        a = cfg.agent
+        return [], ExternalAgents(a.timeout_s, a.train_failed, a.model_name)
     from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
 
     config = shipped(cfg.agent)

@@ -239,6 +239,6 @@ def demand(cfg: RunConfig) -> dict[str, float]:
     """Every resource the plan asks for in all, and the agent runners' CPUs (sizes a local Ray)."""
     plan = PlacementPlan(cfg)
     total = _sum(plan.bundles + [b for group in plan.own_groups() for b in group])
-    if cfg.agent.enabled:  # actors of their own, outside the plan's bundles
-        total["CPU"] = total.get("CPU", 0.0) + cfg.agent.num_runners * cfg.agent.num_cpus
+    if cfg.agent.actors:  # actors of their own, outside the plan's bundles
+        total["CPU"] = total.get("CPU", 0.0) + cfg.agent.actors * cfg.agent.num_cpus
     return total

@@ -22,6 +22,7 @@ from rollout_workers.chat_turns import ChatObservations, chat_observations
 from rollout_workers.config import GatewayConfig, SamplingConfig
 from rollout_workers.episodes import stop_token_ids
 from rollout_workers.gateway.batcher import Batcher, BatchKey, RunBatch
+from rollout_workers.gateway.claims import Offers
 from rollout_workers.gateway.protocol import ChatRequest, CompletionRequest, GatewayError, Sampling
 from rollout_workers.gateway.sessions import Choice, Prepared, Session
 from rollout_workers.gateway.tool_calls import CALL_FORMATS
@@ -64,6 +65,7 @@ class Gateway:
         self._clock = clock
         self.admin_key = "gw-admin-" + secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}  # by id
+        self.offers = Offers()  # sessions offered to external agents (`agent.runners: external`)
         self._by_key: dict[str, Session] = {}
 
     def _extender(self, template, kwargs) -> tuple[Callable | None, str | None]:
@@ -275,4 +277,6 @@ class Gateway:
             "batches": self._batcher.batches,
             "calls": self._batcher.calls,
             "open_sessions": sum(s.ended is None for s in self.sessions.values()),
+            "offered": len(self.offers),
+            "claimed": self.offers.claimed,
         }

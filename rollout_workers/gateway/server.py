@@ -7,6 +7,9 @@ OpenAI's routes, authenticated by a session's key (`Authorization: Bearer <key>`
 The session routes, authenticated by the gateway's admin key (the agent runners hold it; an agent in
 another process gets a session from whoever holds it) or, for reward and end, by the session's key:
     POST /sessions                      {prompt_index?, sample_index?, timeout_s?} -> {session_id, api_key, base_url}
+    POST /sessions/claim                {wait_s?} -> an offered episode {session_id, api_key, base_url, model,
+                                        row, timeout_s}, or 204 with Retry-After when none is offered
+                                        within wait_s (`agent.runners: external`, `gateway.claims`)
     POST /sessions/{id}/reward          {reward, completion_id?}
     POST /sessions/{id}/end             {status?: 'done' | 'failed' | 'timeout', error?} -> the session's counts
     GET  /healthz
@@ -24,6 +27,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kernel.agent_records import AgentTask
 from rollout_workers.gateway.gateway import Answer, Gateway
 from rollout_workers.gateway.protocol import ChatRequest, CompletionRequest, GatewayError
 
@@ -41,6 +46,11 @@ class _OpenSession(BaseModel):
     prompt_index: int = -1
     sample_index: int = Field(0, ge=0)
     timeout_s: float | None = Field(None, gt=0)
+
+
+class _Claim(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    wait_s: float = Field(0.0, ge=0.0, le=60.0)
 
 
 class _Reward(BaseModel):
@@ -112,6 +122,17 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
         session = gateway.open_session(body.prompt_index, body.sample_index, body.timeout_s)
         return {"session_id": session.id, "api_key": session.key, "base_url": base_url + "/v1"}
 
+    @app.post("/sessions/claim")
+    async def claim(request: Request):
+        admin(request)
+        body = await _body(request, _Claim)
+        deadline = time.monotonic() + body.wait_s
+        while (task := gateway.offers.claim()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(CLAIM_POLL_S)
+        if task is None:
+            return Response(status_code=204, headers={"Retry-After": "1"})
+        return JSONResponse(_task_json(task, gateway))
+
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict:
         session = session_for(request, session_id)
@@ -156,6 +177,34 @@ def build_app(gateway: Gateway, base_url: str) -> FastAPI:
         return JSONResponse(_completion_response(answer))
 
     return app
+
+
+CLAIM_POLL_S = 0.05
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy scalars and arrays of a parquet row
+        return value.tolist()
+    raise TypeError(f"a {type(value).__name__} is not JSON")
+
+
+def _task_json(task: AgentTask, gateway: Gateway) -> dict:
+    """An offered episode as JSON (numpy values of the prompt row as their Python values). A row that is
+    not JSON fails its session, named, rather than reaching the agent as something else."""
+    try:
+        row = json.loads(json.dumps(task.row, default=_plain))
+    except (TypeError, ValueError) as error:
+        why = f"its prompt row cannot be sent as JSON: {error}"
+        gateway.sessions[task.session_id].end("failed", why)
+        raise GatewayError(500, f"session {task.session_id}: {why}", code="row_not_json") from None
+    return {
+        "session_id": task.session_id,
+        "api_key": task.api_key,
+        "base_url": task.base_url,
+        "model": task.model,
+        "row": row,
+        "timeout_s": task.timeout_s,
+    }
 
 
 GONE = "the client disconnected before it had the answer"
