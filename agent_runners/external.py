@@ -10,8 +10,8 @@ This module is that loop for an agent function of the runners' shape (`agent_run
 
 The gateways are read from the run folder's `gateways.json` (`cluster.placement.gateway_book`), again on
 every round, so workers that a scale-up or a replacement adds are found; one that refuses connections is
-skipped. It stops when the file says the run ended, when `--episodes` are played, or when no gateway
-has answered for `--idle-exit-s`.
+skipped. It waits for the file while the run starts, and stops when the file says the run ended, when
+`--episodes` are claimed, or when no listed gateway has answered for `--idle-exit-s`.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ async def play_external(
             if time.monotonic() - last_answer > idle_exit_s:
                 played.stopped = f"no gateway answered for {idle_exit_s:g}s"
                 return
-            if not listed:
+            if not listed:  # the run is still starting: its gateways are not up yet
+                last_answer = time.monotonic()
                 await asyncio.sleep(CLAIM_WAIT_S)
                 continue
             gateway = listed[next(turn) % len(listed)]

@@ -66,3 +66,44 @@ def test_agent_sessions_train_through_the_pipeline(ray_local, calculator_assets,
         assert tok.decode(s.prompt_ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
         masked = tok.decode(s.response_ids[s.episode.loss_mask == 0])
         assert masked.count("<|im_start|>tool\n") == s.episode.turns - 1
+
+
+@pytest.mark.slow
+def test_an_agent_outside_the_cluster_plays_a_runs_episodes_over_http(ray_local, calculator_assets, tmp_path):  # noqa: F811
+    """`agent.runners: external`: no runner actors; the demo's agent runs in a process of its own
+    (`python -m agent_runners.external`), finds the gateways in the run folder's gateways.json, claims
+    every episode over HTTP, and stops when the run's file says it ended."""
+    import os
+    import subprocess
+    import sys
+
+    from cluster.config.schema import load_config
+    from cluster.pipeline.run import Run
+    from cluster.reporting.metrics import read_metrics
+
+    cfg = load_config(
+        CONFIG, _overrides(calculator_assets, 2, **{"agent.runners": "external", "agent.function": None})
+    )
+    run_dir = tmp_path / "run"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "agent_runners.external", "--gateways", str(run_dir / "gateways.json"),
+         "--agent", f"{ROOT / 'demos' / 'calculator_agent.py'}:agent", "--sessions", "32"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    trainer = Run(cfg, run_dir)
+    try:
+        trainer.setup()
+        trainer.train()
+        assert trainer.roles.agent_runners == []
+    finally:
+        trainer.close()
+        out, _ = agent.communicate(timeout=180)
+    assert agent.returncode == 0 and "stopped: the run ended" in out, out
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "rollout/samples" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["env/episodes"] + r["env/failures"] >= 32 - 2 and r["train/sequences"] > 0
+    played = int(out.split("played ")[1].split(" episodes")[0])
+    assert played >= 2 * 32  # every training episode (and the held-out ones) was played outside
