@@ -95,9 +95,21 @@ class AgentRunner:
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._sync_http = _SharedPool(timeout=config.timeout_s, limits=_LIMITS)
+        self.calls_in_flight = 0
+        self.episodes: dict[str, int] = {"done": 0, "failed": 0, "timeout": 0}  # played, by outcome
 
     def ping(self) -> bool:
         return True
+
+    def stats(self) -> dict[str, int]:
+        return {"calls_in_flight": self.calls_in_flight, **self.episodes}
+
+    async def retire(self, poll_s: float = 0.1) -> dict[str, int]:
+        """Return once no `run` call is in flight (a runner scaled away plays its calls to the end; the
+        caller then stops the actor); its stats."""
+        while self.calls_in_flight:
+            await asyncio.sleep(poll_s)
+        return self.stats()
 
     async def run(self, tasks: list[AgentTask]) -> list[AgentOutcome]:
         """Play every task (at most `sessions_per_runner` at once); one outcome per task, in order."""
@@ -107,7 +119,13 @@ class AgentRunner:
             async with slots:
                 return await self.play(task)
 
-        outcomes = await asyncio.gather(*(one(t) for t in tasks))
+        self.calls_in_flight += 1
+        try:
+            outcomes = await asyncio.gather(*(one(t) for t in tasks))
+        finally:
+            self.calls_in_flight -= 1
+        for outcome in outcomes:
+            self.episodes[outcome.status] += 1
         return list(outcomes)
 
     async def play(self, task: AgentTask) -> AgentOutcome:

@@ -243,6 +243,11 @@ class RolloutWorker:
         s["tokens"] += tokens
         s["generate_s"] += time.perf_counter() - t0
 
+    def set_agents(self, agents: Any) -> None:
+        """Who plays this worker's episodes from its next generate call on (the runners after a
+        `cluster.scale agent=K`)."""
+        self._agents = agents
+
     def start_gateway(self, model_name: str) -> dict:
         """Serve the OpenAI-compatible gateway on `config.gateway.host:port` (`rollout_workers.gateway`)
         under `model_name`; returns {'url', 'admin_key'}. Idempotent."""

@@ -46,10 +46,23 @@ def test_an_agent_runs_horizon_loss_normalises_by_its_longest_session():
             "partial_rollout=true with agent.function",
         ),
         ({"agent": AGENT, "data": {"max_prompt_tokens": 600}}, r"rollout\.gateway\.max_total_tokens=512"),
-        ({"reward": {"kind": "environment"}}, "rollout.environment.name or agent.function"),
+        ({"reward": {"kind": "environment"}}, "rollout.environment.name, agent.function or agent.runners"),
         ({"rollout": {"gateway": {"on_history_break": "merge"}}}, r"rollout\.gateway\.on_history_break"),
     ],
 )
 def test_the_agent_rules_name_their_fields(sections, message):
     with pytest.raises(ConfigError, match=message):
         build_config(tree(**sections))
+
+
+def test_cluster_scale_takes_the_agent_runners_in_either_placement():
+    from cluster.pipeline.control import RunControl
+    from cluster.scale import parse_assignments
+
+    assert parse_assignments(["agent=3", "rollout=2"]) == {"agent": 3, "rollout": 2}
+    colocated = RunControl({"rollout": 1, "agent": 1}, fixed="colocated: counts are fixed")
+    assert colocated.set_target("agent", 3)["agent"] == 3  # beside the plan: scalable in any placement
+    with pytest.raises(ValueError, match="colocated"):
+        colocated.set_target("rollout", 2)
+    with pytest.raises(ValueError, match="agent runners run only with agent.function"):
+        RunControl({"rollout": 1}).set_target("agent", 2)

@@ -154,3 +154,48 @@ def test_a_runner_killed_mid_session_fails_its_sessions_and_is_restarted(ray_loc
         worker._gateway.close()
         for r in runners:
             ray_local.kill(r, no_restart=True)
+
+
+@pytest.mark.slow
+def test_the_agent_runners_scale_and_the_workers_follow(ray_local, policy):
+    """`cluster.scale agent=K` resizes the runner group: a grown group's new runner plays the worker's next
+    call's sessions beside the first; a shrunk group's runner leaves once its calls are played (Ray says
+    the actor is dead) and the worker's next call plays on the runners left."""
+    from cluster.placement.agents import AgentRunners, shipped
+
+    config = shipped(AgentConfig(function=f"{AGENTS}:tool_agent", num_cpus=0))
+    group = AgentRunners(config, lambda i: f"test-scaled-runner-{i}", 120)
+    rollout = RolloutConfig(sampling=SamplingConfig(max_new_tokens=20, n=2))
+    worker = ray_local.remote(RolloutWorker).remote(policy[0], rollout, 0, 0, None, group.view())
+
+    def call(answers=("408", "999", "408", "999")) -> list:
+        rows = [[{"role": "user", "content": "12*34="}] for _ in answers]
+        ids = [np.arange(3, 8) for _ in answers]
+        metas = [{"answer": a} for a in answers]
+        ref = worker.generate.remote(list(range(len(answers))), ids, 0, None, None, metas, rows)
+        return ray_local.get(ref, timeout=300)
+
+    def played(runner) -> int:
+        return ray_local.get(runner.stats.remote(), timeout=60)["done"]
+
+    try:
+        assert len(call()) == 8 and played(group.runners[0]) == 8
+        assert group.resize(2, [worker]) == ["+test-scaled-runner-1"]
+        assert all(s.episode.status == "done" for s in call())
+        first, second = group.runners
+        assert (played(first), played(second)) == (12, 4)  # 8 tasks dealt in two slices of 4
+        assert group.resize(1, [worker]) == ["-test-scaled-runner-1"]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # retired once its calls are done, then stopped
+            try:
+                ray_local.get(second.ping.remote(), timeout=30)
+            except ray_local.exceptions.RayActorError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the runner scaled away is still alive")
+        assert len(call()) == 8 and played(first) == 20
+    finally:
+        ray_local.kill(worker)
+        for r in group.runners:
+            ray_local.kill(r, no_restart=True)

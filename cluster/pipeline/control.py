@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from cluster.roles.registry import scalable_names
+from cluster.roles.registry import group_names, scalable_names
 
 NAMESPACE = "rayppo"
 ROLES = scalable_names()  # the roles whose counts a running job can change
@@ -41,7 +41,7 @@ class RunControl:
         self._fixed = fixed  # why this run's counts cannot change (cluster.placement='colocated')
 
     def set_target(self, role: str, count: int) -> dict[str, int]:
-        if self._fixed:
+        if self._fixed and role not in group_names():  # groups stand beside the plan in any placement
             raise ValueError(self._fixed)
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
@@ -49,7 +49,8 @@ class RunControl:
             raise ValueError(
                 f"this run has no {role} actors to scale (reference.source='policy_base': the learner ranks "
                 f"compute it; reward.kind='judge': judge actors score and no reward scorer runs; any other "
-                f"kind: no judge runs); it scales {', '.join(self._targets)}"
+                f"kind: no judge runs; agent runners run only with agent.function set); it scales "
+                f"{', '.join(self._targets)}"
             )
         if int(count) < 1:
             raise ValueError(f"{role}: at least 1 actor is needed (got {count})")

@@ -198,7 +198,7 @@ class Run:
         self.log.artifact(self.run_dir / "config.yaml")
 
     def _counts(self) -> dict[str, int]:
-        return {name: len(pool) for name, pool in self.roles.by_role.items()}
+        return {name: len(pool) for name, pool in self.roles.by_role.items()} | self.roles.group_counts()
 
     def close(self) -> None:
         if self.gateways is not None:

@@ -117,7 +117,7 @@ class StreamPipeline:
                 self.collector.draining.add(m.name)
                 events.append(f"-{m.name}")
         self._reap_drained()
-        return events
+        return events + self.roles.scale_groups(targets)
 
     def _reap_drained(self) -> None:
         """Remove drained members whose calls are all done (and forget replaced workers' versions)."""

@@ -41,7 +41,7 @@ class SyncPipeline:
         for role, want in targets.items():
             added, removed = self.parts.roles.by_role[role].resize(int(want))
             events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
-        return events
+        return events + self.parts.roles.scale_groups(targets)
 
     def step(self, step: int, targets: dict[str, int]) -> StepResult:
         p = self.parts

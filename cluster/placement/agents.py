@@ -11,7 +11,9 @@ restarted), so one bad runner never loses a chunk. A runner Ray is still restart
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import ray
 
 from agent_runners.config import AgentConfig
 from agent_runners.runner import AgentRunner
+from cluster.placement.pools import wait_ready
 from kernel.agent_records import AgentOutcome, AgentTask
 
 RUNNER_CONCURRENCY = 64  # calls one runner serves at once (one per rollout worker asking; async actor)
@@ -56,10 +59,66 @@ def shipped(config: AgentConfig) -> AgentConfig:
     return config.model_copy(update={"source": path.read_text(encoding="utf-8")})
 
 
-def start_agent_runners(config: AgentConfig, name: Any) -> list[Any]:
+def start_agent_runners(config: AgentConfig, name: Any, slots: range | None = None) -> list[Any]:
+    """Runner actors in `slots` (default: the first `num_runners`), named `name(slot)`."""
     actor = ray.remote(AgentRunner)
     options = {"num_cpus": config.num_cpus, "max_restarts": -1, "max_concurrency": RUNNER_CONCURRENCY}
-    return [actor.options(name=name(i), **options).remote(config) for i in range(config.num_runners)]
+    slots = slots if slots is not None else range(config.num_runners)
+    return [actor.options(name=name(i), **options).remote(config) for i in slots]
+
+
+class AgentRunners:
+    """The run's agent runners as a group `cluster.scale agent=K` resizes (`registry.AGENT`), and the
+    `RemoteAgents` view of them the rollout workers are built with (`view`).
+
+    Growing starts runners, waits for them, then hands every worker the longer list. Shrinking hands
+    the workers the shorter list first, then retires the runners left out: each leaves once the calls
+    it is playing end (`AgentRunner.retire`), so no session is cut. Either way a worker gets its new
+    list before its next generate call (a caller's calls to an actor run in order)."""
+
+    def __init__(self, config: AgentConfig, name: Any, ready_timeout: float) -> None:
+        self.config, self.name, self.ready_timeout = config, name, ready_timeout
+        self.runners = start_agent_runners(config, name)
+        self.names = [name(i) for i in range(config.num_runners)]
+        self.next_slot = config.num_runners
+        wait_ready(self.runners, self.names, ready_timeout)
+
+    def view(self) -> RemoteAgents:
+        return RemoteAgents(self.runners, self.config)
+
+    def __len__(self) -> int:
+        return len(self.runners)
+
+    def resize(self, want: int, workers: list[Any]) -> list[str]:
+        """Grow or shrink to `want` runners and tell `workers`; the events (`+name` / `-name`)."""
+        if want < 1:
+            raise ValueError(f"agent: at least one runner is needed (asked for {want})")
+        have = len(self.runners)
+        if want == have:
+            return []
+        if want > have:
+            slots = range(self.next_slot, self.next_slot + want - have)
+            self.next_slot += len(slots)
+            started, names = start_agent_runners(self.config, self.name, slots), [self.name(i) for i in slots]
+            wait_ready(started, names, self.ready_timeout)
+            self.runners, self.names = self.runners + started, self.names + names
+            events = [f"+{n}" for n in names]
+        else:
+            gone, self.runners = self.runners[want:], self.runners[:want]
+            events, self.names = [f"-{n}" for n in self.names[want:]], self.names[:want]
+        for worker in workers:
+            worker.set_agents.remote(self.view())
+        for runner in gone if want < have else []:
+            threading.Thread(target=_retire, args=(runner, self.config.timeout_s), daemon=True).start()
+        return events
+
+
+def _retire(runner: Any, within_s: float) -> None:
+    """Stop a runner scaled away once its calls are played (or their deadline has passed)."""
+    with contextlib.suppress(Exception):
+        ray.get(runner.retire.remote(), timeout=within_s + GRACE_S)
+    with contextlib.suppress(Exception):
+        ray.kill(runner, no_restart=True)
 
 
 class RemoteAgents:

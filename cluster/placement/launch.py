@@ -19,7 +19,7 @@ import ray
 from cluster.config.schema import RunConfig
 from cluster.placement.plan import PlacementPlan
 from cluster.placement.pools import ActorPool, ActorStartError, Member, wait_ready, wait_until
-from cluster.roles.registry import LEARNER, REFERENCE, REWARD, ROLLOUT, Place, Role, running
+from cluster.roles.registry import AGENT, LEARNER, REFERENCE, REWARD, ROLLOUT, Place, Role, running
 
 # Quiet, single-threaded tokenizers and no per-actor progress bars in the driver's log stream.
 ACTOR_ENV = {
@@ -48,7 +48,24 @@ class Roles:
     ranks: list[Any] = field(default_factory=list)
     hosts: list[Any] = field(default_factory=list)  # cluster.placement='colocated': one per learner rank
     environments: list[Any] = field(default_factory=list)  # rollout.environment.placement='actors'
-    agent_runners: list[Any] = field(default_factory=list)  # agent.function set
+    groups: dict[str, Any] = field(default_factory=dict)  # actors beside the plan, by group (registry.GROUPS)
+
+    @property
+    def agent_runners(self) -> list[Any]:
+        """The agent runner actors (agent.function set), or []."""
+        group = self.groups.get(AGENT.name)
+        return list(group.runners) if group is not None else []
+
+    def group_counts(self) -> dict[str, int]:
+        return {name: len(group) for name, group in self.groups.items()}
+
+    def scale_groups(self, targets: dict[str, int]) -> list[str]:
+        """Resize the groups to `targets` (between steps); the events. The workers learn of the change."""
+        events = []
+        for name, group in self.groups.items():
+            if name in targets:
+                events += group.resize(int(targets[name]), self.workers.handles)
+        return events
 
     @property
     def workers(self) -> ActorPool:
@@ -74,24 +91,22 @@ def make_pools(
 ) -> Roles:
     """Pools for the scalable roles, placed by `plan`; actors start when the pools grow."""
     hosts, environment = environment_actors(cfg, plan, run_id)
-    runners, agents = agent_actors(cfg, run_id)
+    groups, agents = agent_actors(cfg, run_id)
 
     def pool(role: Role) -> ActorPool:
-        cls = remote_class(role, Place(0, plan.rollout.config, environment, agents=agents))
+        cls = remote_class(role, Place(0, plan.rollout.config, environment, agents=agents()))
 
         def start(name: str, slot: int) -> Any:
             opts = plan.options(role.name, slot)
             return cls.options(name=actor_name(run_id, name), **opts, **ACTOR_ENV).remote(
-                *role.args(cfg, Place(slot, plan.rollout.config, environment, agents=agents))
+                *role.args(cfg, Place(slot, plan.rollout.config, environment, agents=agents()))
             )
 
         on_start = on_worker_start if role is ROLLOUT else None
         release = functools.partial(plan.release, role.name)
         return ActorPool(role.prefix, start, cfg.timeouts.actor_start_s, on_start, release=release)
 
-    return Roles(
-        {role.name: pool(role) for role in running(cfg)}, plan, environments=hosts, agent_runners=runners
-    )
+    return Roles({role.name: pool(role) for role in running(cfg)}, plan, environments=hosts, groups=groups)
 
 
 def remote_class(role: Role, place: Place) -> Any:
@@ -112,24 +127,24 @@ def environment_actors(cfg: RunConfig, plan: PlacementPlan, run_id: str) -> tupl
     return hosts, RemoteEnvironment(hosts, env.timeout_s)
 
 
-def agent_actors(cfg: RunConfig, run_id: str) -> tuple[list[Any], Any]:
-    """With agent.function set: the agent runners, started now, and the `RemoteAgents` the rollout
-    workers reach them through; with agent.runners='external', no actors and the workers' `ExternalAgents`
-    (agents outside the cluster claim the sessions); else ([], None)."""
+def agent_actors(cfg: RunConfig, run_id: str) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """The groups this run starts beside the plan ({'agent': the runners' `AgentRunners`} with
+    agent.function set, started now), and what builds the rollout workers' `Agents` at each worker's
+    start (the runners as they are then; `ExternalAgents` with agent.runners='external'; else None)."""
     if not cfg.agent.enabled:
-        return [], None
+        return {}, lambda: None
     if cfg.agent.runners == "external":
         from rollout_workers.gateway.claims import ExternalAgents
 
         a = cfg.agent
-        return [], ExternalAgents(a.timeout_s, a.train_failed, a.model_name)
-    from cluster.placement.agents import RemoteAgents, shipped, start_agent_runners
+        external = ExternalAgents(a.timeout_s, a.train_failed, a.model_name)
+        return {}, lambda: external
+    from cluster.placement.agents import AgentRunners, shipped
 
-    config = shipped(cfg.agent)
-    names = [f"agent-runner-{i}" for i in range(config.num_runners)]
-    runners = start_agent_runners(config, lambda i: actor_name(run_id, names[i]))
-    wait_ready(runners, names, cfg.timeouts.actor_start_s)  # (a runner no node has room for: said here)
-    return runners, RemoteAgents(runners, config)
+    runners = AgentRunners(
+        shipped(cfg.agent), lambda i: actor_name(run_id, f"agent-runner-{i}"), cfg.timeouts.actor_start_s
+    )
+    return {AGENT.name: runners}, runners.view
 
 
 def start_learner(cfg: RunConfig, roles: Roles, pad_token_id: int, run_id: str) -> None:
@@ -178,7 +193,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
     wait = cfg.timeouts.actor_start_s
     roles = Roles({r.name: ActorPool(r.prefix, cannot_start(r.name), wait) for r in running(cfg)}, plan)
     roles.environments, environment = environment_actors(cfg, plan, run_id)
-    roles.agent_runners, agents = agent_actors(cfg, run_id)
+    roles.groups, agents = agent_actors(cfg, run_id)
     try:
         for rank in range(cfg.learner.num_ranks):
             roles.hosts.append(
@@ -188,7 +203,7 @@ def launch_colocated(cfg: RunConfig, run_id: str) -> Roles:
                     runtime_env={"env_vars": HOST_ENV},
                     **plan.options(LEARNER.name, rank),
                 )
-                .remote(rank, cfg, plan.rollout.config, environment=environment, agents=agents)
+                .remote(rank, cfg, plan.rollout.config, environment=environment, agents=agents())
             )
         roles.ranks = [RoleView(h, LEARNER.name) for h in roles.hosts]
     except BaseException:

@@ -1,5 +1,5 @@
 """The run's roles, each described once: the learner, the rollout workers, the reference, the reward
-scorers and the LLM judge.
+scorers and the LLM judge; and the groups of actors started beside the plan (the agent runners).
 
 A `Role` says what the rest of cluster/ needs to know of one role: its config section and the name
 `cluster.scale` takes (`name`), its actors' names, class and constructor arguments, how many the
@@ -293,5 +293,27 @@ def scoring_kinds(train: bool) -> tuple[str, ...]:
     return tuple(w.kind for w in WORK.values() if w.reads == "samples" and (train or w.on_eval))
 
 
+# ---------------------------------------------------------------------- groups outside the plan
+
+
+@dataclass(frozen=True)
+class Group:
+    """Actors a run starts beside the plan (no bundle of its own, whatever the placement) whose count
+    `cluster.scale` changes too: `name=K`. Resized by the object the launch keeps for it
+    (`Roles.groups`), between steps, in either placement."""
+
+    name: str
+    count: Callable[[RunConfig], int]  # how many the config starts (0: none, not scalable in this run)
+
+
+AGENT = Group("agent", count=lambda c: c.agent.actors)  # the agent runners (agent.function set)
+GROUPS: tuple[Group, ...] = (AGENT,)
+
+
 def scalable_names() -> tuple[str, ...]:
-    return tuple(r.name for r in SCALABLE)
+    """The names `cluster.scale` takes: the pools' roles, then the groups."""
+    return tuple(r.name for r in SCALABLE) + tuple(g.name for g in GROUPS)
+
+
+def group_names() -> tuple[str, ...]:
+    return tuple(g.name for g in GROUPS)
