@@ -5,7 +5,7 @@ Each kind is one `RewardKind`: its backend class (`function`, "module:Class", im
 this module, and the config with it, loads without torch), the config fields it needs, and the flags the
 config, the roles and the reports read instead of comparing kind names: the config's allowed values
 (`RewardConfig.kind`'s `Literal` is built from `names()`) and its rules (`needs`, `own_role`,
-`turn_rewards`), which role scores (`own_role`: `cluster.roles.registry`'s reward and judge roles), the
+`turn_rewards`), which role scores (`own_role`: the name of a role in `cluster.roles.registry`), the
 driver's check before any actor starts (`check`), which held-out metrics exist (`accuracy`) and how a
 score reads as a probability (`probability`, `reward_to_prob`).
 
@@ -33,7 +33,9 @@ from learner.registry import Part, Registry, resolve
 class RewardKind(Part):
     # function: the backend class, "module:Class"
     needs: tuple[str, ...] = ()  # fields under reward. of which one must be set ("judge.model_path")
-    own_role: bool = False  # scored by a role of its own (the judge role), and no reward scorer runs
+    # the role that scores it (`cluster.roles.registry`, config section `reward.<own_role>`), and then no
+    # reward scorer runs; None: the reward scorers do
+    own_role: str | None = None
     turn_rewards: bool = False  # scores each episode by ALL its environment's rewards (needs an environment)
     accuracy: bool = False  # a score >= eval.correct_at is a right answer: eval/accuracy, pass@k, mean@n
     probability: str | None = None  # "module:function" (scores, reward config) -> P(positive) or None
@@ -70,7 +72,7 @@ REWARD_KINDS: Registry[RewardKind] = Registry(
             function="reward_service.kind_judge:JudgeBackend",
             summary="a causal LM prompted with each sample (reward.judge), a role of its own",
             needs=("judge.model_path",),
-            own_role=True,
+            own_role="judge",
         ),
         RewardKind(
             name="environment",

@@ -312,11 +312,12 @@ class RewardConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _judge_is_its_own_role(self) -> RewardConfig:
-        """A kind of its own role (kind='judge') starts its actors (reward.judge.*) and no scorer: the
-        scorer's counts and resources set away from their defaults would be silently unused, so they are
-        refused, naming the judge's field."""
-        if not REWARD_KINDS[self.kind].own_role:
+    def _own_role_kinds_start_no_scorer(self) -> RewardConfig:
+        """A kind scored by a role of its own (its entry's `own_role`, e.g. kind='judge') starts that role's
+        actors (`reward.<role>.*`) and no scorer: the scorer's counts and resources set away from their
+        defaults would be silently unused, so they are refused, naming the role's field."""
+        role = REWARD_KINDS[self.kind].own_role
+        if role is None:
             return self
         fields = type(self).model_fields
         scorer_only = sorted(
@@ -326,8 +327,8 @@ class RewardConfig(_Strict):
         )
         if scorer_only:
             raise ValueError(
-                f"reward.{scorer_only[0]}: with reward.kind='judge' no reward scorer runs (the judge is a role "
-                f"of its own); set reward.judge.{scorer_only[0]} instead"
+                f"reward.{scorer_only[0]}: with reward.kind={self.kind!r} no reward scorer runs (the {role} is a "
+                f"role of its own); set reward.{role}.{scorer_only[0]} instead"
             )
         return self
 

@@ -46,15 +46,17 @@ def test_agent_sessions_train_through_the_pipeline(ray_local, calculator_assets,
     trainer = Run(cfg, tmp_path / "run")
     try:
         trainer.setup()
-        trainer.train()
         assert len(trainer.roles.agent_runners) == 1
+        ray_local.get(trainer.control.set_target.remote("agent", 2))  # `cluster.scale agent=2`
+        trainer.train()
+        assert len(trainer.roles.agent_runners) == 2  # grown at the first step, in either placement
         _metrics, batch = trainer.evaluator.evaluate()
         samples = [s for c in batch.chunks for s in ray_local.get(c.samples_ref)]
     finally:
         trainer.close()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     steps = [r for r in rows if "rollout/samples" in r]
-    assert len(steps) == 2
+    assert len(steps) == 2 and steps[0]["scale/events"] == 1.0
     for r in steps:
         assert (
             r["env/episodes"] + r["env/failures"] >= 32 - 2

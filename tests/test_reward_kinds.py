@@ -72,11 +72,11 @@ def test_the_kinds_flags():
         for k in map(REWARD_KINDS.__getitem__, BUILT_IN)
     }
     assert flags == {
-        "model": (False, False, False, True, False),
-        "rule": (False, False, True, False, True),
-        "remote": (False, False, False, False, False),
-        "judge": (True, False, False, False, False),
-        "environment": (False, True, True, False, False),
+        "model": (None, False, False, True, False),
+        "rule": (None, False, True, False, True),
+        "remote": (None, False, False, False, False),
+        "judge": ("judge", False, False, False, False),
+        "environment": (None, True, True, False, False),
     }
 
 

@@ -70,3 +70,19 @@ def test_the_collector_calls_only_the_roles_the_run_runs():
     collector = RolloutCollector({name: object() for name in names}, judged.timeouts)
     assert collector.after_generate(train=True) == ("reference", "judge")
     assert collector.after_generate(train=False) == ("judge",)
+
+
+def test_a_reward_kind_of_its_own_role_names_a_role_of_the_registry_with_its_section():
+    """`RewardKind.own_role` names the role that scores the kind (its section `reward.<role>`): that role
+    runs and the reward scorers do not, for exactly the kinds that name it."""
+    from cluster.roles.registry import BY_NAME, REWARD
+    from reward_service.backends import REWARD_KINDS
+
+    roles = {REWARD_KINDS[k].own_role for k in REWARD_KINDS.names()} - {None}
+    assert roles == {"judge"}
+    for role in roles:
+        assert BY_NAME[role].config_section == f"reward.{role}"
+        cfg = _cfg(reward={"kind": role, role: {"model_path": "/j"}})
+        assert BY_NAME[role].runs(cfg) and not REWARD.runs(cfg)
+    cfg = _cfg()
+    assert REWARD.runs(cfg) and not any(BY_NAME[r].runs(cfg) for r in roles)

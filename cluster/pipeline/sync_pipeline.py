@@ -38,8 +38,11 @@ class SyncPipeline:
 
     def scale(self, targets: dict[str, int]) -> list[str]:
         events = []
+        pools = self.parts.roles.by_role
         for role, want in targets.items():
-            added, removed = self.parts.roles.by_role[role].resize(int(want))
+            if role not in pools:  # a group beside the plan (below)
+                continue
+            added, removed = pools[role].resize(int(want))
             events += [f"+{n}" for n in added] + [f"-{n}" for n in removed]
         return events + self.parts.roles.scale_groups(targets)
 

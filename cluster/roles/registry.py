@@ -245,11 +245,12 @@ REWARD = Role(
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
-    runs=lambda c: not REWARD_KINDS[c.reward.kind].own_role,  # a role of its own (the judge) scores instead
+    runs=lambda c: REWARD_KINDS[c.reward.kind].own_role is None,  # else a role of its own scores instead
 )
 
+JUDGE_NAME = "judge"
 JUDGE = Role(
-    name="judge",
+    name=JUDGE_NAME,
     prefix="reward-judge",
     # the scorer's contract (a ScoreBatch per chunk; failed episodes failed, every sample counted) with
     # the judge (reward_service/judge.py) as its only backend, served by reward.judge.engine
@@ -263,7 +264,7 @@ JUDGE = Role(
     # its calls' time is the step's time/score, exported as the reward role's busy time
     path_fields=("model_path",),
     section="reward.judge",
-    runs=lambda c: REWARD_KINDS[c.reward.kind].own_role,
+    runs=lambda c: REWARD_KINDS[c.reward.kind].own_role == JUDGE_NAME,  # the kinds whose entry names it
 )
 
 ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE)  # also the bundle order of the plan
