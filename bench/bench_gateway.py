@@ -61,7 +61,7 @@ def percentile(xs: list[float], q: float) -> float:
 def direct(worker: RolloutWorker, prompt: list[int], concurrency: int, calls: int, limit: int) -> dict:
     sampling = worker.config.sampling.model_copy(update={"n": 1})
     tokens, latencies = 0, []
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for k in range(calls):
         t = time.perf_counter()
         outputs, _ = worker.generate_ids(
@@ -69,7 +69,13 @@ def direct(worker: RolloutWorker, prompt: list[int], concurrency: int, calls: in
         )
         latencies += [time.perf_counter() - t] * concurrency
         tokens += sum(len(o[0].response_ids) for o in outputs)
-    return {"tokens_s": tokens / (time.perf_counter() - t0), "latencies": latencies}
+    cpu = time.process_time() - cpu0
+    return {
+        "tokens_s": tokens / (time.perf_counter() - t0),
+        "latencies": latencies,
+        "cpu": cpu,
+        "tokens": tokens,
+    }
 
 
 async def _clients(base: str, keys: list[str], calls: int, limit: int) -> tuple[int, list[float], float]:
@@ -93,8 +99,13 @@ async def _clients(base: str, keys: list[str], calls: int, limit: int) -> tuple[
     return tokens, latencies, time.perf_counter() - t0
 
 
-def _client_process(base: str, keys: list[str], calls: int, limit: int) -> tuple[int, list[float], float]:
-    return asyncio.run(_clients(base, keys, calls, limit))
+def _client_process(
+    base: str, keys: list[str], calls: int, limit: int
+) -> tuple[int, list[float], float, float]:
+    """(tokens, latencies, seconds, the client process's CPU seconds)."""
+    cpu0 = time.process_time()
+    tokens, latencies, seconds = asyncio.run(_clients(base, keys, calls, limit))
+    return tokens, latencies, seconds, time.process_time() - cpu0
 
 
 def through_gateway(worker: RolloutWorker, pool, concurrency: int, calls: int, limit: int) -> dict:
@@ -103,13 +114,21 @@ def through_gateway(worker: RolloutWorker, pool, concurrency: int, calls: int, l
     gateway = worker._gateway.gateway
     sessions = [gateway.open_session(prompt_index=i) for i in range(concurrency)]
     base = worker._gateway.url + "/v1"
-    tokens, latencies, seconds = pool.submit(
+    cpu0 = time.process_time()
+    tokens, latencies, seconds, client_cpu = pool.submit(
         _client_process, base, [s.key for s in sessions], calls, limit
     ).result()
+    cpu = time.process_time() - cpu0
     for s in sessions:
         s.end("done")
     gateway.take([s.id for s in sessions])
-    return {"tokens_s": tokens / seconds, "latencies": latencies}
+    return {
+        "tokens_s": tokens / seconds,
+        "latencies": latencies,
+        "cpu": cpu,
+        "client_cpu": client_cpu,
+        "tokens": tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,15 +165,20 @@ def main(argv: list[str] | None = None) -> None:
         f"max_tokens {args.max_tokens}; batches {worker._gateway.gateway.stats()['batches']}"
     )
     print(
-        "| sessions | direct tokens/s | gateway tokens/s | ratio | direct p50 / p99 s | gateway p50 / p99 s | added p50 / p99 s |"
+        "| sessions | direct tokens/s | gateway tokens/s | ratio | direct p50 / p99 s | gateway p50 / p99 s "
+        "| added p50 / p99 s | server CPU beyond direct, ms/call | client CPU, ms/call |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c, d, g in rows:
         dp = (percentile(d["latencies"], 50), percentile(d["latencies"], 99))
         gp = (percentile(g["latencies"], 50), percentile(g["latencies"], 99))
+        n = c * args.calls
+        # the server's CPU for the gateway side, less the direct side's for as many tokens: the gateway's own
+        extra = (g["cpu"] - d["cpu"] * g["tokens"] / max(d["tokens"], 1)) / n * 1e3
         print(
             f"| {c} | {d['tokens_s']:.0f} | {g['tokens_s']:.0f} | {g['tokens_s'] / d['tokens_s']:.2f} | "
-            f"{dp[0]:.3f} / {dp[1]:.3f} | {gp[0]:.3f} / {gp[1]:.3f} | {gp[0] - dp[0]:.3f} / {gp[1] - dp[1]:.3f} |"
+            f"{dp[0]:.3f} / {dp[1]:.3f} | {gp[0]:.3f} / {gp[1]:.3f} | {gp[0] - dp[0]:.3f} / {gp[1] - dp[1]:.3f} | "
+            f"{extra:.1f} | {g['client_cpu'] / n * 1e3:.1f} |"
         )
     worker._gateway.close()
     pool.shutdown()

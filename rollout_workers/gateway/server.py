@@ -382,6 +382,16 @@ def _stream(chunks: list[dict], session) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _loop_factory() -> Any:
+    """uvloop's event loop where it is installed (uvicorn's own choice, which `serve` alone skips), else
+    asyncio's. uvicorn picks httptools' parser over h11 by itself where that is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 class GatewayServer:
     """Serves a gateway on `host:port` (0: a free port) from a daemon thread; `url` once started."""
 
@@ -409,7 +419,8 @@ class GatewayServer:
             raise RuntimeError(f"the gateway did not start on {self.url}")
 
     def _serve(self) -> None:
-        asyncio.run(self._server.serve(sockets=[self._socket]))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(self._server.serve(sockets=[self._socket]))
 
     def close(self) -> None:
         self._server.should_exit = True
