@@ -2,9 +2,11 @@
 
 Calls arrive on the server's event loop; one thread owns the engine. When the engine is free it takes
 every call waiting, and more while they keep arriving (each within `window_s` of the one before) or
-while fewer are waiting than sessions are open (`expected`: a session's agent between two calls), for
-at most `_MAX_WINDOWS` windows in all and `max_batch` calls: sessions answered by one engine call send
-their next calls milliseconds apart, and a round split over two engine calls costs nearly twice one. It
+while fewer are waiting than sessions are open (`expected`: a session's agent between two calls), up to
+`max_batch` calls and for at most the longer of `_MAX_WINDOWS` windows and `STRAGGLER_SHARE` of the
+last engine call's time: sessions answered by one engine call send their next calls milliseconds apart
+(tens of them take tens of ms to parse), and a round split over two engine calls costs nearly a second
+engine call, so waiting a fraction of one for the stragglers is the cheaper side. It
 groups them by what one engine call must share (`BatchKey`: choices per prompt, seed, stop tokens) and
 generates each group in one call; calls that arrive meanwhile wait for the next round. A call whose
 caller has gone (a client that disconnected) is dropped from its round before it runs.
@@ -31,7 +33,8 @@ class BatchKey:
     stop_ids: frozenset[int]
 
 
-_MAX_WINDOWS = 8  # the longest a round waits for stragglers, in windows
+_MAX_WINDOWS = 8  # the longest a round waits for stragglers, in windows, unless engine calls are long
+STRAGGLER_SHARE = 0.5  # ... then this share of the last engine call's seconds
 
 # (prompts, key, per-prompt token limits) -> (outputs per prompt, the policy version that produced them)
 RunBatch = Callable[[list[np.ndarray], BatchKey, list[int]], tuple[list[list[GenerationOutput]], int]]
@@ -53,6 +56,7 @@ class Batcher:
         self._run, self._window, self._max, self._expected = run, window_s, max_batch, expected
         self._queue: queue.Queue[_Call | None] = queue.Queue()
         self.batches = 0  # engine calls made
+        self._last_engine_s = 0.0
         self.calls = 0  # gateway calls they served
         self._thread = threading.Thread(target=self._serve, name="gateway-batcher", daemon=True)
         self._thread.start()
@@ -74,7 +78,7 @@ class Batcher:
         if first is None:
             return None
         calls = [first]
-        cap = time.monotonic() + _MAX_WINDOWS * self._window
+        cap = time.monotonic() + max(_MAX_WINDOWS * self._window, STRAGGLER_SHARE * self._last_engine_s)
         while len(calls) < self._max:
             # more calls while they keep coming (within a window of the last), or until every open
             # session has one waiting; never past the cap
@@ -98,11 +102,13 @@ class Batcher:
             for call in calls:
                 groups.setdefault(call.key, []).append(call)
             for key, group in groups.items():
+                t0 = time.monotonic()
                 try:
                     outputs, version = self._run([c.prompt for c in group], key, [c.limit for c in group])
                     results = [(c, (outs, version), None) for c, outs in zip(group, outputs, strict=True)]
                 except Exception as error:  # every caller of the failed engine call gets its error
                     results = [(c, None, error) for c in group]
+                self._last_engine_s = time.monotonic() - t0
                 self.batches += 1
                 self.calls += len(group)
                 for call, value, error in results:
