@@ -34,7 +34,7 @@ from cluster.reporting.job_env import (
 )
 from cluster.reporting.local_ray import dashboard_port, moved_dashboard
 from cluster.roles.registry import ROLES
-from learner.registry import resolve
+from kernel.registry import resolve
 from reward_service.backends import REWARD_KINDS
 
 EXIT_FAILED = 1

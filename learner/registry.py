@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernel.registry import Part, Registry, resolve  # noqa: F401  (resolve: re-exported for the roles)
+from kernel.registry import Part, Registry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from learner.registry import Part, Registry, resolve
+from kernel.registry import Part, Registry, resolve
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

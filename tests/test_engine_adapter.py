@@ -163,7 +163,7 @@ def test_lora_sync_config_errors_name_the_field():
 
 def test_every_engine_that_says_it_applies_adapters_implements_the_hooks():
     """The registry's `adapters` flag (what the config allows with lora_sync='adapter') is the truth."""
-    from learner.registry import resolve
+    from kernel.registry import resolve
     from rollout_workers.engine import RolloutEngine
     from rollout_workers.engines import ENGINES
 

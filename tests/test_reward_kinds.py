@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from learner.registry import resolve
+from kernel.registry import resolve
 from reward_service.backends import REWARD_KINDS, reward_to_prob
 from reward_service.config import RewardConfig
 

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from learner.registry import Part, Registry
+from kernel.registry import Part, Registry
 from reward_service.config import RewardConfig
 from rollout_workers.config import RolloutConfig, SamplingConfig, VLLMConfig
 

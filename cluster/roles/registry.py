@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster.config.schema import RunConfig
 from cluster.records.chunks import Chunk, prompt_facts
-from learner.registry import resolve
+from kernel.registry import resolve
 from reward_service.backends import REWARD_KINDS
 
 WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
