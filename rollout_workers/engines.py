@@ -27,6 +27,17 @@ def _vllm_fit(r: Any, longest: int) -> Any:
     return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_model_len": longest})})
 
 
+def _vllm_fit_adapters(r: Any, rank: int) -> Any:
+    room = r.vllm.max_lora_rank
+    if room is None:
+        return r.model_copy(update={"vllm": r.vllm.model_copy(update={"max_lora_rank": rank})})
+    if room < rank:
+        raise ValueError(
+            f"rollout.vllm.max_lora_rank={room} is below learner.lora.rank={rank}: leave it unset (null) or raise it"
+        )
+    return r
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Engine(Part):
     """An engine's entry declares what placement and the config ask of it; nothing in `cluster/` names
@@ -39,6 +50,9 @@ class Engine(Part):
     # the rollout section with the engine's sequence limit set to the run's longest sequence (prompt plus
     # response, or an episode's whole transcript), when the engine has one and the user left it unset
     fit_length: Callable[[Any, int], Any] = lambda r, longest: r
+    # the section with room for LoRA adapters of rank r (rollout.lora_sync='adapter'): a copy with what
+    # the engine needs filled in, or a ValueError naming the field set below it
+    fit_adapters: Callable[[Any, int], Any] = lambda r, rank: r
 
 
 ENGINES: Registry[Engine] = Registry(
@@ -58,6 +72,7 @@ ENGINES: Registry[Engine] = Registry(
             adapters=True,
             devices=_vllm_devices,  # rollout.vllm.tensor_parallel_size
             fit_length=_vllm_fit,  # rollout.vllm.max_model_len
+            fit_adapters=_vllm_fit_adapters,  # rollout.vllm.max_lora_rank
         ),
     ],
 )

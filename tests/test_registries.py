@@ -56,6 +56,30 @@ def test_an_engine_declares_its_devices_and_sequence_limit():
     assert ENGINES["vllm"].fit_length(fixed, 99).vllm.max_model_len == 50  # the user's limit stays
 
 
+def test_an_engine_declares_the_room_adapters_need_and_the_users_config_is_never_written():
+    """rollout.lora_sync='adapter': the workers' section gets vLLM's max_lora_rank from learner.lora.rank
+    (`Engine.fit_adapters`, applied where the workers' section is built); the user's config keeps null."""
+    from test_config import tree
+
+    from cluster.config.schema import build_config
+    from cluster.placement.rollout_gpus import worker_config
+
+    cfg = build_config(
+        tree(rollout={"engine": "vllm", "lora_sync": "adapter"}, learner={"lora": {"rank": 4}})
+    )
+    assert cfg.rollout.vllm.max_lora_rank is None  # what the user wrote
+    assert worker_config(cfg).vllm.max_lora_rank == 4  # what the workers are built with
+    hf = build_config(tree(rollout={"lora_sync": "adapter"}, learner={"lora": {"rank": 4}}))
+    assert worker_config(hf).vllm.max_lora_rank is None  # the hf engine needs no room
+    with pytest.raises(ValueError, match="max_lora_rank=2 is below learner.lora.rank=4"):
+        build_config(
+            tree(
+                rollout={"engine": "vllm", "lora_sync": "adapter", "vllm": {"max_lora_rank": 2}},
+                learner={"lora": {"rank": 4}},
+            )
+        )
+
+
 def test_every_registered_part_of_the_cluster_resolves():
     for registry in (PIPELINES, WEIGHT_SYNCS, SCHEDULES):
         for part in registry:

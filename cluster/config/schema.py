@@ -246,14 +246,8 @@ class RunConfig(_Strict):
                 "rollout.lora_sync='adapter' pushes the LoRA adapter alone: it needs learner.lora.rank > 0 "
                 "(or rollout.lora_sync='merged')"
             )
-        adapter = ro.lora_sync == "adapter"
-        if adapter and ro.vllm.max_lora_rank is None:
-            ro.vllm.max_lora_rank = le.lora.rank
-        elif adapter and ro.vllm.max_lora_rank < le.lora.rank:
-            raise ValueError(
-                f"rollout.vllm.max_lora_rank={ro.vllm.max_lora_rank} is below learner.lora.rank={le.lora.rank}: "
-                "leave it unset (null) or raise it"
-            )
+        if ro.lora_sync == "adapter":  # checked here, filled into the workers' section by the cluster
+            ENGINES[ro.engine].fit_adapters(ro, le.lora.rank)
 
     @model_validator(mode="after")
     def _colocated(self) -> RunConfig:

@@ -59,6 +59,8 @@ def worker_config(cfg: RunConfig) -> RolloutConfig:
         r = r.model_copy(update={"environment": env})
     if cfg.agent.enabled and r.gateway.chat_template is None:
         r = r.model_copy(update={"gateway": _with_prompts_template(r.gateway, cfg)})
+    if r.lora_sync == "adapter":  # room for the learner's adapters (vLLM: max_lora_rank)
+        r = ENGINES[r.engine].fit_adapters(r, cfg.learner.lora.rank)
     longest = cfg.longest_episode if cfg.episodes else cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
     return ENGINES[r.engine].fit_length(r, longest)
 
