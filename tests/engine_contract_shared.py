@@ -1,5 +1,5 @@
-"""What the rollout engine contract modules share: the engines (`hf`, and `vllm` marked `vllm` and
-skipped where vLLM does not import), the two tiny GPT-2 policies (tied embeddings, head_dim 32: vLLM's
+"""What the rollout engine contract modules share: the engines (every entry of
+`rollout_workers.engines.ENGINES`; `vllm` marked `vllm` and skipped where vLLM does not import), the two tiny GPT-2 policies (tied embeddings, head_dim 32: vLLM's
 CPU attention needs >= 32), the per-engine `worker` fixture, and the float32 transformers references
 the engines are held to (teacher-forced logprobs, probe logprobs, bundles).
 
@@ -25,6 +25,7 @@ from kernel.sequences import (
     sequence_logprobs,
 )
 from rollout_workers.config import RolloutConfig
+from rollout_workers.engines import ENGINES as _REGISTRY
 from rollout_workers.hf_engine import truncate_logits
 from rollout_workers.types import Sample
 from rollout_workers.worker import RolloutWorker
@@ -34,18 +35,23 @@ EOS, VOCAB, CONTEXT = 2, 28, 64
 PROMPTS = [np.array([1]), np.array([1, 4, 5, 6]), np.array([1, 4, 5, 6, 9, 10, 11, 12, 13])]
 INDICES = [7, 3, 11]
 
-NO_VLLM = importlib.util.find_spec("vllm") is None
-ENGINES = [
-    pytest.param("hf", id="hf"),
-    pytest.param(
-        "vllm",
-        id="vllm",
-        marks=[
-            pytest.mark.vllm,
-            pytest.mark.skipif(NO_VLLM, reason="vllm is not importable here (make test-vllm installs it)"),
-        ],
-    ),
-]
+NO_VLLM = importlib.util.find_spec("vllm") is None  # for the tests of vLLM's own paths
+
+
+def _engine_param(name: str):
+    """A registered engine as a parameter; one with an optional package (`Engine.extra`) carries that
+    package's marker (`make test-vllm` selects `-m vllm`) and is skipped where the package does not import."""
+    extra = _REGISTRY[name].extra
+    if extra is None:
+        return pytest.param(name, id=name)
+    missing = importlib.util.find_spec(extra) is None
+    reason = f"{extra} is not importable here (make test-{extra} installs it)"
+    return pytest.param(
+        name, id=name, marks=[getattr(pytest.mark, extra), pytest.mark.skipif(missing, reason=reason)]
+    )
+
+
+ENGINES = [_engine_param(name) for name in _REGISTRY.names()]  # every registered engine
 
 
 @pytest.fixture(scope="module")
