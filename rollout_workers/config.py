@@ -323,16 +323,7 @@ class RolloutConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _vllm_devices(self) -> RolloutConfig:
-        tp, gpus = self.vllm.tensor_parallel_size, self.num_gpus_per_worker
-        if self.engine == "vllm" and tp > 1 and gpus not in (0.0, float(tp)):
-            raise ValueError(
-                f"rollout.num_gpus_per_worker={gpus} with rollout.vllm.tensor_parallel_size={tp}: use {tp} "
-                "(one placement group of that many GPU bundles per worker) or 0 (vLLM on CPU)"
-            )
-        if self.engine == "vllm" and tp == 1 and gpus > 1:
-            raise ValueError(
-                f"rollout.num_gpus_per_worker={gpus} but one vLLM engine with tensor_parallel_size=1 "
-                "uses one GPU: raise rollout.vllm.tensor_parallel_size or lower the GPUs"
-            )
+    def _engine_rules(self) -> RolloutConfig:
+        """The rules the engine's entry puts on this section (`Engine.check`), e.g. vLLM's GPUs per worker."""
+        ENGINES[self.engine].check(self)
         return self

@@ -38,6 +38,20 @@ def _vllm_fit_adapters(r: Any, rank: int) -> Any:
     return r
 
 
+def _vllm_check(r: Any) -> None:
+    tp, gpus = r.vllm.tensor_parallel_size, r.num_gpus_per_worker
+    if tp > 1 and gpus not in (0.0, float(tp)):
+        raise ValueError(
+            f"rollout.num_gpus_per_worker={gpus} with rollout.vllm.tensor_parallel_size={tp}: use {tp} "
+            "(one placement group of that many GPU bundles per worker) or 0 (vLLM on CPU)"
+        )
+    if tp == 1 and gpus > 1:
+        raise ValueError(
+            f"rollout.num_gpus_per_worker={gpus} but one vLLM engine with tensor_parallel_size=1 "
+            "uses one GPU: raise rollout.vllm.tensor_parallel_size or lower the GPUs"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Engine(Part):
     """An engine's entry declares what placement and the config ask of it; nothing in `cluster/` names
@@ -56,6 +70,8 @@ class Engine(Part):
     # the section with room for LoRA adapters of rank r (rollout.lora_sync='adapter'): a copy with what
     # the engine needs filled in, or a ValueError naming the field set below it
     fit_adapters: Callable[[Any, int], Any] = lambda r, rank: r
+    # the engine's rules on the rollout section, checked when it is validated: a ValueError naming the field
+    check: Callable[[Any], None] = lambda r: None
 
 
 ENGINES: Registry[Engine] = Registry(
@@ -77,6 +93,7 @@ ENGINES: Registry[Engine] = Registry(
             devices=_vllm_devices,  # rollout.vllm.tensor_parallel_size
             fit_length=_vllm_fit,  # rollout.vllm.max_model_len
             fit_adapters=_vllm_fit_adapters,  # rollout.vllm.max_lora_rank
+            check=_vllm_check,  # GPUs per worker against rollout.vllm.tensor_parallel_size
         ),
     ],
 )
