@@ -29,7 +29,7 @@ def environment_rewards_unused(cfg: RunConfig) -> str | None:
         return None
     if cfg.agent.enabled:
         return (
-            f"agent.function={cfg.agent.function!r} with reward.kind={kind!r}: the rewards the agent returns or "
+            f"agent sessions with reward.kind={kind!r}: the rewards the agent returns or "
             f"reports are NOT trained; each session's reward is the reward.kind={kind!r} score of its transcript "
             "(the response is every token after the prompt: completions, tool results and glue). Set "
             "reward.kind='environment' to train on the agent's rewards."
