@@ -61,7 +61,7 @@ def test_an_agents_rewards_left_untrained_by_the_reward_kind_are_said_at_the_sta
         "reward.rule": "exact_match",
     }
     cfg = load_config(CONFIG, [f"{k}={v}" for k, v in sets.items()])
-    (notice,) = [m for m in config_notices(cfg) if "agent.function" in m]
+    (notice,) = [m for m in config_notices(cfg) if "agent sessions" in m]
     assert "the rewards the agent returns or reports are NOT trained" in notice
     assert not [
         m
