@@ -68,5 +68,5 @@ def test_an_agents_rewards_left_untrained_by_the_reward_kind_are_said_at_the_sta
         for m in config_notices(
             cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"kind": "environment"})})
         )
-        if "agent.function" in m
+        if "agent sessions" in m
     ]
