@@ -15,6 +15,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from extras import needs
 from transformers import AutoModelForCausalLM
 
 from kernel.sequences import (
@@ -39,16 +40,9 @@ NO_VLLM = importlib.util.find_spec("vllm") is None  # for the tests of vLLM's ow
 
 
 def _engine_param(name: str):
-    """A registered engine as a parameter; one with an optional package (`Engine.extra`) carries that
-    package's marker (`make test-vllm` selects `-m vllm`) and is skipped where the package does not import."""
+    """A registered engine as a parameter; one with an optional package (`Engine.extra`) needs it."""
     extra = _REGISTRY[name].extra
-    if extra is None:
-        return pytest.param(name, id=name)
-    missing = importlib.util.find_spec(extra) is None
-    reason = f"{extra} is not importable here (make test-{extra} installs it)"
-    return pytest.param(
-        name, id=name, marks=[getattr(pytest.mark, extra), pytest.mark.skipif(missing, reason=reason)]
-    )
+    return pytest.param(name, id=name, marks=needs(extra) if extra else ())
 
 
 ENGINES = [_engine_param(name) for name in _REGISTRY.names()]  # every registered engine

@@ -11,10 +11,9 @@ made at a chosen token, in tests/test_partial_rollout_engines.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from demo_run import CONFIG, demo_overrides, prompt_file
+from extras import needs
 from test_multiturn_pipeline import ENV_MODULE
 
 from cluster.config.schema import load_config
@@ -63,13 +62,7 @@ def _run(assets, tmp_path, **extra):
         pytest.param(
             {"rollout.engine": "vllm", "rollout.weight_sync": "collective"},
             id="vllm-collective",
-            marks=[
-                pytest.mark.vllm,
-                pytest.mark.skipif(
-                    importlib.util.find_spec("vllm") is None,
-                    reason="vllm is not importable here (make test-vllm installs it)",
-                ),
-            ],
+            marks=needs("vllm"),
         ),
     ],
 )

@@ -9,11 +9,10 @@ accepted; modules trained whole, which vLLM's LoRA cannot apply, are refused nam
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from engine_contract_shared import hf_model, teacher_forced_gap
+from extras import needs
 from test_engine_adapter import BIG, _two_adapters
 from tiny_models import build_causal_lm
 
@@ -23,14 +22,7 @@ from learner.lora import merged_cpu_state_dict
 from rollout_workers.config import RolloutConfig, SamplingConfig, VLLMConfig
 from rollout_workers.worker import RolloutWorker
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not importable here (make test-vllm installs it)",
-    ),
-]
+pytestmark = [pytest.mark.slow, *needs("vllm")]
 
 LORA = LoRAConfig(rank=8, alpha=16.0, target_modules="all-linear")
 

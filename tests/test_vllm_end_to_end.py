@@ -9,25 +9,18 @@ learner's (float32 on both sides); the reward goes up.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import ray
 from demo_run import CONFIG, demo_overrides
+from extras import needs
 
 from cluster.config.schema import load_config
 from cluster.pipeline.run import Run
 from cluster.weights.push import expected_fingerprint, verify_ack
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not importable here (make test-vllm installs it)",
-    ),
-]
+pytestmark = [pytest.mark.slow, *needs("vllm")]
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,14 @@ rendering with only sampled tokens in the loss, and concurrent sessions share en
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import openai
 import pytest
+from extras import needs
 from scripted_models import scripted_policy
 from test_gateway import Served, render, tool_loop
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not importable here (make test-vllm installs it)",
-    ),
-]
+pytestmark = needs("vllm")
 
 
 @pytest.fixture(scope="module")

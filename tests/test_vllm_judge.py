@@ -5,10 +5,10 @@ transformers judge gives the same prompts, and a run that trains on them."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 
 import numpy as np
 import pytest
+from extras import needs
 from test_reward_judge import INPUTS, _input, assert_judged, judge_run_config
 from tiny_models import build_judge
 
@@ -16,13 +16,7 @@ from cluster.roles.judge_engines import judge_model
 from reward_service.config import JudgeConfig, RewardConfig
 from reward_service.judge import JudgeReward
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not importable here (make test-vllm installs it)",
-    ),
-]
+pytestmark = needs("vllm")
 
 
 @pytest.fixture(scope="module")
