@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,6 @@ RESTART_WAIT_S = 120.0  # how long a call waits for a runner Ray is restarting
 def runner_up(runner: Any, within_s: float = RESTART_WAIT_S) -> bool:
     """Whether `runner` answers a ping within `within_s`, waiting while Ray restarts it (a restarting
     actor refuses calls at once with `ActorUnavailableError`; a ping is safe to repeat)."""
-    import time
-
     deadline = time.monotonic() + within_s
     while True:
         left = deadline - time.monotonic()
@@ -96,6 +95,7 @@ class AgentRunners:
         have = len(self.runners)
         if want == have:
             return []
+        gone: list[Any] = []
         if want > have:
             slots = range(self.next_slot, self.next_slot + want - have)
             self.next_slot += len(slots)
@@ -108,7 +108,7 @@ class AgentRunners:
             events, self.names = [f"-{n}" for n in self.names[want:]], self.names[:want]
         for worker in workers:
             worker.set_agents.remote(self.view())
-        for runner in gone if want < have else []:
+        for runner in gone:  # after the workers have the shorter list
             threading.Thread(target=_retire, args=(runner, self.config.timeout_s), daemon=True).start()
         return events
 

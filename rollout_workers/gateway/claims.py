@@ -47,10 +47,8 @@ class Offers:
     def withdraw(self, session_ids: set[str]) -> set[str]:
         """Take these sessions' tasks off offer; the ids that were still unclaimed."""
         with self._lock:
-            kept, gone = collections.deque(), set()
-            for task in self._tasks:
-                (gone.add(task.session_id) if task.session_id in session_ids else kept.append(task))
-            self._tasks = kept
+            gone = {t.session_id for t in self._tasks if t.session_id in session_ids}
+            self._tasks = collections.deque(t for t in self._tasks if t.session_id not in session_ids)
             return gone
 
     def __len__(self) -> int:
