@@ -4,7 +4,9 @@ A part has a name (what the config says), the object it stands for, and a one-li
 config reference and the allowed-values errors show). Parts the project ships name their object as a
 `"module:attr"` string, imported on first use, so a registry (and the config that reads its names)
 loads without torch, vLLM or a tracker's library. Parts defined in user code (an environment, a reward
-rule, a tool) register the object itself with the `register(name)` decorator.
+rule, a tool) register the object itself with the `register(name)` decorator. A part described in a module of its own (a role) is listed by the
+`"module:attr"` of the part itself, imported when the registry is first read: its module plus that one
+line add it.
 
 Every registry answers the same questions: `names()` (the config's allowed values, in registration
 order), `reg[name]` (the entry, or a ValueError naming the config field and the allowed values),
@@ -38,14 +40,28 @@ class Registry(Generic[P]):
     """Parts of one kind, in registration order. `kind` names them in errors ("rollout engine");
     `field` is the config field that takes their names ("rollout.engine")."""
 
-    def __init__(self, kind: str, field: str, parts: Iterable[P] = ()) -> None:
+    def __init__(self, kind: str, field: str, parts: Iterable[P | str] = ()) -> None:
+        """`parts`: the parts, or the `"module:attr"` of a part described in a module of its own; a
+        registry listing one reads its parts (imports those modules) when it is first read."""
         self.kind, self.field = kind, field
         self._parts: dict[str, P] = {}
-        for part in parts:
-            self.add(part)
+        listed = list(parts)
+        self._listed: list[P | str] = listed if any(isinstance(p, str) for p in listed) else []
+        for part in () if self._listed else listed:
+            self.add(part)  # type: ignore[arg-type]
+
+    def _load(self) -> dict[str, P]:
+        """The parts by name, those listed by `"module:attr"` imported on the first read, in listed order."""
+        if self._listed:
+            listed, self._listed = self._listed, []
+            for part in listed:
+                self.add(resolve(part) if isinstance(part, str) else part)
+        return self._parts
 
     def add(self, part: P) -> P:
-        if part.name in self._parts:
+        if not isinstance(part, Part):
+            raise TypeError(f"{self.kind}: {part!r} is no registry part")
+        if part.name in self._load():
             raise ValueError(f"{self.kind} {part.name!r} is registered twice")
         self._parts[part.name] = part
         return part
@@ -56,7 +72,7 @@ class Registry(Generic[P]):
         name) replaces the first; another definition under `name` is an error naming the first."""
 
         def wrap(obj: Any) -> Any:
-            old = self._parts.get(name)
+            old = self._load().get(name)
             if old is not None and _origin(old.function) != _origin(obj):
                 held = old.function
                 raise ValueError(
@@ -68,23 +84,24 @@ class Registry(Generic[P]):
         return wrap
 
     def names(self) -> tuple[str, ...]:
-        return tuple(self._parts)
+        return tuple(self._load())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._parts
+        return name in self._load()
 
     def __getitem__(self, name: str) -> P:
+        parts = self._load()
         try:
-            return self._parts[name]
+            return parts[name]
         except KeyError:
-            allowed = ", ".join(self._parts) or "none registered"
+            allowed = ", ".join(parts) or "none registered"
             raise ValueError(f"unknown {self.kind} {name!r} ({self.field}); allowed: {allowed}") from None
 
     def __iter__(self) -> Iterator[P]:
-        return iter(self._parts.values())
+        return iter(self._load().values())
 
     def __len__(self) -> int:
-        return len(self._parts)
+        return len(self._load())
 
     def function(self, name: str) -> Any:
         """The part's object, imported on first use when named by a string."""

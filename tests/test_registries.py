@@ -103,3 +103,26 @@ def test_registering_the_same_definition_again_replaces_it_and_another_is_refuse
         reg.register("w")(lambda: 2)
     with pytest.raises(ValueError, match=r"unknown widget 'v' \(x\.widget\); allowed: w"):
         reg["v"]
+
+
+def test_a_part_described_in_a_module_of_its_own_is_listed_by_module_attr_and_read_on_first_use(
+    tmp_path, monkeypatch
+):
+    """A part listed by the `"module:attr"` of the part itself (a role in a module of its own): its module
+    is imported when the registry is first read, not when the registry is built, and it keeps its
+    place in the listed order; a second part of its name is refused then."""
+    import sys
+
+    (tmp_path / "own_widget.py").write_text(
+        "from kernel.registry import Part\nOWN = Part(name='own', function=len, summary='its own')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first, last = Part(name="a", function=min), Part(name="z", function=max)
+    reg: Registry[Part] = Registry("widget", "x.widget", [first, "own_widget:OWN", last])
+    assert "own_widget" not in sys.modules
+    assert reg.names() == ("a", "own", "z") and "own_widget" in sys.modules
+    assert reg.function("own") is len and reg.describe().startswith("'a'; 'own': its own")
+    twice: Registry[Part] = Registry("widget", "x.widget", ["own_widget:OWN", Part(name="own", function=abs)])
+    with pytest.raises(ValueError, match="widget 'own' is registered twice"):
+        twice.names()
+    monkeypatch.delitem(sys.modules, "own_widget")

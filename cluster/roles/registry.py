@@ -9,6 +9,10 @@ gets and where its answer is filed on the chunk. Placement (the plan, the pools,
 control and scaling, the collector and the async stream loop loop over `ROLES` and name no role
 themselves (tests/test_layout.py checks that no module of cluster/ but this one spells a role's name).
 
+`ROLES` is a registry of the one type (`kernel.registry`): the roles described here, and any role
+described in a module of its own (`cluster.roles.role`'s types), listed by its `"module:Role"` (one
+line); such a module then names its role and its call kind itself.
+
 The actor classes are named as `module:Class` and imported only where an actor is built, so the
 driver, which reads this registry, never imports torch, transformers or DeepSpeed for them.
 """
@@ -16,107 +20,34 @@ driver, which reads this registry, never imports torch, transformers or DeepSpee
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.config.schema import RunConfig
-from cluster.records.chunks import Chunk, prompt_facts
-from kernel.registry import resolve
+from cluster.records.chunks import Chunk
+from cluster.roles.role import (
+    DRIVER_KINDS,
+    WEIGHTS_GROUP,
+    CallKind,
+    Place,
+    Resources,
+    Role,
+    Work,
+    file_scores,
+    scores_filed,
+    send_scores,
+)
+from kernel.registry import Registry
 from reward_service.backends import REWARD_KINDS
 
-WEIGHTS_GROUP = "weights"  # a rollout worker's concurrency group for loads that cut into a generation
-
-
-class CallKind(StrEnum):
-    """What a call the driver tracks is (`Call.kind`; a chunk's `attempts` key). The work kinds are the
-    roles' (`Work.kind`, one per role the collector drives); the rest are the driver's own. Spelled here
-    only (tests/test_layout.py); a str, so metrics and checkpoints read the same text as before."""
-
-    GENERATE = "generate"  # a rollout worker generates a chunk
-    REFERENCE = "reference"  # a reference replica scores a chunk's samples' logprobs
-    REWARD = "reward"  # a reward scorer scores a chunk's samples
-    JUDGE = "judge"  # a judge replica scores them
-    START = "start"  # an actor's first ping (a failure is a start error)
-    PREPARE = "prepare"  # loads queued on a worker before its next chunk (weights)
-    TRAIN = "train"  # a learner rank's step
-    EXPORT = "export"  # a learner rank's weight export (async pipeline)
-
-
-@dataclass(frozen=True)
-class Place:
-    """What building one actor of a role needs besides the run config."""
-
-    slot: int  # the actor's slot (a learner rank's number, a worker's index)
-    worker_config: Any = None  # the rollout workers' section as placed (`RolloutPlacement.config`)
-    environment: Any = None  # the `RemoteEnvironment` of rollout.environment.placement='actors', or None
-    pad_token_id: int | None = None
-    agents: Any = None  # the `RemoteAgents` of agent.function, or None
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What each actor of a role holds (the separate placement's bundle)."""
-
-    num_cpus: float
-    num_gpus: float
-    custom: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Work:
-    """A role the rollout collector hands chunks to.
-
-    `send(handle, chunk)` makes the call and returns (what the driver waits on and reads, the payload
-    it keeps for other actors or None); `file(chunk, value, kept)` puts the answer on the chunk.
-    `reads` is what the call needs: the chunk's prompts, or the samples generated from them (then it
-    runs once the chunk is generated); `on_eval`: held-out chunks make this call too."""
-
-    kind: CallKind  # the call kind (`Call.kind`, a chunk's `attempts` key)
-    timeout: str  # the field of the `timeouts` section that is the call's deadline
-    send: Callable[[Any, Chunk], tuple[Any, Any]]
-    file: Callable[[Chunk, Any, Any], None]
-    filed: Callable[[Chunk], bool]  # whether the chunk holds this call's answer
-    reads: str = "samples"  # "prompts" | "samples"
-    on_eval: bool = True
-
-
-@dataclass(frozen=True)
-class Role:
-    name: str  # the name scaling takes, and its config section unless `section` says otherwise
-    prefix: str  # its actors' names: <prefix>-<slot>
-    actor: str  # `module:Class` of its actor (imported where the actor runs)
-    count: Callable[[RunConfig], int]  # how many the config starts
-    resources: Callable[[RunConfig], Resources]
-    args: Callable[[RunConfig, Place], tuple]  # the actor class's constructor arguments
-    host_threads: Callable[[RunConfig], int]  # its torch threads inside a colocated host
-    work: Work | None = None  # None: the collector does not drive it (the learner)
-    scalable: bool = False  # its count may change while the run trains (separate placement)
-    two_returns: frozenset[str] = frozenset()  # its methods that return (small fact, payload)
-    after_learner_setup: bool = False  # a colocated host builds it once the learner's world exists
-    busy_metric: str | None = None  # the step's timing that is this role's busy time (telemetry)
-    path_fields: tuple[str, ...] = ()  # fields of its section that name files or folders
-    section: str | None = None  # its config section's dotted path, when it is not `name`
-    remote_options: Callable[[Place], dict[str, Any]] = lambda place: {}  # `ray.remote(...)` options
-    runs: Callable[[RunConfig], bool] = lambda c: True  # False: this run starts none of its actors
-
-    def actor_class(self) -> type:
-        return resolve(self.actor)
-
-    def member_name(self, slot: int) -> str:
-        """The name of its actor in `slot` (`learner-rank-0`); a replacement adds `.r<k>` (`ActorPool`)."""
-        return f"{self.prefix}-{slot}"
-
-    @property
-    def config_section(self) -> str:
-        """Its config section's dotted path ("reward.judge")."""
-        return self.section or self.name
-
-    def path_attributes(self) -> tuple[tuple[str, ...], ...]:
-        """Its path fields as attribute paths from the run config."""
-        parents = tuple(self.config_section.split("."))
-        return tuple((*parents, name) for name in self.path_fields)
-
+__all__ = [
+    "WEIGHTS_GROUP",
+    "CallKind",
+    "Place",
+    "Resources",
+    "Role",
+    "Work",
+]  # described in cluster.roles.role
 
 # ---------------------------------------------------------------------- the collector's calls
 
@@ -146,20 +77,13 @@ def _file_reference(chunk: Chunk, _count: Any, logprobs: Any) -> None:
     chunk.ref_logprobs_ref = logprobs
 
 
-def _send_reward(handle: Any, chunk: Chunk) -> tuple[Any, Any]:
-    return handle.score_samples.remote(chunk.samples_ref, prompt_facts(chunk.prompts)), None
-
-
-def _file_reward(chunk: Chunk, scores: Any, _kept: Any) -> None:
-    chunk.scores = scores
-
-
 # ---------------------------------------------------------------------- the roles
 
 LEARNER = Role(
     name="learner",
+    summary="the learner ranks (DeepSpeed), one per rank",
     prefix="learner-rank",
-    actor="cluster.roles.learner_actor:StreamingLearnerRank",
+    function="cluster.roles.learner_actor:StreamingLearnerRank",
     count=lambda c: c.learner.num_ranks,
     resources=lambda c: Resources(
         c.learner.num_cpus_per_rank, c.learner.num_gpus_per_rank, c.learner.resources
@@ -180,8 +104,9 @@ LEARNER = Role(
 
 ROLLOUT = Role(
     name="rollout",
+    summary="the rollout workers: generate each chunk's samples",
     prefix="rollout-worker",
-    actor="cluster.roles.actors:StreamingRolloutWorker",
+    function="cluster.roles.actors:StreamingRolloutWorker",
     count=lambda c: c.rollout.num_workers,
     resources=lambda c: Resources(
         c.rollout.num_cpus_per_worker, c.rollout.num_gpus_per_worker, c.rollout.resources
@@ -212,8 +137,9 @@ ROLLOUT = Role(
 
 REFERENCE = Role(
     name="reference",
+    summary="the reference policy replicas: the samples' reference logprobs",
     prefix="reference",
-    actor="cluster.roles.actors:StreamingReference",
+    function="cluster.roles.actors:StreamingReference",
     count=lambda c: c.reference.num_replicas,
     resources=lambda c: Resources(c.reference.num_cpus, c.reference.num_gpus, c.reference.resources),
     args=lambda c, p: (c.reference_path, c.resolved.reference, c.rollout.sampling.temperature),
@@ -235,13 +161,14 @@ REFERENCE = Role(
 
 REWARD = Role(
     name="reward",
+    summary="the reward scorers: the samples' rewards, by the reward kind's backend",
     prefix="reward-scorer",
-    actor="cluster.roles.actors:StreamingScorer",
+    function="cluster.roles.actors:StreamingScorer",
     count=lambda c: c.reward.num_replicas,
     resources=lambda c: Resources(c.reward.num_cpus, c.reward.num_gpus, c.reward.resources),
     args=lambda c, p: (c.scorer_reward, c.tokenizer_path),  # function_timeout_s resolved
     host_threads=lambda c: c.learner.torch_threads,
-    work=Work(CallKind.REWARD, "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
+    work=Work(CallKind.REWARD, "score_s", send_scores, file_scores, scores_filed),
     scalable=True,
     busy_metric="time/score",
     path_fields=("model_path",),
@@ -251,15 +178,16 @@ REWARD = Role(
 JUDGE_NAME = "judge"
 JUDGE = Role(
     name=JUDGE_NAME,
+    summary="the LLM judge replicas: the rewards of reward.kind='judge'",
     prefix="reward-judge",
     # the scorer's contract (a ScoreBatch per chunk; failed episodes failed, every sample counted) with
     # the judge (reward_service/judge.py) as its only backend, served by reward.judge.engine
-    actor="cluster.roles.actors:StreamingJudge",
+    function="cluster.roles.actors:StreamingJudge",
     count=lambda c: c.reward.judge.num_replicas,
     resources=lambda c: Resources(c.reward.judge.num_cpus, c.reward.judge.num_gpus, c.reward.judge.resources),
     args=lambda c, p: (c.reward, c.tokenizer_path),
     host_threads=lambda c: c.learner.torch_threads,
-    work=Work(CallKind.JUDGE, "score_s", _send_reward, _file_reward, lambda ch: ch.scores is not None),
+    work=Work(CallKind.JUDGE, "score_s", send_scores, file_scores, scores_filed),
     scalable=True,
     # its calls' time is the step's time/score, exported as the reward role's busy time
     path_fields=("model_path",),
@@ -267,10 +195,36 @@ JUDGE = Role(
     runs=lambda c: REWARD_KINDS[c.reward.kind].own_role == JUDGE_NAME,  # the kinds whose entry names it
 )
 
-ROLES: tuple[Role, ...] = (LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE)  # also the bundle order of the plan
+# Every role, in the plan's bundle order: those described above, then each role described in a module of
+# its own, listed by its `"module:Role"` (that module imports `cluster.roles.role`, never this one).
+ROLES: Registry[Role] = Registry(
+    "role",
+    "cluster.scale",
+    [LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE],
+)
+
+
+def _work(roles: Registry[Role]) -> dict[str, Work]:
+    """The collector's calls by kind: one kind per role, none of them a kind of the driver's own calls."""
+    work: dict[str, Work] = {}
+    for role in roles:
+        if role.work is None:
+            continue
+        kind = role.work.kind
+        if kind in work or kind in DRIVER_KINDS:
+            raise ValueError(f"role {role.name!r}: call kind {kind!r} is already the kind of another call")
+        work[kind] = role.work
+    return work
+
+
 BY_NAME: dict[str, Role] = {r.name: r for r in ROLES}
 SCALABLE: tuple[Role, ...] = tuple(r for r in ROLES if r.scalable)  # the pools' roles, in this order
-WORK: dict[str, Work] = {r.work.kind: r.work for r in ROLES if r.work is not None}
+WORK: dict[str, Work] = _work(ROLES)
+
+
+def call_kinds() -> frozenset[str]:
+    """Every kind of call the driver tracks: its own and each role's work."""
+    return frozenset(DRIVER_KINDS) | frozenset(WORK)
 
 
 def running(cfg: RunConfig) -> tuple[Role, ...]:
