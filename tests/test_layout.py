@@ -183,7 +183,7 @@ CLUSTER_FLOORS: tuple[tuple[str, ...], ...] = (
     ("placement", "weights", "reporting"),  # where actors go; how weights reach them; the run's reports
     ("pipeline",),  # the run loop and the two pipelines
     ("train",),  # the main entry point; the others reuse its arguments and preflight
-    ("data", "evaluate", "submit", "scale", "export", "watch", "plot", "examples"),
+    ("data", "evaluate", "submit", "scale", "export", "watch", "plot", "examples", "serve"),
 )
 
 

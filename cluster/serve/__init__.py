@@ -1,0 +1,1 @@
+"""A warm training service behind the Tinker API (`python -m cluster.serve CONFIG`; docs/service.md)."""

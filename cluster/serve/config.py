@@ -1,0 +1,66 @@
+"""`python -m cluster.serve CONFIG`'s YAML: where it listens, who may call it, which base models it keeps.
+
+    host: 127.0.0.1
+    port: 8000                 # 0: a free port (the service prints the URL it serves)
+    api_keys: [tml-local-1]    # the keys a caller may send (X-API-Key); the SDK wants the tml- prefix
+    base_models:
+      - name: tiny-gpt2        # what `create_lora_training_client(base_model=...)` names
+        path: /models/tiny     # a local HF folder (model and tokenizer); nothing is downloaded
+    lora_alpha: 32.0           # every tenant's LoRA alpha (its rank is the request's)
+    lora_target_modules: all-linear
+    seed: 0                    # a tenant's LoRA init seed when the request gives none
+    torch_threads: 1           # per tenant actor
+    tenant_cpus: 1.0           # Ray CPUs per tenant actor
+    ray_address: local         # 'local' starts a Ray here; an address joins that cluster
+
+A wrong field is an error naming it and what it allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class BaseModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(min_length=1)
+    base_models: list[BaseModelEntry] = Field(min_length=1)
+    lora_alpha: float = Field(32.0, gt=0.0)
+    lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    seed: int = 0
+    torch_threads: int = Field(1, ge=1)
+    tenant_cpus: float = Field(1.0, gt=0.0)
+    ray_address: str = "local"
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        bad = [k[:8] + "..." for k in keys if not k.startswith("tml-")]
+        if bad:
+            raise ValueError(f"api_keys must start with 'tml-' (the tinker SDK sends no other): {bad}")
+        return keys
+
+    def base_model(self, name: str) -> BaseModelEntry:
+        for entry in self.base_models:
+            if entry.name == name:
+                return entry
+        raise ValueError(
+            f"base_model {name!r} is not served here; served: {[e.name for e in self.base_models]}"
+        )
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    tree = yaml.safe_load(Path(path).read_text()) or {}
+    return ServeConfig.model_validate(tree)

@@ -1,0 +1,279 @@
+"""The Tinker API over HTTP (FastAPI): the routes the `tinker` SDK calls, on tenants hosted in Ray actors.
+
+Served (docs/service.md has the full table of what the SDK calls and what is refused):
+    GET  /api/v1/healthz, /api/v1/get_server_capabilities
+    POST /api/v1/client/config, /api/v1/client/dynamic_config, /api/v1/telemetry
+    POST /api/v1/create_session, /api/v1/session_heartbeat, /api/v1/sessions/{id}/finish
+    POST /api/v1/create_model, /api/v1/get_info
+    POST /api/v1/forward_backward (protobuf), /api/v1/optim_step
+    POST /api/v1/retrieve_future
+Every /api/v1 route but healthz needs a configured key in `X-API-Key` (else 401). A session, its models
+and their futures belong to the key that made them: another key is told they do not exist (404). Any
+other route is a 404 naming it. Each tenant (a LoRA training client) is a `TenantModel` in a Ray actor
+of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.serve.config import ServeConfig
+from cluster.serve.futures import Done, Failed, FutureBook, UserError
+from cluster.serve.tenant import AdamStep, TenantModel
+from cluster.serve.wire import WireError, decode_forward_backward, encode_output
+from learner.config_blocks import LoRAConfig
+
+PROTOBUF = "application/x-protobuf"
+SERVED = [
+    "GET /api/v1/healthz", "GET /api/v1/get_server_capabilities", "POST /api/v1/client/config",
+    "POST /api/v1/client/dynamic_config", "POST /api/v1/telemetry", "POST /api/v1/create_session",
+    "POST /api/v1/session_heartbeat", "POST /api/v1/sessions/{id}/finish", "POST /api/v1/create_model",
+    "POST /api/v1/get_info", "POST /api/v1/forward_backward", "POST /api/v1/optim_step",
+    "POST /api/v1/retrieve_future",
+]  # fmt: skip
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())  # the SDK adds fields over versions
+
+
+class _Lora(_Body):
+    rank: int = Field(gt=0)
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class _CreateModel(_Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: _Lora | None = None
+    optimizer_config: dict[str, Any] = Field(default_factory=lambda: {"type": "adamw"})
+
+
+class _Adam(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class _OptimStep(_Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: _Adam | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class _Retrieve(_Body):
+    request_id: str
+
+
+@dataclasses.dataclass
+class Session:
+    owner: str
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class Tenant:
+    owner: str
+    base_model: str
+    rank: int
+    actor: Any  # ray ActorHandle of TenantModel
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+class Service:
+    """What the routes share: the config, sessions, tenants and the futures."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.sessions: dict[str, Session] = {}
+        self.tenants: dict[str, Tenant] = {}
+        self.book = FutureBook()
+        self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
+
+    def tenant(self, model_id: str, owner: str) -> Tenant:
+        t = self.tenants.get(model_id)
+        if t is None or t.owner != owner:
+            raise UserError(f"unknown model_id {model_id!r}")
+        return t
+
+    async def create_model(self, req: _CreateModel, owner: str) -> Done:
+        session = self.sessions.get(req.session_id)
+        if session is None or session.owner != owner:
+            raise UserError(f"unknown session_id {req.session_id!r}")
+        entry = self.config.base_model(req.base_model)
+        if req.lora_config is None:
+            raise UserError("create_model without lora_config (full fine-tuning) is not served; LoRA only")
+        lora = req.lora_config
+        off = [f for f in ("train_mlp", "train_attn", "train_unembed") if not getattr(lora, f)]
+        if off:
+            raise UserError(f"lora_config {off}=False is not served: adapters go on lora_target_modules")
+        if req.optimizer_config.get("type") != "adamw":
+            raise UserError(f"optimizer_config {req.optimizer_config!r}: only adamw is served")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        cfg = LoRAConfig(
+            rank=lora.rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
+        )
+        seed = self.config.seed if lora.seed is None else lora.seed
+        actor = self.actor_class.remote(entry.path, cfg, seed, self.config.torch_threads)
+        await actor.adapter_digest.remote()  # the model is loaded (or its load error raises here)
+        self.tenants[model_id] = Tenant(owner, req.base_model, lora.rank, actor)
+        return Done({"model_id": model_id, "type": "create_model"})
+
+
+def build_app(service: Service) -> FastAPI:
+    app = FastAPI(title="rayppo Tinker service")
+    cfg = service.config
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        path = request.url.path
+        guarded = path.startswith("/api/") and path != "/api/v1/healthz"
+        if guarded and request.headers.get("x-api-key") not in cfg.api_keys:
+            return _error(401, "missing or unknown API key (X-API-Key)")
+        return await call_next(request)
+
+    def owner(request: Request) -> str:
+        return request.headers["x-api-key"]
+
+    def future(request: Request, work, model_id=None, seq_id=None) -> JSONResponse:
+        key = request.headers.get("x-idempotency-key")
+        rid = service.book.submit(owner(request), work, key, model_id, seq_id)
+        return JSONResponse({"request_id": rid, "model_id": model_id})
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        models = [{"model_name": e.name, "trainable": True, "sampleable": False} for e in cfg.base_models]
+        return {"supported_models": models}
+
+    @app.post("/api/v1/client/config")
+    async def client_config():
+        return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config():
+        return {}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry():
+        return {"status": "accepted"}  # the SDK's own telemetry: not kept
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        sid = str(uuid.uuid4())
+        service.sessions[sid] = Session(owner(request))
+        return {"type": "create_session", "session_id": sid}
+
+    def _session(request: Request, sid: str) -> Session | JSONResponse:
+        s = service.sessions.get(sid)
+        if s is None or s.owner != owner(request):
+            return _error(404, f"unknown session_id {sid!r}")
+        return _error(410, f"session {sid!r} is finished") if s.finished else s
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request):
+        s = _session(request, (await request.json()).get("session_id", ""))
+        return s if isinstance(s, JSONResponse) else {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{sid}/finish")
+    async def finish(sid: str, request: Request):
+        s = _session(request, sid)
+        if isinstance(s, Session):
+            s.finished = True
+            return {}
+        return s
+
+    @app.post("/api/v1/create_model")
+    async def create_model(body: _CreateModel, request: Request):
+        who = owner(request)
+        return future(request, lambda: service.create_model(body, who))
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        model_id = (await request.json()).get("model_id", "")
+        try:
+            t = service.tenant(model_id, owner(request))
+        except UserError as e:
+            return _error(404, str(e))
+        path = cfg.base_model(t.base_model).path
+        data = {"arch": "lora", "model_name": t.base_model, "tokenizer_id": path}
+        return {"type": "get_info", "model_data": data, "model_id": model_id, "is_lora": True,
+                "lora_rank": t.rank, "model_name": t.base_model}  # fmt: skip
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        if PROTOBUF not in request.headers.get("content-type", ""):
+            return _error(415, f"forward_backward takes {PROTOBUF} (the tinker SDK's wire format)")
+        if request.headers.get("content-encoding"):
+            return _error(415, "compressed forward_backward bodies are not served (client/config says so)")
+        try:
+            req = decode_forward_backward(await request.body())
+            tenant = service.tenant(req.model_id, owner(request))
+        except (WireError, UserError) as e:
+            return _error(400, str(e))
+
+        async def work() -> Done:
+            # submitted to the actor before the first await: Ray runs one caller's calls in order
+            ref = tenant.actor.forward_backward.remote(
+                req.data, req.loss_fn, req.loss_fn_config, req.forward_only
+            )
+            out = await ref
+            return Done(body=encode_output(out.outputs, out.metrics))
+
+        return future(request, work, req.model_id, req.seq_id)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(body: _OptimStep, request: Request):
+        try:
+            tenant = service.tenant(body.model_id, owner(request))
+        except UserError as e:
+            return _error(404, str(e))
+        if body.adam_params is None:
+            return _error(400, f"optim_step: only adam_params are served (got {body.optimizer_params!r})")
+        step = AdamStep(**body.adam_params.model_dump())
+
+        async def work() -> Done:
+            metrics = await tenant.actor.optim_step.remote(step)
+            return Done({"metrics": metrics})
+
+        return future(request, work, body.model_id, body.seq_id)
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(body: _Retrieve, request: Request):
+        if service.book.owner(body.request_id) != owner(request):
+            return _error(404, f"unknown request_id {body.request_id!r}")
+        outcome = await service.book.result(body.request_id)
+        if outcome is None:
+            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        if isinstance(outcome, Failed):
+            return {"error": outcome.error, "category": outcome.category}
+        if outcome.body is not None:
+            return Response(outcome.body, media_type=PROTOBUF)
+        return outcome.value
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def refused(path: str, request: Request):
+        return _error(404, f"{request.method} /{path} is not served by cluster.serve; served: {SERVED}")
+
+    return app

@@ -1,0 +1,233 @@
+"""`python -m cluster.serve` driven by the real `tinker` SDK (tests/tinker_client.py, run in
+`.venv-tinker`: `make test-tinker` makes it) and by raw HTTP, on a tiny GPT-2 built here.
+
+What is compared, and with what: a LoRA client's first `forward` logprobs with a plain transformers
+forward of the base model (the adapter starts at B = 0); training with cross_entropy lowers the loss
+and moves the logprobs; importance_sampling on policy with advantages 1 is minus the token count
+(ratio 1, worked by hand); an unknown loss name and base model are refused by name; a wrong key is a
+401; an unknown route a 404 naming it; a forward_backward sent twice (same seq_id, another
+idempotency key) is applied once: the optimizer's gradient norm equals that of a tenant that got it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.serve.futures import Done, FutureBook
+from cluster.serve.wire import FwdBwdRequest, WireDatum, encode_forward_backward
+
+REPO = Path(__file__).resolve().parent.parent
+TINKER_PY = REPO / ".venv-tinker" / "bin" / "python"
+KEY, MODEL = "tml-test-key", "tiny-gpt2"
+
+needs_sdk = pytest.mark.skipif(
+    not TINKER_PY.exists(), reason="the tinker SDK's venv .venv-tinker is missing (make test-tinker makes it)"
+)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_policy_dir, tmp_path_factory):
+    """The service in its own process with its own local Ray; its URL once it prints `serving <url>`."""
+    cfg = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "port": 0,
+                "api_keys": [KEY],
+                "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
+                "lora_alpha": 8.0,
+                "tenant_cpus": 0.5,
+            }  # fmt: skip
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.serve", str(cfg)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url, seen = None, []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("serving "):
+            url = line.split()[1]
+            break
+    if url is None:
+        proc.wait()
+        pytest.fail("cluster.serve ended before serving:\n" + "".join(seen))
+    yield url
+    proc.terminate()  # uvicorn stops gracefully on SIGTERM, then Ray shuts down with the process
+    proc.wait(timeout=120)
+
+
+def run_client(scenario: str, url: str, key: str = KEY) -> dict:
+    env = {**os.environ, "TINKER_TELEMETRY": "0"}
+    out = subprocess.run(
+        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), scenario, url, key, MODEL],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout + out.stderr
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def trained(service) -> dict:
+    return run_client("train", service)
+
+
+def plain_logprobs(model_dir: Path, tokens: list[int], targets: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    return logits.log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+
+
+pytestmark = [pytest.mark.slow]
+
+
+@needs_sdk
+def test_forward_logprobs_equal_a_plain_transformers_forward(trained, tiny_policy_dir):
+    for (tokens, targets, _), got in zip(trained["data"], trained["first_logprobs"], strict=True):
+        np.testing.assert_allclose(got, plain_logprobs(tiny_policy_dir, tokens, targets), atol=1e-5, rtol=0)
+    # cross_entropy's loss is -sum w * lp over the batch (Tinker's sum, not a mean)
+    expect = -sum(
+        np.dot(w, lp) for (_, _, w), lp in zip(trained["data"], trained["first_logprobs"], strict=True)
+    )
+    assert trained["first_loss"] == pytest.approx(expect, abs=1e-4)
+    assert trained["info"]["lora_rank"] == 4 and trained["info"]["model_id"].endswith(":train:0")
+
+
+@needs_sdk
+def test_forward_backward_and_optim_step_lower_the_loss(trained):
+    assert trained["train_losses"][0] == pytest.approx(trained["first_loss"], abs=1e-5)  # nothing moved yet
+    assert trained["after_loss"] < trained["first_loss"] - 0.1
+    assert not np.allclose(
+        np.concatenate(trained["after_logprobs"]), np.concatenate(trained["first_logprobs"])
+    )
+
+
+@needs_sdk
+def test_importance_sampling_on_policy_is_minus_the_advantage_sum(trained):
+    # behaviour logprobs = the current policy's, so every ratio is 1: L = -sum_t 1 * A_t = -(5 + 4)
+    assert trained["is_loss"] == pytest.approx(-9.0, abs=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate(trained["is_logprobs"]), np.concatenate(trained["after_logprobs"]), atol=1e-6
+    )
+
+
+@needs_sdk
+def test_unknown_loss_and_model_are_refused_by_name(service):
+    seen = run_client("refusals", service)
+    loss = seen["unknown_loss"]
+    assert loss["type"] == "RequestFailedError"
+    assert "'no_such_loss'" in loss["message"] and "cross_entropy, importance_sampling" in loss["message"]
+    assert "'no-such-model'" in seen["unknown_model"]["message"] and MODEL in seen["unknown_model"]["message"]
+
+
+@needs_sdk
+def test_wrong_api_key_is_a_401(service):
+    err = run_client("wrong_key", service, key="tml-not-a-key")["error"]
+    assert err["status"] == 401 and err["type"] == "AuthenticationError"
+
+
+def _call(url: str, path: str, body: dict | bytes | None = None, key: str | None = KEY, **headers):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    ctype = "application/x-protobuf" if isinstance(body, bytes) else "application/json"
+    req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST")
+    req.add_header("Content-Type", ctype)
+    if key:
+        req.add_header("X-API-Key", key)
+    for k, v in headers.items():
+        req.add_header(k.replace("_", "-"), v)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _result(url: str, request_id: str) -> bytes:
+    while True:  # the service long-polls; try_again means it is still running
+        status, raw = _call(url, "/api/v1/retrieve_future", {"request_id": request_id})
+        assert status == 200, raw
+        if not raw.startswith(b"{") or json.loads(raw).get("type") != "try_again":
+            return raw
+
+
+def test_unknown_route_and_missing_key(service):
+    status, raw = _call(service, "/api/v1/sample", {"x": 1})
+    assert status == 404 and b"POST /api/v1/sample is not served" in raw
+    assert _call(service, "/api/v1/get_server_capabilities", key=None)[0] == 401
+    assert _call(service, "/api/v1/healthz", key=None) == (200, b'{"status":"ok"}')
+
+
+def _tenant(url: str) -> str:
+    sid = json.loads(_call(url, "/api/v1/create_session", {"tags": [], "sdk_version": "raw"})[1])[
+        "session_id"
+    ]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 2, "seed": 3}}
+    rid = json.loads(_call(url, "/api/v1/create_model", body)[1])["request_id"]
+    return json.loads(_result(url, rid))["model_id"]
+
+
+def test_a_resent_forward_backward_is_applied_once(service):
+    data = [
+        WireDatum(
+            np.array([1, 4, 5]), {"target_tokens": np.array([4, 5, 2]), "weights": np.ones(3, np.float32)}
+        )
+    ]
+    norms = []
+    for sends in (1, 2):
+        model_id = _tenant(service)
+        body = encode_forward_backward(FwdBwdRequest(model_id, 1, "cross_entropy", {}, False, data))
+        rids = {
+            json.loads(
+                _call(service, "/api/v1/forward_backward", body, X_Idempotency_Key=f"{model_id}-{i}")[1]
+            )["request_id"]
+            for i in range(sends)
+        }
+        assert len(rids) == 1  # the resend answers the first call's future
+        _result(service, rids.pop())
+        step = {"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}
+        rid = json.loads(_call(service, "/api/v1/optim_step", step)[1])["request_id"]
+        norms.append(json.loads(_result(service, rid))["metrics"]["grad_norm:mean"])
+    # gradients accumulate until optim_step: a second application would double the norm
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6) and norms[0] > 0
+
+
+def test_calls_run_in_seq_id_order_whatever_order_they_arrive():
+    async def scenario() -> list[int]:
+        book, ran = FutureBook(), []
+
+        def work(n):
+            async def run():
+                ran.append(n)
+                return Done(n)
+
+            return run
+
+        ids = [book.submit("k", work(n), f"key{n}", model_id="m", seq_id=n) for n in (3, 2, 1)]
+        assert (
+            book.submit("k", work(99), "other", model_id="m", seq_id=2) == ids[1]
+        )  # same seq_id: same future
+        # without a seq_id the idempotency key decides, per API key
+        once = book.submit("k", work(7), "create-1")
+        assert book.submit("k", work(8), "create-1") == once != book.submit("k2", work(9), "create-1")
+        for rid in [*ids, once]:
+            await book.result(rid)
+        return ran
+
+    ran = asyncio.run(scenario())
+    assert [n for n in ran if n <= 3] == [1, 2, 3] and sorted(ran) == [1, 2, 3, 7, 9]

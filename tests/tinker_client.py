@@ -1,0 +1,108 @@
+"""A client of `cluster.serve` written with the real `tinker` SDK, run in `.venv-tinker` by
+tests/test_tinker_service.py (the SDK is not installed in the project's venv).
+
+    .venv-tinker/bin/python tests/tinker_client.py SCENARIO BASE_URL API_KEY MODEL
+
+prints one JSON object: what the scenario observed (logprobs, losses, errors by type and message).
+Nothing here computes an expectation: the test compares against the project's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import tinker
+from tinker import types
+
+# (input tokens, target tokens, weights): the tiny model's vocabulary is 28 words (tests/tiny_models.py)
+DATA = [
+    ([1, 4, 5, 7, 9], [4, 5, 7, 9, 2], [0.0, 1.0, 1.0, 1.0, 1.0]),
+    ([1, 11, 17, 18], [11, 17, 18, 2], [0.0, 0.0, 1.0, 1.0]),
+]
+
+
+def datum(tokens, targets, **inputs) -> types.Datum:
+    loss_inputs = {"target_tokens": np.asarray(targets, dtype=np.int64)}
+    loss_inputs |= {k: np.asarray(v, dtype=np.float32) for k, v in inputs.items()}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=loss_inputs)
+
+
+def sft_data() -> list[types.Datum]:
+    return [datum(t, y, weights=w) for t, y, w in DATA]
+
+
+def logprobs(out) -> list[list[float]]:
+    return [o["logprobs"].to_numpy().astype(float).tolist() for o in out.loss_fn_outputs]
+
+
+def error(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "message": str(e), "status": getattr(e, "status_code", None)}
+
+
+def train(client, model: str) -> dict:
+    """forward, then 3 x (forward_backward + optim_step) with cross_entropy, then forward again; then
+    one importance_sampling step on the last forward's logprobs."""
+    tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
+    first = tc.forward(sft_data(), "cross_entropy").result()
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward(sft_data(), "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=0.05))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    after = tc.forward(sft_data(), "cross_entropy").result()
+    behaviour = logprobs(after)
+    is_data = [
+        datum(t, y, logprobs=b, advantages=[1.0] * len(t))
+        for (t, y, _), b in zip(DATA, behaviour, strict=True)
+    ]
+    is_out = tc.forward_backward(is_data, "importance_sampling").result()
+    return {
+        "first_logprobs": logprobs(first),
+        "first_loss": first.metrics["loss:sum"],
+        "train_losses": losses,
+        "after_loss": after.metrics["loss:sum"],
+        "after_logprobs": behaviour,
+        "is_loss": is_out.metrics["loss:sum"],
+        "is_logprobs": logprobs(is_out),
+        "info": {"model_id": tc.get_info().model_id, "lora_rank": tc.get_info().lora_rank},
+        "data": DATA,
+    }
+
+
+def refusals(client, model: str) -> dict:
+    tc = client.create_lora_training_client(base_model=model, rank=2).result()
+    seen = {}
+    try:
+        tc.forward_backward(sft_data(), "no_such_loss").result()
+    except Exception as e:  # noqa: BLE001 - the scenario reports whatever the SDK raised
+        seen["unknown_loss"] = error(e)
+    try:
+        client.create_lora_training_client(base_model="no-such-model", rank=2).result()
+    except Exception as e:  # noqa: BLE001
+        seen["unknown_model"] = error(e)
+    return seen
+
+
+def wrong_key(client, model: str) -> dict:
+    try:
+        client.create_lora_training_client(base_model=model, rank=2).result()
+    except Exception as e:  # noqa: BLE001
+        return {"error": error(e)}
+    return {"error": None}
+
+
+SCENARIOS = {"train": train, "refusals": refusals, "wrong_key": wrong_key}
+
+
+def main() -> None:
+    scenario, base_url, api_key, model = sys.argv[1:5]
+    client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+    out = SCENARIOS[scenario](client, model)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
