@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -25,12 +26,14 @@ import pytest
 import torch
 
 from cluster.serve.futures import Done, FutureBook
+from cluster.serve.losses import LossBatch, lookup
 from cluster.serve.wire import FwdBwdRequest, WireDatum, encode_forward_backward
 
 REPO = Path(__file__).resolve().parent.parent
 TINKER_PY = REPO / ".venv-tinker" / "bin" / "python"
 KEY, MODEL = "tml-test-key", "tiny-gpt2"
 
+slow = pytest.mark.slow  # starts the service and its Ray
 needs_sdk = pytest.mark.skipif(
     not TINKER_PY.exists(), reason="the tinker SDK's venv .venv-tinker is missing (make test-tinker makes it)"
 )
@@ -94,9 +97,7 @@ def plain_logprobs(model_dir: Path, tokens: list[int], targets: list[int]) -> li
     return logits.log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)].tolist()
 
 
-pytestmark = [pytest.mark.slow]
-
-
+@slow
 @needs_sdk
 def test_forward_logprobs_equal_a_plain_transformers_forward(trained, tiny_policy_dir):
     for (tokens, targets, _), got in zip(trained["data"], trained["first_logprobs"], strict=True):
@@ -109,6 +110,7 @@ def test_forward_logprobs_equal_a_plain_transformers_forward(trained, tiny_polic
     assert trained["info"]["lora_rank"] == 4 and trained["info"]["model_id"].endswith(":train:0")
 
 
+@slow
 @needs_sdk
 def test_forward_backward_and_optim_step_lower_the_loss(trained):
     assert trained["train_losses"][0] == pytest.approx(trained["first_loss"], abs=1e-5)  # nothing moved yet
@@ -118,6 +120,7 @@ def test_forward_backward_and_optim_step_lower_the_loss(trained):
     )
 
 
+@slow
 @needs_sdk
 def test_importance_sampling_on_policy_is_minus_the_advantage_sum(trained):
     # behaviour logprobs = the current policy's, so every ratio is 1: L = -sum_t 1 * A_t = -(5 + 4)
@@ -127,6 +130,7 @@ def test_importance_sampling_on_policy_is_minus_the_advantage_sum(trained):
     )
 
 
+@slow
 @needs_sdk
 def test_unknown_loss_and_model_are_refused_by_name(service):
     seen = run_client("refusals", service)
@@ -136,6 +140,7 @@ def test_unknown_loss_and_model_are_refused_by_name(service):
     assert "'no-such-model'" in seen["unknown_model"]["message"] and MODEL in seen["unknown_model"]["message"]
 
 
+@slow
 @needs_sdk
 def test_wrong_api_key_is_a_401(service):
     err = run_client("wrong_key", service, key="tml-not-a-key")["error"]
@@ -166,6 +171,7 @@ def _result(url: str, request_id: str) -> bytes:
             return raw
 
 
+@slow
 def test_unknown_route_and_missing_key(service):
     status, raw = _call(service, "/api/v1/sample", {"x": 1})
     assert status == 404 and b"POST /api/v1/sample is not served" in raw
@@ -182,6 +188,7 @@ def _tenant(url: str) -> str:
     return json.loads(_result(url, rid))["model_id"]
 
 
+@slow
 def test_a_resent_forward_backward_is_applied_once(service):
     data = [
         WireDatum(
@@ -231,3 +238,39 @@ def test_calls_run_in_seq_id_order_whatever_order_they_arrive():
 
     ran = asyncio.run(scenario())
     assert [n for n in ran if n <= 3] == [1, 2, 3] and sorted(ran) == [1, 2, 3, 7, 9]
+
+
+def _batch(lp, q, adv, w=None) -> LossBatch:
+    t = lambda x: torch.tensor([x], dtype=torch.float32)  # noqa: E731
+    inputs = {"logprobs": t(q), "advantages": t(adv)} | ({"weights": t(w)} if w else {})
+    return LossBatch(t(lp), inputs, torch.ones(1, len(lp)))
+
+
+def test_tinker_losses_by_hand():
+    """Two tokens with ratios r = 1.5 (A = +1) and 0.5 (A = -1), a third padded out of the mask."""
+    b = _batch([np.log(1.5), np.log(0.5), 0.0], [0.0, 0.0, 0.0], [1.0, -1.0, 5.0], w=[2.0, 1.0, 9.0])
+    b = LossBatch(b.logprobs, b.inputs, torch.tensor([[1.0, 1.0, 0.0]]))
+    names = {"logprobs", "advantages", "weights"}
+    # importance sampling: -(1.5 * 1 + 0.5 * -1) = -1.0
+    assert float(lookup("importance_sampling", names, {})(b, {}).loss) == pytest.approx(-1.0, abs=1e-6)
+    # ppo, clip [0.8, 1.2]: -(min(1.5, 1.2) * 1 + min(-0.5, -0.8)) = -(1.2 - 0.8) = -0.4
+    assert float(lookup("ppo", names, {})(b, {}).loss) == pytest.approx(-0.4, abs=1e-6)
+    # a wider clip [0.4, 2]: nothing clipped, as importance sampling
+    wide = {"clip_low_threshold": 0.4, "clip_high_threshold": 2.0}
+    assert float(lookup("ppo", names, wide)(b, wide).loss) == pytest.approx(-1.0, abs=1e-6)
+    # cross entropy: -(2 * ln 1.5 + 1 * ln 0.5) = 0.693147 - 0.810930 = -0.117783
+    ce = lookup("cross_entropy", names, {})(b, {})
+    assert float(ce.loss) == pytest.approx(-(2 * np.log(1.5) + np.log(0.5)), abs=1e-6)
+    assert ce.extra["elementwise_loss"][0, :2].tolist() == pytest.approx([-2 * np.log(1.5), -np.log(0.5)])
+
+
+def test_tinker_losses_refuse_by_name():
+    msg = "loss_fn 'importance_sampling' needs loss_fn_inputs ['logprobs', 'advantages'] (missing ['advantages'])"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        lookup("importance_sampling", {"logprobs"}, {})
+    msg = "loss_fn 'importance_sampling' takes loss_fn_config keys [] (got ['kl_coeff'])"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        lookup("importance_sampling", {"logprobs", "advantages"}, {"kl_coeff": 0.1})
+    msg = "unknown Tinker loss 'cispo' (forward_backward loss_fn); allowed: cross_entropy, importance_sampling, ppo"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        lookup("cispo", set(), {})
