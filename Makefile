@@ -42,6 +42,25 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_PINS)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
+# The real tinker SDK, client side (as a user's script runs it), in its own venv: the service runs in
+# .venv, the tests drive it from .venv-tinker (tinker-cookbook pins transformers<=5.5.4 and pulls CUDA
+# torch, so neither goes into .venv). `make serve` serves the Tinker API (docs/service.md).
+TINKER_VENV  := .venv-tinker
+TINKER_STAMP := $(TINKER_VENV)/.installed
+SERVE_CONFIG ?= configs/serve/tiny.yaml
+.PHONY: test-tinker serve
+
+$(TINKER_STAMP):
+	test -x $(TINKER_VENV)/bin/python || $(PY) -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/pip install -q tinker==0.38.0
+	touch $(TINKER_STAMP)
+
+test-tinker: $(STAMP) $(TINKER_STAMP)
+	$(BIN)/python -m pytest -q tests/test_tinker_service.py
+
+serve: $(STAMP)
+	$(BIN)/python -m cluster.serve $(SERVE_CONFIG)
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow$(if $(AREA), and $(AREA))"
 
