@@ -316,53 +316,83 @@ def _strings(node: ast.AST) -> list[ast.Constant]:
     return [n for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-def call_kind_literals(root: Path, kinds: set[str], registry: Path) -> list[str]:
-    """`file:line 'kind'` for every call kind spelled as a string where one is compared with a `kind`
-    (`call.kind == "generate"`, `kind in ("start", ...)`) or handed to a method that takes one
-    (`tracker.add(name, ref, "train", ...)`, `pools["generate"]`), in a module of `root/cluster` other
-    than `registry` (where `CallKind` spells them)."""
+def call_kind_literals(root: Path, kinds: set[str], descriptions: set[Path]) -> list[str]:
+    """`file:line 'kind'` for every call kind spelled as a string where a kind is meant, in a module of
+    `root/cluster` other than the `descriptions` (where `CallKind` and the roles spell them): compared
+    with a `kind` (`call.kind == "generate"`, `kind in ("start", ...)`), handed to a method that takes
+    one (`tracker.add(name, ref, "train", ...)`) or as a `kind=` argument, a key (`pools["generate"]`,
+    `{"generate": 0.0}`), assigned to a `kind` (`kind = "judge"`, `call.kind = "judge"`) or a `kind`
+    parameter's default."""
     found = []
     for f in sorted((root / "cluster").rglob("*.py")):
-        if f == registry:
+        if f in descriptions:
             continue
         for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             spelled: list[ast.Constant] = []
             if isinstance(node, ast.Compare) and any(map(_names_kind, [node.left, *node.comparators])):
                 for side in [node.left, *node.comparators]:
                     spelled += _strings(side)
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in KIND_TAKERS
-            ):
-                for arg in [*node.args, *(k.value for k in node.keywords)]:
-                    spelled += _strings(arg)
+            elif isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Attribute) and node.func.attr in KIND_TAKERS:
+                    for arg in [*node.args, *(k.value for k in node.keywords)]:
+                        spelled += _strings(arg)
+                spelled += [s for k in node.keywords if k.arg == "kind" for s in _strings(k.value)]
             elif isinstance(node, ast.Subscript):
                 spelled += _strings(node.slice)
+            elif isinstance(node, ast.Dict):
+                spelled += [s for key in node.keys if key is not None for s in _strings(key)]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(map(_names_kind, targets)):
+                    spelled += _strings(node.value)
+            elif isinstance(node, ast.arguments):
+                positional = [*node.posonlyargs, *node.args]
+                pairs = list(
+                    zip(positional[len(positional) - len(node.defaults) :], node.defaults, strict=True)
+                )
+                pairs += [
+                    (a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults, strict=True) if d is not None
+                ]
+                spelled += [s for a, d in pairs if a.arg == "kind" for s in _strings(d)]
             found += [f"{f.relative_to(root)}:{c.lineno} {c.value!r}" for c in spelled if c.value in kinds]
     return sorted(set(found))
 
 
-def test_no_module_of_cluster_but_the_roles_registry_spells_a_call_kind():
-    """A call's kind is `cluster.roles.registry.CallKind`: the collector, the stream loop, the learner's
-    step and the publishers compare and hand out its members, never the raw text, so a kind cannot be
-    misspelled into a call nobody waits for."""
-    from cluster.roles.registry import CallKind
+def test_no_module_of_cluster_but_the_roles_descriptions_spells_a_call_kind():
+    """A call's kind is `cluster.roles.role.CallKind` (or the kind a role in a module of its own names
+    there): the collector, the stream loop, the learner's step and the publishers compare and hand out
+    its members, never the raw text, and the trackers refuse a kind none of them declares, so a kind
+    cannot be misspelled into a call nobody waits for."""
+    from cluster.roles.registry import CallKind, call_kinds
 
-    kinds = {k.value for k in CallKind}
-    assert call_kind_literals(ROOT, kinds, ROOT / "cluster" / "roles" / "registry.py") == []
+    kinds = {str(k) for k in call_kinds()}
+    assert kinds >= {k.value for k in CallKind}
+    assert call_kind_literals(ROOT, kinds, role_descriptions(ROOT)) == []
 
 
-def test_the_call_kind_check_sees_comparisons_arguments_and_keys(tmp_path):
+def test_the_call_kind_check_sees_comparisons_arguments_keys_assignments_and_defaults(tmp_path):
     (tmp_path / "cluster").mkdir()
     (tmp_path / "cluster" / "x.py").write_text(
         'if call.kind in ("start", "other"):\n    pass\n'
         'tracker.add(name, ref, "train", 1.0)\n'
         'busy["generate"] += 1\n'
         'label = "train"\n'
+        'busy = {"judge": 0.0, "score": 0.0}\n'
+        'Call(ref, name, kind="export")\n'
+        'call.kind = "prepare"\n'
+        'def f(a, kind="reward", *, other="reward"):\n    pass\n'
     )
-    found = call_kind_literals(tmp_path, {"start", "train", "generate"}, tmp_path / "cluster" / "r.py")
-    assert found == ["cluster/x.py:1 'start'", "cluster/x.py:3 'train'", "cluster/x.py:4 'generate'"]
+    kinds = {"start", "train", "generate", "judge", "export", "prepare", "reward"}
+    found = call_kind_literals(tmp_path, kinds, {tmp_path / "cluster" / "r.py"})
+    assert found == [
+        "cluster/x.py:1 'start'",
+        "cluster/x.py:3 'train'",
+        "cluster/x.py:4 'generate'",
+        "cluster/x.py:6 'judge'",
+        "cluster/x.py:7 'export'",
+        "cluster/x.py:8 'prepare'",
+        "cluster/x.py:9 'reward'",
+    ]
 
 
 def reward_kind_literals(

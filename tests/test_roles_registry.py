@@ -86,3 +86,21 @@ def test_a_reward_kind_of_its_own_role_names_a_role_of_the_registry_with_its_sec
         assert BY_NAME[role].runs(cfg) and not REWARD.runs(cfg)
     cfg = _cfg()
     assert REWARD.runs(cfg) and not any(BY_NAME[r].runs(cfg) for r in roles)
+
+
+def test_the_stream_collectors_tracker_takes_the_registered_call_kinds_and_refuses_another():
+    """A call kind is one the registry declares (`call_kinds()`: the driver's own and each role's work):
+    a misspelled kind is refused where the call is added, naming it, instead of becoming a call that
+    nobody waits for."""
+    import pytest
+
+    from cluster.pipeline.collector import StreamCollector
+    from cluster.roles.registry import CallKind, call_kinds
+
+    assert call_kinds() == frozenset(CallKind)  # no role outside the registry's module is registered
+    cfg = _cfg()
+    collector = StreamCollector({r.name: object() for r in running(cfg)}, cfg.timeouts)
+    call = collector.tracker.add("rollout-worker-0", object(), CallKind.GENERATE, 1.0)
+    assert call.kind == "generate" and collector.tracker.pending("rollout-worker-0", CallKind.GENERATE) == 1
+    with pytest.raises(ValueError, match=r"unknown call kind 'generation'; tracked: export, generate, judge"):
+        collector.tracker.add("rollout-worker-0", object(), "generation", 1.0)

@@ -25,10 +25,10 @@ import ray
 from cluster.placement.pools import ActorPool, ActorStartError, Member
 from cluster.prompts.loader import Prompt
 from cluster.records.calls import Call, CallTracker
-from cluster.records.chunks import Chunk, Faults, RolloutBatch, chunk_seed
+from cluster.records.chunks import LOST, Chunk, Faults, RolloutBatch, chunk_seed
 from cluster.records.deadlines import Deadline
 from cluster.records.ray_waits import DEAD_ACTOR_ERRORS, is_lost_object
-from cluster.roles.registry import ROLES, WORK, CallKind, generate_kind, scoring_kinds
+from cluster.roles.registry import ROLES, WORK, CallKind, call_kinds, generate_kind, scoring_kinds
 
 
 class RolloutError(RuntimeError):
@@ -133,9 +133,9 @@ class RolloutCollector:
     def lose(self, chunk: Chunk, stats: Faults, what: str = "samples") -> None:
         """Count a loss of `chunk`'s objects (`what`) and forget its results, so it is generated again;
         a chunk lost max_attempts times is given up."""
-        chunk.attempts["lost"] += 1
-        if chunk.attempts["lost"] >= self.max_attempts:
-            raise RolloutError(f"the {what} of chunk {chunk.index} were lost {chunk.attempts['lost']} times")
+        chunk.attempts[LOST] += 1
+        if chunk.attempts[LOST] >= self.max_attempts:
+            raise RolloutError(f"the {what} of chunk {chunk.index} were lost {chunk.attempts[LOST]} times")
         chunk.lost()
         stats.lost += 1
         stats.events.append(f"chunk {chunk.index}: {what} lost with their node; generating it again")
@@ -274,7 +274,7 @@ class RolloutCollector:
         counted on `batch`. Returns the seconds until the last chunk was generated."""
         t0 = time.perf_counter()
         scoring = self.after_generate(train=reference)
-        tracker = CallTracker()
+        tracker = CallTracker(call_kinds())
         for c in chunks:
             self.submit(tracker, CallKind.GENERATE, c)
         t_gen = None
@@ -306,7 +306,7 @@ class StreamCollector(RolloutCollector):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.tracker = CallTracker()
+        self.tracker = CallTracker(call_kinds())
         self.draining: set[str] = set()
         # whether a worker may sample now (False while it waits for a broadcast of the current weights)
         self.may_generate: Callable[[Any], bool] = lambda member: True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,9 @@ from cluster.records.deadlines import Deadline
 class Call:
     ref: Any  # the ObjectRef the call returns (the first one when it returns several)
     actor: str  # name of the actor running it
-    kind: str  # what it is, for the caller: "generate", "reference", "reward", "load", "start", ...
+    kind: (
+        str  # what it is: a call kind (`cluster.roles.role.CallKind`, or a role's own), one the tracker takes
+    )
     timeout: float  # seconds from the moment the call starts
     payload: Any = None  # the caller's record of the work (e.g. the chunk), for re-dispatch
     started: float | None = None  # monotonic time it reached the head of its actor's queue
@@ -41,9 +43,14 @@ class Call:
 
 
 class CallTracker:
-    def __init__(self) -> None:
+    """The calls of one caller. `kinds`: the call kinds it takes (`cluster.roles.registry.call_kinds()`,
+    the driver's and the run's roles'); a call of another kind is refused where it is added, naming it,
+    so a misspelled kind never becomes a call nobody waits for. None: any kind (a tracker of one test)."""
+
+    def __init__(self, kinds: Collection[str] | None = None) -> None:
         self._queues: dict[str, collections.deque[Call]] = {}
         self._by_ref: dict[Any, Call] = {}
+        self._kinds = None if kinds is None else frozenset(kinds)
 
     def __len__(self) -> int:
         return len(self._by_ref)
@@ -52,6 +59,8 @@ class CallTracker:
         self, actor: str, ref: Any, kind: str, timeout: float, payload: Any = None, **bookkeeping
     ) -> Call:
         """Track a call; `bookkeeping` sets `Call`'s bookkeeping fields by name (an unknown one is a TypeError)."""
+        if self._kinds is not None and kind not in self._kinds:
+            raise ValueError(f"unknown call kind {kind!r}; tracked: {', '.join(sorted(self._kinds))}")
         call = Call(ref, actor, kind, timeout, payload, **bookkeeping)
         queue = self._queues.setdefault(actor, collections.deque())
         if not queue:

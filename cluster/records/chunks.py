@@ -86,6 +86,9 @@ def sample_facts(sample: Any) -> SampleFacts:
     )
 
 
+LOST = "lost"  # a chunk's `attempts` key counting the times its objects were lost with a node
+
+
 @dataclass(eq=False)
 class Chunk:
     """Prompts handed to one worker in one generate call, and what became of them: the one record of
@@ -95,7 +98,7 @@ class Chunk:
     index: int
     prompts: list[Prompt]
     seed: int
-    # failures per kind of work ("generate", "reference", "reward", "lost"): a chunk that keeps
+    # failures per call kind of its work (`Work.kind`), and its losses (`LOST`): a chunk that keeps
     # failing one kind of work is given up; faults of different roles do not add up
     attempts: collections.Counter = field(default_factory=collections.Counter)
     # filled as the chunk moves through the pipeline
