@@ -12,9 +12,12 @@ from pydantic import Field, field_validator, model_validator
 
 from kernel.strict import Strict as _Strict
 from reward_service.backends import REWARD_KINDS
+from reward_service.forms import FORMS
 
 # The allowed values of reward.kind: the registered reward kinds (reward_service.backends).
 RewardKindName = Literal[REWARD_KINDS.names()]
+# reward.functions[].style: 'auto' (told from the function) or a registered form (reward_service.forms).
+StyleName = Literal[("auto", *FORMS.names())]
 
 # A function's name is its metric's: reward/<name>.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -37,11 +40,10 @@ class RewardFunctionConfig(_Strict):
     weight: float = Field(
         1.0, allow_inf_nan=False, description="Factor of this function's score in the sample's weighted sum."
     )
-    style: Literal["auto", "rule", "record", "batched", "verl"] = Field(
+    style: StyleName = Field(
         "auto",
         description="How the function is called: 'auto' tells from its @reward_function mark or its signature; "
-        "'rule' fn(prompt, response, meta), 'record' fn(RewardInput), 'batched' fn(list[RewardInput]) -> "
-        "list, 'verl' compute_score(data_source, solution_str, ground_truth, extra_info).",
+        f"{FORMS.describe()}.",
     )
 
     @field_validator("name")

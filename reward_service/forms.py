@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kernel.registry import Part, Registry
 from reward_service.functions import FORM_ATTRIBUTE, RewardInput
 from reward_service.verl_style import PARAMETERS as VERL_PARAMETERS
 from reward_service.verl_style import verl_call, verl_score
@@ -40,22 +41,40 @@ def _same(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class Form:
-    """How to call one form: per sample or per batch, with which arguments, and what of its result is
-    the score."""
+@dataclass(frozen=True, kw_only=True)
+class Form(Part):
+    """How to call one form: `function` (fn, a RewardInput or a list of them) -> result or awaitable, per
+    sample or per batch (`batched`), and what of one sample's result is the score (`score`)."""
 
-    batched: bool
-    call: Callable[[Callable, Any], Any]  # (fn, a RewardInput or a list of them) -> result or awaitable
-    score: Callable[[Any], Any] = _same  # one sample's result -> its score
+    batched: bool = False
+    score: Callable[[Any], Any] = _same
 
 
-FORMS: dict[str, Form] = {
-    "rule": Form(False, lambda fn, x: fn(x.prompt, x.response, x.meta)),
-    "record": Form(False, lambda fn, x: fn(x)),
-    "batched": Form(True, lambda fn, xs: fn(xs)),
-    "verl": Form(False, verl_call, verl_score),
-}
+# The forms by name: reward.functions[].style's allowed values (besides 'auto') and their reference text.
+FORMS: Registry[Form] = Registry(
+    "reward function style",
+    "reward.functions[].style",
+    [
+        Form(
+            name="rule",
+            function=lambda fn, x: fn(x.prompt, x.response, x.meta),
+            summary="fn(prompt, response, meta)",
+        ),
+        Form(name="record", function=lambda fn, x: fn(x), summary="fn(RewardInput)"),
+        Form(
+            name="batched",
+            function=lambda fn, xs: fn(xs),
+            batched=True,
+            summary="fn(list[RewardInput]) -> list",
+        ),
+        Form(
+            name="verl",
+            function=verl_call,
+            score=verl_score,
+            summary="compute_score(data_source, solution_str, ground_truth, extra_info)",
+        ),
+    ],
+)
 
 
 @dataclass(frozen=True)
@@ -133,7 +152,7 @@ def detect_form(fn: Callable, style: str, field: str) -> str:
     declared = getattr(fn, FORM_ATTRIBUTE, None)
     if style != "auto":
         if style not in FORMS:
-            raise ValueError(f"{field}: unknown style {style!r}; known: auto, {', '.join(FORMS)}")
+            raise ValueError(f"{field}: unknown style {style!r}; known: auto, {', '.join(FORMS.names())}")
         if declared is not None and declared != style:
             raise ValueError(
                 f"{field}: style {style!r}, but the function is marked {declared!r} by @reward_function"
@@ -153,7 +172,7 @@ def detect_form(fn: Callable, style: str, field: str) -> str:
     raise ValueError(
         f"{field}: cannot tell how to call {what}{sig}: write it as fn(prompt, response, meta), mark it "
         "with @reward_function(batched=False) (one RewardInput) or @reward_function(batched=True) (a list), "
-        f"or set its style ({', '.join(FORMS)})"
+        f"or set its style ({', '.join(FORMS.names())})"
     )
 
 
@@ -173,7 +192,7 @@ def call_form(fn: Callable, form: Form, inputs: list[RewardInput], timeout: floa
         return _call_batched(fn, form, inputs, timeout)
     results: list[Any] = []
     pending: dict[int, Any] = {}
-    outcomes = each_within(timeout, [lambda x=x: form.call(fn, x) for x in inputs])
+    outcomes = each_within(timeout, [lambda x=x: form.function(fn, x) for x in inputs])
     for k, (result, error) in enumerate(outcomes):
         if error is not None:
             if not isinstance(error, Exception):  # not a sample's failure (KeyboardInterrupt, SystemExit)
@@ -205,7 +224,7 @@ def _call_batched(fn: Callable, form: Form, inputs: list[RewardInput], timeout: 
     n = len(inputs)
 
     def call() -> Any:
-        result = form.call(fn, inputs)
+        result = form.function(fn, inputs)
         return run_awaitables([result])[0] if inspect.isawaitable(result) else result
 
     try:

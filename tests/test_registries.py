@@ -8,6 +8,7 @@ from typing import get_args
 
 import pytest
 
+from cluster.config.filters import FILTERS
 from cluster.config.pipelines import PIPELINES
 from cluster.config.schema import RunConfig
 from cluster.weights.syncs import WEIGHT_SYNCS
@@ -81,7 +82,7 @@ def test_an_engine_declares_the_room_adapters_need_and_the_users_config_is_never
 
 
 def test_every_registered_part_of_the_cluster_resolves():
-    for registry in (PIPELINES, WEIGHT_SYNCS, SCHEDULES):
+    for registry in (PIPELINES, WEIGHT_SYNCS, SCHEDULES, FILTERS):
         for part in registry:
             assert registry.function(part.name) is not None
 
@@ -126,3 +127,23 @@ def test_a_part_described_in_a_module_of_its_own_is_listed_by_module_attr_and_re
     with pytest.raises(ValueError, match="widget 'own' is registered twice"):
         twice.names()
     monkeypatch.delitem(sys.modules, "own_widget")
+
+
+def test_the_group_filters_are_the_dynamic_sampling_filters_allowed_names():
+    """data.dynamic_sampling.filter takes a user function's path too, so its type is a str: its built-in
+    names, the refusal's allowed values and its reference text are read from `FILTERS`."""
+    from cluster.config.data_section import DynamicSamplingSection
+    from cluster.config.filters import check_filter_spec
+
+    assert FILTERS.field == "data.dynamic_sampling.filter" and FILTERS.names() == ("none", "nonzero_std")
+    for name in FILTERS.names():
+        assert DynamicSamplingSection(filter=name).filter == name
+    with pytest.raises(
+        ValueError, match=r"unknown filter 'std'; allowed: 'none', 'nonzero_std', or 'package"
+    ):
+        check_filter_spec("std")
+    assert FILTERS.describe() in DynamicSamplingSection.model_fields["filter"].description
+    assert (
+        FILTERS.function("none")(1e-6) is None
+        and FILTERS.function("nonzero_std")(0.5).__name__ == "nonzero_std"
+    )

@@ -328,7 +328,15 @@ def test_forms_are_told_apart_in_one_place():
     assert detect_form(reward_function(lambda x: 0.0), "auto", "f") == "record"
     assert detect_form(reward_function(batched=True)(lambda xs: []), "auto", "f") == "batched"
     assert detect_form(lambda xs: [], "batched", "f") == "batched"  # a style for what cannot be decorated
-    assert set(FORMS) == {"rule", "record", "batched", "verl"}
+    assert set(FORMS.names()) == {"rule", "record", "batched", "verl"}
+    # the config's styles are the registry's forms (and 'auto'), each in its reference text
+    from typing import get_args
+
+    from reward_service.config import RewardFunctionConfig
+
+    style = RewardFunctionConfig.model_fields["style"]
+    assert get_args(style.annotation) == ("auto", *FORMS.names())
+    assert all(f"'{f.name}': {f.summary}" in style.description for f in FORMS)
     with pytest.raises(ValueError, match=r"^f: cannot tell how to call .*@reward_function"):
         detect_form(lambda x: 0.0, "auto", "f")
     with pytest.raises(ValueError, match=r"^g: style 'batched', but the function is marked 'record'"):

@@ -7,16 +7,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from cluster.config.filters import check_filter_spec
+from cluster.config.filters import FILTERS, check_filter_spec
 from cluster.config.sections import _Strict
 
 
 class DynamicSamplingSection(_Strict):
     filter: str = Field(
         "none",
-        description="Which groups (the rollout.sampling.n samples of one prompt) are trained: 'none' (all: dynamic "
-        "sampling off), 'nonzero_std' (only groups whose rewards' std exceeds std_eps: DAPO's dynamic sampling), or "
-        "a user function 'package.module:function' / 'path/to/file.py:function' taking the group's successful "
+        description="Which groups (the rollout.sampling.n samples of one prompt) are trained: "
+        f"{FILTERS.describe()}; or a user function 'package.module:function' / 'path/to/file.py:function' taking "
+        "the group's successful "
         "rewards (a float64 array) and returning whether to keep it. A sample's reward is its return (a multi-turn "
         "episode's outcome plus its earlier turns' rewards with reward.kind='environment'), what grpo and rloo "
         "train on. Dropped groups are counted and the batch is refilled with more prompts; needs "

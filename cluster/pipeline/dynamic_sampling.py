@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.config.filters import check_filter_spec
+from cluster.config.filters import FILTERS, check_filter_spec
 from reward_service.rules import import_user_module
 
 GroupFilter = Callable[[np.ndarray], bool]  # rewards of one group -> keep it?
@@ -36,6 +36,11 @@ GroupFilter = Callable[[np.ndarray], bool]  # rewards of one group -> keep it?
 
 class DynamicSamplingError(RuntimeError):
     """No informative group could be found within data.dynamic_sampling.max_rounds."""
+
+
+def no_filter(std_eps: float) -> None:
+    """'none': no filter, every group is trained (dynamic sampling off)."""
+    return None
 
 
 def nonzero_std(std_eps: float) -> GroupFilter:
@@ -61,10 +66,8 @@ def resolve_filter(spec: str, std_eps: float = 1e-6) -> GroupFilter | None:
     """The filter named by `spec` (None for 'none': dynamic sampling off). A user function gets the
     group's rewards as a float64 array and returns whether to keep the group (truthy)."""
     check_filter_spec(spec)
-    if spec == "none":
-        return None
-    if spec == "nonzero_std":
-        return nonzero_std(std_eps)
+    if spec in FILTERS:
+        return FILTERS.function(spec)(std_eps)
     fn = _load_user_function(spec)
 
     def keep(rewards: np.ndarray) -> bool:
