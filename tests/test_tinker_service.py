@@ -5,8 +5,9 @@ What is compared, and with what: a LoRA client's first `forward` logprobs with a
 forward of the base model (the adapter starts at B = 0); training with cross_entropy lowers the loss
 and moves the logprobs; importance_sampling on policy with advantages 1 is minus the token count
 (ratio 1, worked by hand); an unknown loss name and base model are refused by name; a wrong key is a
-401; an unknown route a 404 naming it; a forward_backward sent twice (same seq_id, another
-idempotency key) is applied once: the optimizer's gradient norm equals that of a tenant that got it once.
+401; two tenants (the async SDK) stay apart: training one never moves the other; an unknown route a
+404 naming it; a forward_backward sent twice (same seq_id, another idempotency key) is applied once:
+the optimizer's gradient norm equals that of a tenant that got it once.
 """
 
 from __future__ import annotations
@@ -128,6 +129,17 @@ def test_importance_sampling_on_policy_is_minus_the_advantage_sum(trained):
     np.testing.assert_allclose(
         np.concatenate(trained["is_logprobs"]), np.concatenate(trained["after_logprobs"]), atol=1e-6
     )
+
+
+@slow
+@needs_sdk
+def test_two_tenants_through_the_async_sdk_stay_apart(service):
+    seen = run_client("tenants", service)
+    (a0, b0), (a1, b1) = seen["before"], seen["after"]
+    assert len(set(seen["model_ids"])) == 2
+    np.testing.assert_array_equal(np.concatenate(a0), np.concatenate(b0))  # same base, same LoRA seed
+    np.testing.assert_array_equal(np.concatenate(b1), np.concatenate(b0))  # A's steps never reach B
+    assert not np.allclose(np.concatenate(a1), np.concatenate(a0))
 
 
 @slow

@@ -9,6 +9,7 @@ Nothing here computes an expectation: the test compares against the project's ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -94,7 +95,26 @@ def wrong_key(client, model: str) -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"train": train, "refusals": refusals, "wrong_key": wrong_key}
+async def _tenants(client, model: str) -> dict:
+    a, b = [await client.create_lora_training_client(base_model=model, rank=4, seed=0) for _ in range(2)]
+    before = [logprobs(await tc.forward(sft_data(), "cross_entropy")) for tc in (a, b)]
+    for _ in range(2):
+        fb, opt = (
+            a.forward_backward(sft_data(), "cross_entropy"),
+            a.optim_step(types.AdamParams(learning_rate=0.05)),
+        )
+        await fb
+        await opt
+    after = [logprobs(await tc.forward(sft_data(), "cross_entropy")) for tc in (a, b)]
+    return {"before": before, "after": after, "model_ids": [a.get_info().model_id, b.get_info().model_id]}
+
+
+def tenants(client, model: str) -> dict:
+    """Two tenants through the SDK's async interface (awaited futures): only the trained one moves."""
+    return asyncio.run(_tenants(client, model))
+
+
+SCENARIOS = {"train": train, "refusals": refusals, "wrong_key": wrong_key, "tenants": tenants}
 
 
 def main() -> None:
