@@ -104,3 +104,29 @@ def test_the_stream_collectors_tracker_takes_the_registered_call_kinds_and_refus
     assert call.kind == "generate" and collector.tracker.pending("rollout-worker-0", CallKind.GENERATE) == 1
     with pytest.raises(ValueError, match=r"unknown call kind 'generation'; tracked: export, generate, judge"):
         collector.tracker.add("rollout-worker-0", object(), "generation", 1.0)
+
+
+def test_a_roles_call_kind_is_its_own_and_none_of_the_drivers():
+    """Each role's work names a kind no other role's work and none of the driver's own calls take, so a
+    role described in a module of its own cannot take over another's calls; the check names the role."""
+    import dataclasses
+
+    import pytest
+
+    from cluster.roles.registry import JUDGE, REWARD, CallKind, _work
+    from kernel.registry import Registry
+
+    same = dataclasses.replace(
+        JUDGE, name="judge2", work=dataclasses.replace(JUDGE.work, kind=CallKind.REWARD)
+    )
+    with pytest.raises(
+        ValueError, match=r"role 'judge2': call kind 'reward' is already the kind of role 'reward'"
+    ):
+        _work(Registry("role", "cluster.scale", [REWARD, same]))
+    drivers = dataclasses.replace(JUDGE, work=dataclasses.replace(JUDGE.work, kind=CallKind.TRAIN))
+    with pytest.raises(
+        ValueError, match=r"role 'judge': call kind 'train' is already the kind of the driver's own calls"
+    ):
+        _work(Registry("role", "cluster.scale", [REWARD, drivers]))
+    own = dataclasses.replace(JUDGE, name="remote", work=dataclasses.replace(JUDGE.work, kind="remote"))
+    assert list(_work(Registry("role", "cluster.scale", [REWARD, own]))) == ["reward", "remote"]

@@ -207,13 +207,15 @@ ROLES: Registry[Role] = Registry(
 def _work(roles: Registry[Role]) -> dict[str, Work]:
     """The collector's calls by kind: one kind per role, none of them a kind of the driver's own calls."""
     work: dict[str, Work] = {}
+    owner: dict[str, str] = {str(k): "the driver's own calls" for k in DRIVER_KINDS}
     for role in roles:
         if role.work is None:
             continue
-        kind = role.work.kind
-        if kind in work or kind in DRIVER_KINDS:
-            raise ValueError(f"role {role.name!r}: call kind {kind!r} is already the kind of another call")
-        work[kind] = role.work
+        kind = str(role.work.kind)
+        if kind in owner:
+            raise ValueError(f"role {role.name!r}: call kind {kind!r} is already the kind of {owner[kind]}")
+        owner[kind] = f"role {role.name!r}"
+        work[role.work.kind] = role.work
     return work
 
 
