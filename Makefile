@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels gpu-e2e clean
 
 setup: $(STAMP)
 
@@ -136,14 +136,33 @@ bench-scale: $(VLLM_STAMP)
 gpu-smoke: $(STAMP)
 	$(BIN)/python bench/gpu_smoke.py $(ARGS)
 
-# DeepSpeed's source distribution and the wheels a lent GPU machine lacks (Python 3.12), into .gpu/.
+# `python -m cluster.train` on a local Ray, colocated then separate (bench/gpu_e2e.py): start-up, step
+# times, tokens/s, peak GPU memory per role, the weight push, the logprob gap, checkpoint and final/
+# loaded back. Runs on the CPU with tiny sizes where no GPU is. On a lent GPU machine: `make gpu-wheels`
+# here, carry .gpu/, and run `bash bench/gpu_e2e.sh --out $$OUT` there (docs/benchmarks.md, "GPU end to end").
+gpu-e2e: $(STAMP)
+	$(BIN)/python bench/gpu_e2e.py $(ARGS)
+
+# DeepSpeed's source distribution and the wheels a lent GPU machine lacks (Python 3.12), into .gpu/;
+# with Ray (the venv's version) trimmed by bench/trim_ray.py into an xz tarball (its docstring says what
+# is left out and why), and Ray's own requirements pinned to this venv's versions. The full Ray wheel
+# is downloaded to a temporary folder, never into .gpu/ (a call carries at most 64 MiB).
 GPU_WHEELS := hjson msgpack ninja py-cpuinfo psutil pydantic pydantic-core annotated-types \
 	typing-inspection typing-extensions einops nvidia-ml-py setuptools wheel
+RAY_WHEELS := click filelock jsonschema jsonschema-specifications referencing rpds-py attrs packaging \
+	protobuf pyyaml requests urllib3 idna charset-normalizer certifi xxhash
+PIP312 := $(BIN)/pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
+	--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
+VERSION_OF = $$($(BIN)/python -c "import importlib.metadata as m; print(m.version('$(1)'))")
 gpu-wheels: $(STAMP)
-	$(BIN)/pip download -q --no-deps --no-binary :all: -d .gpu deepspeed==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('deepspeed'))")
-	$(BIN)/pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-		-d .gpu $(GPU_WHEELS)
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d .gpu deepspeed==$(call VERSION_OF,deepspeed)
+	$(PIP312) -d .gpu $(GPU_WHEELS)
+	$(PIP312) -d .gpu $$($(BIN)/python -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(RAY_WHEELS)'.split()))")
+	test -f .gpu/ray-$(call VERSION_OF,ray)-cp312-trimmed.tar.xz || { \
+		tmp=$$(mktemp -d) && $(PIP312) -d $$tmp ray==$(call VERSION_OF,ray) && \
+		$(BIN)/python bench/trim_ray.py --wheel $$tmp/ray-*.whl --out .gpu/ray-$(call VERSION_OF,ray)-cp312-trimmed.tar.xz; \
+		rc=$$?; rm -rf $$tmp; exit $$rc; }
+	du -cb .gpu/* | tail -1 | awk '{printf ".gpu/: %.1f MiB of the 64 MiB a device call carries\n", $$1 / 1048576}'
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
