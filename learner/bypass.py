@@ -20,6 +20,12 @@ A step bypasses when all of these hold (`decide`), the same on every rank:
   bypass for the rest of the run (`record`, said in `train/proximal_bypass_off`).
 
 On a bypassed step `rollout/logprob_gap` is NaN (not measured) and `train/proximal_bypassed` is 1.
+
+`learner.proximal_pass: bypass` is the explicit choice (verl's bypass mode, slime's
+--use-rollout-logprobs): every step takes the behaviour logprobs as the old ones, whatever the engines hold,
+so the PPO ratio is pi_theta / mu and its clip is the only correction of the mismatch; the config refuses it
+where the forward is needed (a critic, reference_from_base) or a correction would read rho = 1
+(learner/config_rules.py). Nothing is measured then (the mismatch metrics are NaN).
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ GAP_LIMIT = 1e-4
 
 def static_reason(config: LearnerConfig) -> str | None:
     """Why this config never bypasses (None: it may)."""
-    if config.proximal_pass != "auto":
-        return f"learner.proximal_pass={config.proximal_pass!r}"
+    if config.proximal_pass == "always":
+        return "learner.proximal_pass='always'"
+    if config.proximal_pass == "bypass":
+        return None  # chosen: decide() bypasses every step
     if needs_critic(config.advantage):
         return f"learner.advantage={config.advantage!r} learns values in the same forward"
     if config.reference_from_base:
@@ -67,6 +75,8 @@ class ProximalBypass:
         `all_ranks(flag)`: True when `flag` is true on every rank (a collective: every rank calls it)."""
         check = self.steps % self.config.proximal_check_every == 0
         self.steps += 1
+        if self.config.proximal_pass == "bypass":
+            return True  # the explicit bypass mode: the same on every rank, no check steps
         if self.never or self.off_gap is not None or check or not engines_hold:
             return False  # the same on every rank (config, step count, global gap, the driver's word)
         return all_ranks(all(v == engines_hold for v in versions))

@@ -1,5 +1,6 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
-(`learner.kl`: its estimators, coefficient and controller) and the LoRA adapters (`learner.lora`)."""
+(`learner.kl`: its estimators, coefficient and controller), the LoRA adapters (`learner.lora`) and the
+composed rollout correction (`learner.rollout_correction`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kernel.strict import Strict as _Strict
-from learner.registry import KL_ESTIMATORS
+from learner.registry import KL_ESTIMATORS, ROLLOUT_IS, ROLLOUT_REJECT
 
 KLName = Literal[KL_ESTIMATORS.names()]  # the registered KL estimators (learner.registry)
+RolloutISName = Literal[ROLLOUT_IS.names()]
+RolloutRejectName = Literal[ROLLOUT_REJECT.names()]
 
 
 class KLConfig(_Strict):
@@ -82,4 +85,34 @@ class LoRAConfig(_Strict):
     def _check(self) -> LoRAConfig:
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("learner.lora.target_modules is empty: name modules or use 'all-linear'")
+        return self
+
+
+class RolloutCorrectionConfig(_Strict):
+    """A rollout correction composed of an IS part and a rejection part (read with learner.off_policy:
+    custom); each token's weight is the IS weight times the rejection's multiplier (learner/corrections.py)."""
+
+    is_level: RolloutISName = Field(
+        "none", description=f"Importance weight, rho = pi_prox/mu: {ROLLOUT_IS.describe()}."
+    )
+    is_cap: float = Field(2.0, gt=0.0, description="The truncation C of is_level 'token' and 'sequence'.")
+    reject: RolloutRejectName = Field("none", description=f"Rejection: {ROLLOUT_REJECT.describe()}.")
+    reject_bounds: tuple[float, float] = Field(
+        (0.5, 2.0),
+        description="[lo, hi], 0 <= lo <= 1 <= hi: the kept range of the ratio the rejection reads (lo 0: "
+        "one-sided). IcePop's paper uses [0.5, 5].",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        lo, hi = self.reject_bounds
+        if not 0 <= lo <= 1 <= hi:
+            raise ValueError(
+                f"learner.rollout_correction.reject_bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
+            )
+        if self.reject == "icepop" and self.is_level != "none":
+            raise ValueError(
+                "learner.rollout_correction.reject='icepop' weights its kept tokens by rho itself: is_level must "
+                f"be 'none' (got {self.is_level!r}; allowed with icepop: 'none')"
+            )
         return self

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict as _Strict
-from learner.config_blocks import KLConfig, LoRAConfig
+from learner.config_blocks import KLConfig, LoRAConfig, RolloutCorrectionConfig
 from learner.registry import ADVANTAGES, LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
@@ -301,13 +301,13 @@ class LearnerFields(_Strict):
     off_policy: OffPolicySetting = Field(
         "auto",
         description=(
-            f"Behaviour/proximal correction per token with rho = pi_prox/mu: {OFF_POLICY.describe()}. "
+            f"Behaviour/proximal (rollout) correction with rho = pi_prox/mu, a preset: {OFF_POLICY.describe()}. "
             "'auto' = 'tis' in async mode with max_staleness > 0 or when rollout.dtype differs from "
-            "learner.dtype, else 'none'; 'none' there is a config error."
+            "learner.dtype, else 'none'; 'none' there is a config error. See docs/algorithms.md."
         ),
     )
     off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")
-    proximal_pass: Literal["auto", "always"] = Field(
+    proximal_pass: Literal["auto", "always", "bypass"] = Field(
         "auto",
         description=(
             "The no-grad forward that recomputes the old logprobs before the PPO epochs. 'auto': skipped where "
@@ -315,7 +315,9 @@ class LearnerFields(_Strict):
             "acknowledged the learner's current weights by digest, rollout.dtype equal to learner.dtype, no "
             "environment, an estimator with no critic, no off-policy correction, no reference_from_base): they "
             "are the old logprobs then, and the gap is still measured every proximal_check_every steps "
-            "(learner/bypass.py). 'always': the forward runs on every step."
+            "(learner/bypass.py). 'always': the forward runs on every step. 'bypass': never (verl's bypass "
+            "mode): the behaviour logprobs are the old ones, so the PPO ratio is pi_theta/mu and its clip is "
+            "the only correction; refused with a critic, reference_from_base or an explicit off_policy."
         ),
     )
     proximal_check_every: int = Field(
@@ -327,6 +329,11 @@ class LearnerFields(_Strict):
     )
     off_policy_geo_bounds: tuple[float, float] = Field(
         (0.5, 2.0), description="[lo, hi] kept range of the per-sequence geometric-mean ratio ('geo_mask')."
+    )
+    rollout_correction: RolloutCorrectionConfig | None = Field(
+        None,
+        description="A rollout correction composed of an IS part and a rejection part; read (and allowed) only "
+        "with off_policy: custom.",
     )
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty in the reward.")
     lora: LoRAConfig = Field(

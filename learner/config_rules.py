@@ -21,6 +21,7 @@ def check_learner(cfg: LearnerFields) -> None:
         raise ValueError(
             f"vtrace_c_clip={cfg.vtrace_c_clip} must be <= vtrace_rho_clip={cfg.vtrace_rho_clip}"
         )
+    _check_rollout_correction(cfg)
     estimator = ADVANTAGES[cfg.advantage]
     if cfg.truncation == "bootstrap" and not estimator.critic:
         critics = " or ".join(repr(e.name) for e in ADVANTAGES if e.critic)
@@ -82,3 +83,34 @@ def check_learner(cfg: LearnerFields) -> None:
             f"learner.offload_params needs learner.zero_stage: 3 (got {cfg.zero_stage}); "
             "ZeRO-2 offloads only the optimizer (learner.offload_optimizer)"
         )
+
+
+def _check_rollout_correction(cfg: LearnerFields) -> None:
+    """learner.rollout_correction is read only with off_policy 'custom' (never silently ignored), and the
+    explicit bypass mode takes no forward that a critic, a base-weight reference or a correction needs."""
+    if cfg.off_policy == "custom" and cfg.rollout_correction is None:
+        raise ValueError(
+            "learner.off_policy='custom' needs learner.rollout_correction (is_level, is_cap, reject, reject_bounds)"
+        )
+    if cfg.off_policy != "custom" and cfg.rollout_correction is not None:
+        raise ValueError(
+            f"learner.rollout_correction is read only with learner.off_policy: custom (got off_policy="
+            f"{cfg.off_policy!r}); set off_policy: custom, or drop the block and use a preset"
+        )
+    if cfg.proximal_pass == "bypass":
+        if ADVANTAGES[cfg.advantage].critic:
+            raise ValueError(
+                f"learner.proximal_pass='bypass' skips the forward that computes values: advantage="
+                f"{cfg.advantage!r} learns a critic (use proximal_pass 'auto' or 'always')"
+            )
+        if cfg.reference_from_base:
+            raise ValueError(
+                "learner.proximal_pass='bypass' skips the forward that learner.reference_from_base needs "
+                "(use proximal_pass 'auto' or 'always')"
+            )
+        if cfg.off_policy not in ("auto", "none"):
+            raise ValueError(
+                f"learner.proximal_pass='bypass' makes pi_prox = mu, so rho = 1 and learner.off_policy="
+                f"{cfg.off_policy!r} would do nothing: use off_policy 'auto' or 'none' (the PPO clip on "
+                "pi_theta/mu is the correction there)"
+            )

@@ -3,8 +3,8 @@ clipped policy surrogate, the off-policy (decoupled PPO) weights that multiply i
 
 Conventions as in `learner.algorithms`: tensors are `[B, T]` over response tokens, `mask` is 1 on a
 row's valid prefix, invalid entries (even NaN) never change an output. The policy losses (`Surrogate`)
-the loss aggregations (`Aggregate`) and the off-policy corrections (`Correction`) are registered in
-`learner.registry` (POLICY_LOSSES, LOSS_AGGS, OFF_POLICY). Imports only the pure `learner.algorithms` and `learner.registry` (no Ray, no DeepSpeed).
+and the loss aggregations (`Aggregate`) are registered in `learner.registry` (POLICY_LOSSES, LOSS_AGGS);
+the rollout corrections whose weights multiply the surrogate live in `learner.corrections`. Imports only the pure `learner.algorithms` and `learner.registry` (no Ray, no DeepSpeed).
 
 References: Schulman et al. 2017 (PPO), Ye et al. 2020 (dual-clip PPO), Espeholt et al. 2018 (truncated
 importance sampling), Zheng et al. 2025 (GSPO), Liu et al. 2025 (Dr. GRPO).
@@ -22,10 +22,10 @@ from learner.algorithms import (
     _valid,
     _zero_invalid,
     count_sequences,
-    kl_penalty,
     masked_mean,
 )
-from learner.registry import LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
+from learner.corrections import off_policy_weights  # noqa: F401 - the corrections' home is learner.corrections
+from learner.registry import LOSS_AGGS, POLICY_LOSSES
 
 
 def aggregate_loss(
@@ -198,91 +198,6 @@ def policy_loss(
             "log_ratio_clamped": float(terms.clamped),
         }
     return value, metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Ratios:
-    """What an off-policy correction (`Correction`) reads: rho_t = pi_prox(y_t) / mu(y_t) and its clamped
-    log, the mask and its valid tokens, and the correction's parameters (learner.off_policy_cap,
-    learner.off_policy_geo_bounds)."""
-
-    rho: torch.Tensor
-    log_rho: torch.Tensor
-    mask: torch.Tensor
-    valid: torch.Tensor
-    cap: float
-    geo_bounds: tuple[float, float]
-
-
-# A correction: the ratios -> (per-token weights, where a token was clipped or masked), both [B, T].
-Correction = Callable[[Ratios], tuple[torch.Tensor, torch.Tensor]]
-
-
-def no_correction(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
-    """'none': 1 everywhere."""
-    return torch.ones_like(r.rho), torch.zeros_like(r.valid)
-
-
-def tis_correction(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
-    """'tis': min(rho_t, cap) (truncated importance sampling, Espeholt et al. 2018)."""
-    return r.rho.clamp(max=r.cap), r.rho > r.cap
-
-
-def mask_correction(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
-    """'mask': 1[rho_t <= cap] (token rejection)."""
-    hit = r.rho > r.cap
-    return (~hit).to(r.rho.dtype), hit
-
-
-def geo_mask_correction(r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
-    """'geo_mask': 1[lo <= exp(mean_t log rho_t) <= hi] for every token of the sequence (sequence rejection
-    on the geometric mean of the ratios)."""
-    lo, hi = r.geo_bounds
-    n_tok = r.mask.to(r.rho.dtype).sum(-1)
-    geo = torch.exp(r.log_rho.sum(-1) / n_tok.clamp(min=1.0))
-    keep_seq = (geo >= lo) & (geo <= hi)
-    hit = (~keep_seq).unsqueeze(-1).expand_as(r.valid)
-    return keep_seq.to(r.rho.dtype).unsqueeze(-1).expand_as(r.rho).clone(), hit
-
-
-def off_policy_weights(
-    prox_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "tis",
-    cap: float = 2.0,
-    geo_bounds: tuple[float, float] = (0.5, 2.0),
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token weights correcting for sampling from the behaviour policy mu instead of pi_prox.
-
-    With rho_t = pi_prox(y_t) / mu(y_t) (decoupled PPO: the ratio and clip are taken against pi_prox,
-    this weight carries the behaviour/proximal mismatch), `mode` names a registered correction
-    (`learner.registry.OFF_POLICY`: 'none', 'tis', 'mask', 'geo_mask'; each a `Correction` above).
-    Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp. Returns `(weights [B, T], metrics)`;
-    weights are 0 on invalid tokens. Metrics: mean/max weight, fraction of valid tokens clipped or
-    masked, and KL(mu || pi_prox) by the k3 estimator over valid tokens.
-    """
-    correct: Correction = OFF_POLICY.function(mode)  # an unknown mode: ValueError naming the allowed ones
-    if cap <= 0:
-        raise ValueError(f"off-policy cap must be > 0 (got {cap})")
-    lo, hi = geo_bounds
-    if not 0 < lo <= 1 <= hi:
-        raise ValueError(f"geo_mask bounds must satisfy 0 < lo <= 1 <= hi (got {geo_bounds})")
-    valid = _valid(mask)
-    log_rho = _zero_invalid(prox_logprobs - behaviour_logprobs, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho = torch.exp(log_rho)
-    w, hit = correct(Ratios(rho, log_rho, mask, valid, cap, geo_bounds))
-    w = _zero_invalid(w, mask)
-    with torch.no_grad():
-        n = int(valid.sum())
-        metrics = {
-            "weight_mean": float(masked_mean(w, mask)),
-            "weight_max": float(w[valid].max()) if n else 0.0,
-            "clipped_frac": float(masked_mean((hit & valid).to(rho.dtype), mask)),
-            # KL(mu || pi_prox) from samples of mu: k3 with r = pi_prox / mu.
-            "behaviour_kl": float(masked_mean(kl_penalty(behaviour_logprobs, prox_logprobs, "k3"), mask)),
-        }
-    return w, metrics
 
 
 def value_loss(

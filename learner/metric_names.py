@@ -29,8 +29,13 @@ LEARNER_METRICS = MetricNames(
             "reward_norm/count",
             "reward_norm/mean",
             "reward_norm/std",
-            "off_policy/behaviour_kl",
+            "off_policy/behaviour_kl",  # k3 (learner/corrections.py)
+            "off_policy/behaviour_kl_k1",
+            "off_policy/ppl_ratio",
             "off_policy/clipped_frac",
+            "off_policy/truncated_frac",
+            "off_policy/masked_token_frac",
+            "off_policy/masked_seq_frac",
             "off_policy/weight_mean",
             "off_policy/weight_max",
             # the update (learner/ppo_step.py)

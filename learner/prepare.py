@@ -27,6 +27,7 @@ from learner.algorithms import episode_return, shape_rewards, whiten_with
 from learner.batch import Batch, dummy_batch
 from learner.config import LearnerConfig
 from learner.context import LearnerContext
+from learner.corrections import Correction, CorrectionSums, correction_weights, from_config
 from learner.critic import (
     critic_stats,
     moments_over_ranks,
@@ -35,7 +36,6 @@ from learner.critic import (
 )
 from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
 from learner.lora import adapters_off
-from learner.losses import off_policy_weights
 
 
 @torch.no_grad()
@@ -229,20 +229,14 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
         adv = distributed_whiten(adv, mask, shift_mean=True, device=device)
     t = batch.tokens
     t.old_logprobs, t.old_values, t.advantages, t.returns = old_lp, values, adv, returns
-    # One computation of the off-policy weights, for the loss (applied unless the mode is 'none') and for
-    # the statistics (reported in every mode). 'auto' is resolved by the run config; here it reads as 'none'.
-    mode = "none" if config.off_policy == "auto" else config.off_policy
-    weights, weight_stats = off_policy_weights(
-        old_lp,
-        batch.tokens.behaviour_logprobs,
-        mask,
-        mode,
-        config.off_policy_cap,
-        config.off_policy_geo_bounds,
-    )
-    if mode != "none":
+    # One computation of the rollout-correction weights, for the loss (applied unless the correction is
+    # 'none') and for the mismatch metrics (reported in every mode). 'auto' was decided by the run config;
+    # here it reads as 'none' (learner.corrections.from_config).
+    correction = from_config(config)
+    weights, sums, weight_max = correction_weights(old_lp, batch.tokens.behaviour_logprobs, mask, correction)
+    if correction != Correction():
         batch.tokens.is_weights = weights
-    stats.update(_off_policy_stats(weight_stats, mask, device))
+    stats.update(_correction_stats(sums, weight_max, device, measured=not bypass))
     if config.overlong_filter:
         # DAPO overlong filtering: from here on (the PPO epochs) a truncated row has no valid token, so it
         # adds nothing to any loss term nor to the global token/sequence counts the losses divide by.
@@ -259,16 +253,13 @@ def _overlong_mismatch(lengths: torch.Tensor, truncated: torch.Tensor, config: L
     return int(((lengths > L) | (truncated & (lengths != L))).sum())
 
 
-def _off_policy_stats(m: dict[str, float], mask: torch.Tensor, device) -> dict[str, float]:
-    """Global off-policy weight statistics (over all ranks' valid tokens) from this rank's
-    `off_policy_weights` metrics `m` over the valid tokens of `mask`."""
-    n = float(mask.sum())
-    g = all_reduce([m["weight_mean"] * n, m["clipped_frac"] * n, m["behaviour_kl"] * n, n], "sum", device)
-    mx = float(all_reduce([m["weight_max"]], "max", device)[0])
-    tokens = max(float(g[3]), 1.0)
-    return {
-        "off_policy/weight_mean": float(g[0]) / tokens,
-        "off_policy/weight_max": mx,
-        "off_policy/clipped_frac": float(g[1]) / tokens,
-        "off_policy/behaviour_kl": float(g[2]) / tokens,
-    }
+def _correction_stats(sums: CorrectionSums, weight_max: float, device, measured: bool) -> dict[str, float]:
+    """The step's rollout-correction and mismatch metrics over all ranks' valid tokens, from this rank's
+    `sums`. On a bypassed step (not `measured`) pi_prox is mu by construction: the mismatch is NaN there."""
+    g = CorrectionSums(*(float(x) for x in all_reduce(list(dataclasses.astuple(sums)), "sum", device)))
+    mx = float(all_reduce([weight_max], "max", device)[0])
+    out = g.metrics(mx)
+    if not measured:
+        for name in ("off_policy/behaviour_kl", "off_policy/behaviour_kl_k1", "off_policy/ppl_ratio"):
+            out[name] = math.nan
+    return out

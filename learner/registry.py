@@ -1,9 +1,10 @@
 """The learner's algorithm parts by name, each registered once with what it needs.
 
-Six registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
+Eight registries: advantage estimators (`learner.advantage`), policy losses (`learner.policy_loss`),
 loss aggregations (`learner.loss_agg`), KL estimators (`learner.kl.estimator`,
-`learner.kl.loss_estimator`), learning-rate schedules (`learner.lr_schedule`) and off-policy
-corrections (`learner.off_policy`; its 'auto' is decided by the run config, cluster.config.resolved).
+`learner.kl.loss_estimator`), learning-rate schedules (`learner.lr_schedule`), off-policy correction
+presets (`learner.off_policy`; its 'auto' is decided by the run config, cluster.config.resolved) and the
+two parts of a composed rollout correction (`learner.rollout_correction.is_level` and `.reject`).
 Everything else reads a part from here: the config's allowed values (`LearnerConfig`'s `Literal`s are
 built from `names()`), the config's rules (an estimator that learns a critic, one that needs groups of
 samples, a loss defined with one aggregation), the allowed-values text of the configuration reference
@@ -170,24 +171,78 @@ OFF_POLICY: Registry[Part] = Registry(
     [
         Part(
             name="none",
-            function="learner.losses:no_correction",
-            summary="no correction: weight 1 on every token",
+            function="learner.corrections:preset_none",
+            summary="no correction: weight 1 on every token (the mismatch metrics are still reported)",
         ),
         Part(
             name="tis",
-            function="learner.losses:tis_correction",
-            summary="min(rho, off_policy_cap) per token: truncated importance sampling (Espeholt et al. 2018)",
+            function="learner.corrections:preset_tis",
+            summary="min(rho, off_policy_cap) per token: truncated importance sampling (Espeholt et al. 2018); "
+            "= rollout_correction {is_level: token, is_cap: off_policy_cap}",
         ),
         Part(
             name="mask",
-            function="learner.losses:mask_correction",
-            summary="1[rho <= off_policy_cap] per token: token rejection",
+            function="learner.corrections:preset_mask",
+            summary="1[rho <= off_policy_cap] per token: token rejection; "
+            "= rollout_correction {reject: token, reject_bounds: [0, off_policy_cap]}",
         ),
         Part(
             name="geo_mask",
-            function="learner.losses:geo_mask_correction",
+            function="learner.corrections:preset_geo_mask",
             summary="drops every token of a sequence whose geometric-mean rho is outside off_policy_geo_bounds: "
-            "sequence rejection",
+            "sequence rejection; = rollout_correction {reject: geometric, reject_bounds: off_policy_geo_bounds}",
+        ),
+        Part(
+            name="custom",
+            function="learner.corrections:preset_custom",
+            summary="the learner.rollout_correction block: an IS level times a rejection, composed",
+        ),
+    ],
+)
+
+ROLLOUT_IS: Registry[Part] = Registry(
+    "rollout importance weight",
+    "learner.rollout_correction.is_level",
+    [
+        Part(name="none", function="learner.corrections:no_is", summary="weight 1"),
+        Part(
+            name="token",
+            function="learner.corrections:token_is",
+            summary="min(rho_t, is_cap) per token: token TIS (Espeholt et al. 2018; verl rollout_is=token)",
+        ),
+        Part(
+            name="sequence",
+            function="learner.corrections:sequence_is",
+            summary="min(prod_t rho_t, is_cap) on every token of the sequence, in log space: sequence TIS "
+            "(verl rollout_is=sequence)",
+        ),
+    ],
+)
+
+ROLLOUT_REJECT: Registry[Part] = Registry(
+    "rollout rejection",
+    "learner.rollout_correction.reject",
+    [
+        Part(name="none", function="learner.corrections:no_reject", summary="every token kept"),
+        Part(
+            name="token",
+            function="learner.corrections:token_reject",
+            summary="1[lo <= rho_t <= hi] per token (verl token_k1)",
+        ),
+        Part(
+            name="sequence",
+            function="learner.corrections:sequence_reject",
+            summary="drops the sequence unless lo <= prod_t rho_t <= hi (verl seq_sum_k1)",
+        ),
+        Part(
+            name="geometric",
+            function="learner.corrections:geometric_reject",
+            summary="drops the sequence unless lo <= (prod_t rho_t)^(1/|y|) <= hi (verl seq_mean_k1, SkyRL geo mask)",
+        ),
+        Part(
+            name="icepop",
+            function="learner.corrections:icepop_reject",
+            summary="rho_t if lo <= rho_t <= hi else 0 per token: IcePop (Ling team 2025); needs is_level none",
         ),
     ],
 )

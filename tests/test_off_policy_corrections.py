@@ -1,0 +1,388 @@
+"""The rollout-correction family (learner/corrections.py): each IS level and rejection with numbers worked
+by hand, their compositions, the mismatch metrics, verl's formulas re-implemented independently as a
+reference on shared cases, the config's errors, the explicit bypass mode, and a learner step (prepare +
+the PPO update on a tiny real model) under each new mode."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from learner.bypass import ProximalBypass
+from learner.config import LearnerConfig
+from learner.corrections import Correction, correction_weights, from_config
+
+# The shared case. rho = pi_prox / mu: row 0 [2, 1, 3]; row 1 [0.25, 1] then a padded position.
+# Row 0: prod rho = 6, geometric mean 6^(1/3) = 1.8171; row 1: prod 0.25, geometric mean 0.5.
+PROX = torch.log(torch.tensor([[1.0, 0.5, 0.9], [0.1, 0.4, 0.7]]))
+MU = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.4, 0.4, 0.2]]))
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def _run(**kw):
+    w, sums, mx = correction_weights(PROX, MU, MASK, Correction(**kw))
+    return w, sums.metrics(mx)
+
+
+def test_token_tis_truncates_each_ratio_at_the_cap():
+    # min(rho, 2.5): [2, 1, 2.5] and [0.25, 1]; one token (rho 3) truncated of 5.
+    w, m = _run(is_level="token", is_cap=2.5)
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 2.5], [0.25, 1.0, 0.0]]))
+    assert m["off_policy/truncated_frac"] == pytest.approx(1 / 5)
+    assert m["off_policy/masked_token_frac"] == 0.0
+    assert m["off_policy/weight_mean"] == pytest.approx(6.75 / 5)
+
+
+def test_sequence_tis_truncates_the_product_of_the_ratios():
+    # Row 0: min(2*1*3, 2.5) = 2.5 on its 3 tokens (truncated); row 1: min(0.25*1, 2.5) = 0.25 on its 2.
+    w, m = _run(is_level="sequence", is_cap=2.5)
+    assert torch.allclose(w, torch.tensor([[2.5, 2.5, 2.5], [0.25, 0.25, 0.0]]))
+    assert m["off_policy/truncated_frac"] == pytest.approx(3 / 5)
+    assert m["off_policy/weight_max"] == pytest.approx(2.5)
+    # a cap above 6 keeps the whole product: 6 on row 0
+    w, _ = _run(is_level="sequence", is_cap=10.0)
+    assert torch.allclose(w[0], torch.full((3,), 6.0))
+
+
+def test_sequence_tis_is_computed_in_log_space():
+    """400 tokens of rho = e each: the product e^400 overflows float32, its log (400) does not; the cap
+    (e^1 here) applies in log space."""
+    prox, mu, mask = torch.zeros(1, 400), torch.full((1, 400), -1.0), torch.ones(1, 400)
+    w, sums, _ = correction_weights(prox, mu, mask, Correction(is_level="sequence", is_cap=math.e))
+    assert torch.allclose(w, torch.full((1, 400), math.e))
+    assert sums.truncated == 400.0
+
+
+def test_token_rejection_is_two_sided():
+    # keep rho in [0.5, 2.5]: 2 yes, 1 yes, 3 no (above), 0.25 no (below), 1 yes.
+    w, m = _run(reject="token", reject_bounds=(0.5, 2.5))
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
+    assert m["off_policy/masked_seq_frac"] == pytest.approx(2 / 2)  # each row lost a token
+    assert m["off_policy/truncated_frac"] == 0.0
+    # lo = 0: one-sided, the old 'mask' preset: only the 3 goes
+    w, _ = _run(reject="token", reject_bounds=(0.0, 2.5))
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
+
+
+def test_sequence_rejection_reads_the_product():
+    # keep prod rho in [0.2, 5]: row 0 (6) rejected, row 1 (0.25) kept.
+    w, m = _run(reject="sequence", reject_bounds=(0.2, 5.0))
+    assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert m["off_policy/masked_token_frac"] == pytest.approx(3 / 5)
+    assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
+    # [0.3, 10]: row 1's 0.25 is now below
+    w, _ = _run(reject="sequence", reject_bounds=(0.3, 10.0))
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_geometric_rejection_reads_the_geometric_mean():
+    # [0.6, 2]: row 0 (1.817) kept, row 1 (0.5) below; [0.5, 1.5]: row 0 above, row 1 kept (0.5 >= 0.5).
+    w, m = _run(reject="geometric", reject_bounds=(0.6, 2.0))
+    assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
+    w, _ = _run(reject="geometric", reject_bounds=(0.5, 1.5))
+    assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+
+
+def test_icepop_keeps_the_ratio_inside_the_band_and_zero_outside():
+    # M(rho) = rho on [0.5, 2.5], else 0: [2, 1, 0] and [0, 1]. The kept tokens carry rho, not 1.
+    w, m = _run(reject="icepop", reject_bounds=(0.5, 2.5))
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
+    assert m["off_policy/weight_mean"] == pytest.approx(4 / 5)
+    # = token TIS with a cap >= hi times the two-sided token mask
+    tis, _ = _run(is_level="token", is_cap=2.5)
+    mask, _ = _run(reject="token", reject_bounds=(0.5, 2.5))
+    assert torch.allclose(w, tis * mask)
+
+
+def test_token_tis_composes_with_the_geometric_mask():
+    # min(rho, 1.5) x 1[geo in [0.6, 2]]: row 0 [1.5, 1, 1.5] (two truncated), row 1 rejected (two masked).
+    w, m = _run(is_level="token", is_cap=1.5, reject="geometric", reject_bounds=(0.6, 2.0))
+    assert torch.allclose(w, torch.tensor([[1.5, 1.0, 1.5], [0.0, 0.0, 0.0]]))
+    assert m["off_policy/weight_mean"] == pytest.approx(4 / 5)
+    assert m["off_policy/truncated_frac"] == pytest.approx(2 / 5)
+    assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
+    assert m["off_policy/clipped_frac"] == pytest.approx(4 / 5)  # truncated or masked
+    assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
+
+
+def test_mismatch_metrics_by_hand():
+    """k1 = mean_t (log mu - log pi_prox) = -(ln 2 + 0 + ln 3 + ln 0.25 + 0)/5 = -ln(1.5)/5 = -0.081093;
+    k3 = mean_t (rho - 1 - ln rho) = (1 - ln 2 + 0 + 2 - ln 3 + ln 4 - 0.75 + 0)/5 = 1.844530/5 = 0.368906;
+    ppl ratio = mean_i exp(mean_t (log mu - log pi_prox)) = (6^(-1/3) + 0.25^(-1/2))/2 = (0.550321 + 2)/2."""
+    _, m = _run()
+    assert m["off_policy/behaviour_kl_k1"] == pytest.approx(-math.log(1.5) / 5, rel=1e-5)
+    assert m["off_policy/behaviour_kl"] == pytest.approx(0.368906, rel=1e-5)
+    assert m["off_policy/ppl_ratio"] == pytest.approx((6 ** (-1 / 3) + 2.0) / 2, rel=1e-5)
+    for k in ("truncated_frac", "masked_token_frac", "masked_seq_frac", "clipped_frac"):
+        assert m[f"off_policy/{k}"] == 0.0
+
+
+def test_padding_is_never_read():
+    prox, mu = PROX.clone(), MU.clone()
+    prox[1, 2], mu[1, 2] = float("nan"), float("inf")
+    for kw in (
+        dict(is_level="sequence", reject="geometric", reject_bounds=(0.4, 2.0)),
+        dict(reject="icepop", reject_bounds=(0.5, 5.0)),
+        dict(is_level="token", reject="sequence", reject_bounds=(0.1, 10.0)),
+    ):
+        w1, s1, mx1 = correction_weights(prox, mu, MASK, Correction(**kw))
+        w2, s2, mx2 = correction_weights(PROX, MU, MASK, Correction(**kw))
+        assert torch.equal(w1, w2) and s1 == s2 and mx1 == mx2
+
+
+# ----- verl's rollout-correction formulas (verl/trainer/ppo/rollout_corr_helper.py), re-implemented -----
+SAFETY = 20.0
+
+
+def _mmean(x, m, dim=None):
+    return (x * m).sum() / m.sum() if dim is None else (x * m).sum(dim) / m.sum(dim)
+
+
+def _verl(old, rollout, m, rollout_is, is_thr, rollout_rs, rs_lo, rs_hi):
+    """verl's compute_rollout_correction_and_rejection_mask: IS weights (exp of the clamped token or
+    summed log-ratio, times the mask, truncated at the threshold), the k1 rejection (on -log rho, its
+    'ratio' bounds applied to that: keep iff log lo <= stat <= log hi), the final weight IS x the
+    modified response mask, and compute_offpolicy_metrics' kl, k3_kl and ppl_ratio."""
+    lr = old - rollout
+    if rollout_is == "token":
+        w = torch.exp(lr.clamp(-SAFETY, SAFETY))
+    elif rollout_is == "sequence":
+        w = torch.exp((lr * m).sum(-1, keepdim=True).clamp(-SAFETY, SAFETY)).expand_as(lr)
+    else:
+        w = torch.ones_like(lr)
+    w = (w * m).clamp(max=is_thr)
+    stat = {
+        "token_k1": -lr,
+        "seq_sum_k1": (-lr * m).sum(-1, keepdim=True).expand_as(lr),
+        "seq_mean_k1": _mmean(-lr, m, -1).unsqueeze(-1).expand_as(lr),
+    }.get(rollout_rs)
+    keep = (
+        torch.ones_like(lr)
+        if stat is None
+        else ((stat >= math.log(rs_lo)) & (stat <= math.log(rs_hi))).float()
+    )
+    new_mask = m * keep
+    metrics = {
+        "kl": float(_mmean(rollout - old, m)),
+        "k3_kl": float(_mmean(torch.exp(lr) - lr - 1, m)),
+        "ppl_ratio": float(torch.exp(_mmean(rollout, m, -1) - _mmean(old, m, -1)).mean()),
+        "rs_masked_fraction": float(_mmean(1 - keep, m)),
+        "rs_seq_masked_fraction": float(((keep < 0.5) & (m > 0)).any(-1).float().mean()),
+    }
+    return w * new_mask, metrics
+
+
+OURS_TO_VERL_RS = {"none": None, "token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("is_level", ["none", "token", "sequence"])
+@pytest.mark.parametrize("reject", ["none", "token", "sequence", "geometric"])
+def test_the_family_equals_verls_formulas_on_shared_cases(seed, is_level, reject):
+    """Symmetric bounds (lo = 1/hi), verl's own default: there verl's k1 rejection on -log rho and ours
+    on log rho coincide (see test_verls_k1_bounds_apply_to_the_inverse_ratio for asymmetric ones)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand((5, 7), generator=g) * 3
+    rollout = old + torch.randn((5, 7), generator=g) * 0.4
+    lengths = torch.randint(1, 8, (5, 1), generator=g)
+    m = (torch.arange(7) < lengths).float()
+    hi = {"token": 1.5, "sequence": 3.0, "geometric": 1.25, "none": 2.0}[reject]
+    c = Correction(is_level=is_level, is_cap=2.0, reject=reject, reject_bounds=(1 / hi, hi))
+    w, sums, mx = correction_weights(old, rollout, m, c)
+    ours = sums.metrics(mx)
+    want_w, want = _verl(old, rollout, m, is_level, 2.0, OURS_TO_VERL_RS[reject], 1 / hi, hi)
+    assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+    assert ours["off_policy/behaviour_kl_k1"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6)
+    assert ours["off_policy/behaviour_kl"] == pytest.approx(want["k3_kl"], rel=1e-4, abs=1e-6)
+    assert ours["off_policy/ppl_ratio"] == pytest.approx(want["ppl_ratio"], rel=1e-5)
+    assert ours["off_policy/masked_token_frac"] == pytest.approx(want["rs_masked_fraction"], abs=1e-6)
+    assert ours["off_policy/masked_seq_frac"] == pytest.approx(want["rs_seq_masked_fraction"], abs=1e-6)
+
+
+def test_verls_k1_bounds_apply_to_the_inverse_ratio():
+    """verl's token_k1 statistic is -log rho = log(mu/pi), so its "lower_upper" ratio bounds keep
+    1/hi <= rho <= 1/lo; ours keep lo <= rho <= hi, as verl's documentation describes its bounds. With
+    [0.3, 2.5] on the shared case (rho 2, 1, 3 | 0.25, 1): ours drop 3 (above 2.5) and 0.25 (below 0.3);
+    verl's keep [1/2.5, 1/0.3] = [0.4, 3.33]: 3 kept, 0.25 dropped."""
+    ours, _ = _run(reject="token", reject_bounds=(0.3, 2.5))
+    verl, _ = _verl(PROX, MU, MASK, "none", 1e9, "token_k1", 0.3, 2.5)
+    assert torch.equal(ours, torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    assert torch.equal(verl, torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]]))
+
+
+# ----- the config -----
+def test_presets_map_onto_the_composed_correction():
+    assert from_config(LearnerConfig(off_policy="tis", off_policy_cap=3.0)) == Correction("token", 3.0)
+    assert from_config(LearnerConfig(off_policy="mask", off_policy_cap=3.0)) == Correction(
+        reject="token", reject_bounds=(0.0, 3.0)
+    )
+    assert from_config(LearnerConfig(off_policy="geo_mask", off_policy_geo_bounds=(0.7, 1.4))) == Correction(
+        reject="geometric", reject_bounds=(0.7, 1.4)
+    )
+    assert from_config(LearnerConfig(off_policy="auto")) == from_config(LearnerConfig(off_policy="none"))
+    block = {"is_level": "token", "is_cap": 1.5, "reject": "geometric", "reject_bounds": [0.8, 1.25]}
+    cfg = LearnerConfig(off_policy="custom", rollout_correction=block)
+    assert from_config(cfg) == Correction("token", 1.5, "geometric", (0.8, 1.25))
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (
+            {"off_policy": "custom", "rollout_correction": {"reject": "outlier"}},
+            ["rollout_correction.reject", "'none', 'token', 'sequence', 'geometric' or 'icepop'"],
+        ),
+        (
+            {"off_policy": "custom", "rollout_correction": {"is_level": "seq"}},
+            ["rollout_correction.is_level", "'none', 'token' or 'sequence'"],
+        ),
+        ({"off_policy": "custom"}, ["off_policy='custom' needs learner.rollout_correction"]),
+        ({"off_policy": "tis", "rollout_correction": {}}, ["only with learner.off_policy: custom", "'tis'"]),
+        (
+            {"off_policy": "custom", "rollout_correction": {"is_level": "token", "reject": "icepop"}},
+            ["reject='icepop'", "is_level must be 'none'"],
+        ),
+        (
+            {"off_policy": "custom", "rollout_correction": {"reject": "token", "reject_bounds": [1.2, 2.0]}},
+            ["reject_bounds must satisfy 0 <= lo <= 1 <= hi"],
+        ),
+        ({"proximal_pass": "never"}, ["proximal_pass", "'auto', 'always' or 'bypass'"]),
+        ({"proximal_pass": "bypass", "advantage": "gae"}, ["proximal_pass='bypass'", "critic"]),
+        (
+            {"proximal_pass": "bypass", "advantage": "grpo", "off_policy": "tis"},
+            ["proximal_pass='bypass'", "off_policy 'auto' or 'none'"],
+        ),
+    ],
+)
+def test_a_wrong_value_names_the_field_and_the_allowed_values(kw, words):
+    with pytest.raises(ValidationError) as e:
+        LearnerConfig(**kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_the_explicit_bypass_mode_bypasses_every_step_without_the_engines_word():
+    b = ProximalBypass(LearnerConfig(advantage="grpo", proximal_pass="bypass", proximal_check_every=2))
+    assert b.never is None
+    assert all(b.decide([1], None, lambda ok: ok) for _ in range(5))  # no check steps, no digest needed
+
+
+# ----- a learner step under each new mode -----
+VOCAB = 28  # tests/tiny_models' word-level tokenizer
+
+
+@pytest.fixture(scope="module")
+def policy_path(tmp_path_factory):
+    from tiny_models import build_causal_lm
+
+    return build_causal_lm(tmp_path_factory.mktemp("corrections_lm"), "gpt2", seed=5)
+
+
+def _trajectories(path):
+    """Six samples whose behaviour logprobs are the tiny policy's own plus N(0, 0.3) noise per token: an
+    engine with other numerics, a mismatch of the size the corrections are for."""
+    from learner.trajectory import Trajectory
+
+    rng = np.random.default_rng(1)
+    trajs = [
+        Trajectory(
+            rng.integers(4, VOCAB, size=3),
+            rng.integers(4, VOCAB, size=2 + i % 4),
+            np.zeros(2 + i % 4, np.float32),
+            rng.normal(-3.3, 0.2, 2 + i % 4).astype(np.float32),
+            float(i % 3 == 0),
+            group=i // 2,
+        )
+        for i in range(6)
+    ]
+    _, _, probed, _ = _step(path, trajs)  # the proximal pass's logprobs: the policy's own
+    for i, t in enumerate(trajs):
+        own = probed.tokens.old_logprobs[i, : len(t.response_ids)].numpy()
+        t.behaviour_logprobs = (own + rng.normal(0.0, 0.3, len(own))).astype(np.float32)
+    return trajs
+
+
+def _step(path, trajs, bypass=False, **kw):
+    from test_learner_packing import GradientTap
+
+    from learner.batch import pack_trajectories
+    from learner.context import LearnerContext
+    from learner.model import PolicyWithValueHead
+    from learner.ppo_step import ppo_update
+    from learner.prepare import prepare
+
+    torch.manual_seed(0)
+    tap = GradientTap(PolicyWithValueHead.from_pretrained(path), step_applied=True)
+    config = LearnerConfig(advantage="grpo", ppo_epochs=1, num_minibatches=1, micro_batch_size=6, **kw)
+    batch = pack_trajectories(trajs, pad_id=0)
+    stats = prepare(LearnerContext(tap, config, 1.0, 0), batch, 0.0, bypass)
+    weights = batch.tokens.is_weights
+    stats.update(ppo_update(LearnerContext(tap, config, 1.0, 0, torch.Generator().manual_seed(3)), batch))
+    return tap.grads, stats, batch, weights
+
+
+@pytest.fixture(scope="module")
+def trajs(policy_path):
+    return _trajectories(policy_path)
+
+
+MODES = {  # bounds tight enough that each truncates or rejects some of the noisy tokens
+    "seq_tis+seq_mask": {
+        "is_level": "sequence",
+        "is_cap": 1.2,
+        "reject": "sequence",
+        "reject_bounds": [0.6, 1.6],
+    },
+    "token_tis+geo": {"is_level": "token", "is_cap": 1.2, "reject": "geometric", "reject_bounds": [0.9, 1.1]},
+    "icepop": {"reject": "icepop", "reject_bounds": [0.8, 1.25]},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_learner_step_runs_under_each_new_mode(policy_path, trajs, mode):
+    """prepare + the PPO update on a tiny GPT-2: the weights the loss reads are the correction's of the
+    proximal pass's logprobs against the behaviour ones, the metrics are finite, the gradient is not 0."""
+    grads, stats, batch, weights = _step(
+        policy_path, trajs, off_policy="custom", rollout_correction=MODES[mode]
+    )
+    t = batch.tokens
+    c = from_config(LearnerConfig(off_policy="custom", rollout_correction=MODES[mode]))
+    want, sums, _ = correction_weights(t.old_logprobs, t.behaviour_logprobs, batch.mask, c)
+    assert torch.equal(weights, want)
+    for k in (
+        "weight_mean",
+        "behaviour_kl",
+        "behaviour_kl_k1",
+        "ppl_ratio",
+        "masked_seq_frac",
+        "truncated_frac",
+    ):
+        assert math.isfinite(stats[f"off_policy/{k}"]), k
+    assert stats["off_policy/behaviour_kl"] > 0  # the behaviour logprobs carry noise
+    assert 0 < stats["off_policy/clipped_frac"] and stats["off_policy/masked_token_frac"] < 1.0
+    assert math.isfinite(stats["loss/policy"])
+    assert any(float(g.abs().sum()) > 0 for g in grads[0].values())
+
+
+def test_rejecting_every_sequence_leaves_no_policy_gradient(policy_path, trajs):
+    """Geometric bounds [0.999, 1.001] reject every row here (the behaviour logprobs carry noise): every
+    weight is 0, so the surrogate, the only loss term (no entropy bonus, KL in the reward), has no gradient."""
+    block = {"reject": "geometric", "reject_bounds": [0.999, 1.001]}
+    grads, stats, _, weights = _step(policy_path, trajs, off_policy="custom", rollout_correction=block)
+    assert stats["off_policy/masked_seq_frac"] == 1.0 and float(weights.abs().sum()) == 0.0
+    assert all(float(g.abs().sum()) == 0.0 for g in grads[0].values())
+
+
+def test_the_bypass_mode_step_reads_the_behaviour_logprobs_and_measures_nothing(policy_path, trajs):
+    _, stats, batch, weights = _step(policy_path, trajs, bypass=True, proximal_pass="bypass")
+    assert torch.equal(batch.tokens.old_logprobs, batch.tokens.behaviour_logprobs)
+    assert weights is None
+    for k in ("off_policy/behaviour_kl", "off_policy/behaviour_kl_k1", "off_policy/ppl_ratio"):
+        assert math.isnan(stats[k]), k
