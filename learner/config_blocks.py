@@ -88,31 +88,46 @@ class LoRAConfig(_Strict):
         return self
 
 
+class RejectConfig(_Strict):
+    """One rejection of learner.rollout_correction.reject."""
+
+    level: RolloutRejectName = Field(description=f"What is rejected: {ROLLOUT_REJECT.describe()}.")
+    bounds: tuple[float, float] = Field(
+        description="[lo, hi], 0 <= lo <= 1 <= hi: the kept range of the ratio the level reads (lo 0: one-sided)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RejectConfig:
+        lo, hi = self.bounds
+        if not 0 <= lo <= 1 <= hi:
+            raise ValueError(
+                f"learner.rollout_correction.reject bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
+            )
+        return self
+
+
 class RolloutCorrectionConfig(_Strict):
-    """A rollout correction composed of an IS part and a rejection part (read with learner.off_policy:
-    custom); each token's weight is the IS weight times the rejection's multiplier (learner/corrections.py)."""
+    """A rollout correction composed of an IS part and rejections (read with learner.off_policy: custom);
+    each token's weight is the IS weight times every rejection's multiplier (learner/corrections.py)."""
 
     is_level: RolloutISName = Field(
         "none", description=f"Importance weight, rho = pi_prox/mu: {ROLLOUT_IS.describe()}."
     )
     is_cap: float = Field(2.0, gt=0.0, description="The truncation C of is_level 'token' and 'sequence'.")
-    reject: RolloutRejectName = Field("none", description=f"Rejection: {ROLLOUT_REJECT.describe()}.")
-    reject_bounds: tuple[float, float] = Field(
-        (0.5, 2.0),
-        description="[lo, hi], 0 <= lo <= 1 <= hi: the kept range of the ratio the rejection reads (lo 0: "
-        "one-sided). IcePop's paper uses [0.5, 5].",
+    reject: list[RejectConfig] = Field(
+        default_factory=list,
+        description="Rejections, each {level, bounds: [lo, hi]} with 0 <= lo <= 1 <= hi the kept range of the "
+        "ratio the level reads (lo 0: one-sided); a token is kept when every one keeps it (SkyRL stacks "
+        f"geometric, token and outlier masks; IcePop's paper uses [0.5, 5]); empty: none. level: "
+        f"{ROLLOUT_REJECT.describe()}.",
     )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutCorrectionConfig:
-        lo, hi = self.reject_bounds
-        if not 0 <= lo <= 1 <= hi:
+        icepops = sum(r.level == "icepop" for r in self.reject)
+        if icepops and (self.is_level != "none" or icepops > 1):
             raise ValueError(
-                f"learner.rollout_correction.reject_bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
-            )
-        if self.reject == "icepop" and self.is_level != "none":
-            raise ValueError(
-                "learner.rollout_correction.reject='icepop' weights its kept tokens by rho itself: is_level must "
-                f"be 'none' (got {self.is_level!r}; allowed with icepop: 'none')"
+                "learner.rollout_correction: an 'icepop' rejection weights its kept tokens by rho itself: "
+                f"is_level must be 'none' (got {self.is_level!r}) and icepop listed once (got {icepops})"
             )
         return self

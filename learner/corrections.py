@@ -6,9 +6,10 @@ A correction is an importance-sampling part times a rejection part (verl's "roll
 `rollout_is` x `rollout_rs`; SkyRL's `off_policy_correction`), both registered in `learner.registry`:
 - IS (`ROLLOUT_IS`, `learner.rollout_correction.is_level`): 'none', 'token' (truncated IS per token,
   min(rho_t, C)), 'sequence' (truncated IS of the sequence, min(prod_t rho_t, C), in log space);
-- rejection (`ROLLOUT_REJECT`, `learner.rollout_correction.reject`): 'none', 'token', 'sequence' (the
-  product of the ratios), 'geometric' (their geometric mean), each two-sided in [lo, hi]; 'icepop'
-  (IcePop's two-sided token mask, whose kept tokens carry rho_t as their weight).
+- rejections (`ROLLOUT_REJECT`, `learner.rollout_correction.reject`, a list: a token is kept when every
+  one keeps it): 'token', 'sequence' (the product of the ratios), 'geometric' (their geometric mean),
+  'outlier' (a row with any token outside), each two-sided in [lo, hi]; 'icepop' (IcePop's two-sided
+  token mask, whose kept tokens carry rho_t as their weight).
 `learner.off_policy` names a preset (`OFF_POLICY`): the older one-field settings 'tis', 'mask' and
 'geo_mask', each a fixed (IS, rejection) pair, or 'custom' (the `learner.rollout_correction` block).
 
@@ -40,28 +41,40 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reject:
+    """One rejection: a registered level (`ROLLOUT_REJECT`) and the kept range [lo, hi] of the ratio it
+    reads, 0 <= lo <= 1 <= hi (lo = 0: one-sided)."""
+
+    level: str
+    bounds: tuple[float, float]
+
+    def __post_init__(self):
+        ROLLOUT_REJECT[self.level]  # unknown: ValueError naming the allowed ones
+        lo, hi = self.bounds
+        if not 0 <= lo <= 1 <= hi < math.inf:
+            raise ValueError(
+                f"rollout_correction.reject bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class Correction:
-    """One rollout correction: an IS level with its cap C, a rejection with its bounds [lo, hi]
-    (`learner.rollout_correction`, or a preset of `learner.off_policy`)."""
+    """One rollout correction: an IS level with its cap C, and the rejections whose multipliers multiply
+    it (all must keep a token; `learner.rollout_correction`, or a preset of `learner.off_policy`)."""
 
     is_level: str = "none"
     is_cap: float = 2.0
-    reject: str = "none"
-    reject_bounds: tuple[float, float] = (0.5, 2.0)
+    reject: tuple[Reject, ...] = ()
 
     def __post_init__(self):
-        ROLLOUT_IS[self.is_level], ROLLOUT_REJECT[self.reject]  # unknown: ValueError naming the allowed ones
+        ROLLOUT_IS[self.is_level]  # unknown: ValueError naming the allowed ones
         if not self.is_cap > 0:
             raise ValueError(f"rollout_correction.is_cap must be > 0 (got {self.is_cap})")
-        lo, hi = self.reject_bounds
-        if not 0 <= lo <= 1 <= hi < math.inf:
+        icepops = sum(r.level == "icepop" for r in self.reject)
+        if icepops and (self.is_level != "none" or icepops > 1):
             raise ValueError(
-                f"rollout_correction.reject_bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
-            )
-        if self.reject == "icepop" and self.is_level != "none":
-            raise ValueError(
-                "rollout_correction.reject='icepop' weights its kept tokens by rho already: is_level must be "
-                f"'none' (got {self.is_level!r})"
+                "rollout_correction: an 'icepop' rejection weights its kept tokens by rho itself: it needs "
+                f"is_level 'none' and comes once (got is_level={self.is_level!r}, {icepops} icepop)"
             )
 
 
@@ -122,11 +135,6 @@ def _keep(keep: torch.Tensor, r: Ratios) -> tuple[torch.Tensor, torch.Tensor]:
     return keep.to(r.rho.dtype), ~keep
 
 
-def no_reject(r: Ratios, bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """'none': every token kept."""
-    return torch.ones_like(r.rho), torch.zeros_like(r.valid)
-
-
 def token_reject(r: Ratios, bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """'token': 1[lo <= rho_t <= hi] (token rejection, two-sided; lo = 0 makes it one-sided; verl
     rollout_rs=token_k1, SkyRL token_mask_is_threshold_low/high)."""
@@ -144,6 +152,14 @@ def geometric_reject(r: Ratios, bounds: tuple[float, float]) -> tuple[torch.Tens
     a length-independent per-token mismatch (Geo-RS: Liu, Li et al. 2025 part 3; verl seq_mean_k1, SkyRL
     sequence_mask 'geometric')."""
     return _keep(_in_bounds(r.log_geo, bounds), r)
+
+
+def outlier_reject(r: Ratios, bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """'outlier': drops the whole row when any of its tokens has rho_t outside [lo, hi]:
+    prod_t 1[lo <= rho_t <= hi] on every token of the row (SkyRL's outlier_token_is_threshold_low/high,
+    recommended wide, e.g. [1e-4, 100], on top of a geometric mask)."""
+    inside = _in_bounds(r.log_rho, bounds) | ~r.valid
+    return _keep(inside.all(-1, keepdim=True), r)
 
 
 def icepop_reject(r: Ratios, bounds: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +206,8 @@ class CorrectionSums:
 def correction_weights(
     prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, c: Correction
 ) -> tuple[torch.Tensor, CorrectionSums, float]:
-    """w_t = IS_t * R_t (`c.is_level`'s weight times `c.reject`'s multiplier), 0 on invalid tokens.
+    """w_t = IS_t * prod_k R_kt (`c.is_level`'s weight times each rejection's multiplier), 0 on invalid
+    tokens; a token is rejected when any rejection rejects it.
     Returns `(weights [B, T], this rank's sums, the largest weight)`. The mismatch sums (k1 and k3 KL of
     mu against pi_prox from mu's samples, verl's perplexity ratio) read the unclamped log-ratios."""
     valid = _valid(mask)
@@ -198,10 +215,13 @@ def correction_weights(
     lengths = mask.to(log_rho.dtype).sum(-1)
     r = Ratios(torch.exp(log_rho), log_rho, mask, valid, lengths)
     is_fn: ImportanceWeights = ROLLOUT_IS.function(c.is_level)
-    reject_fn: Rejection = ROLLOUT_REJECT.function(c.reject)
-    w_is, truncated = is_fn(r, c.is_cap)
-    keep, rejected = reject_fn(r, c.reject_bounds)
-    w = _zero_invalid(w_is * keep, mask)
+    w, truncated = is_fn(r, c.is_cap)
+    rejected = torch.zeros_like(valid)
+    for step in c.reject:
+        reject_fn: Rejection = ROLLOUT_REJECT.function(step.level)
+        keep, hit = reject_fn(r, step.bounds)
+        w, rejected = w * keep, rejected | hit
+    w = _zero_invalid(w, mask)
     with torch.no_grad():
         truncated, rejected = truncated & valid, rejected & valid
         rows = valid.any(-1)
@@ -243,12 +263,12 @@ def preset_tis(cfg: LearnerFields) -> Correction:
 
 def preset_mask(cfg: LearnerFields) -> Correction:
     """'mask': token rejection on [0, off_policy_cap] (one-sided)."""
-    return Correction(reject="token", reject_bounds=(0.0, cfg.off_policy_cap))
+    return Correction(reject=(Reject("token", (0.0, cfg.off_policy_cap)),))
 
 
 def preset_geo_mask(cfg: LearnerFields) -> Correction:
     """'geo_mask': geometric rejection on off_policy_geo_bounds."""
-    return Correction(reject="geometric", reject_bounds=tuple(cfg.off_policy_geo_bounds))
+    return Correction(reject=(Reject("geometric", tuple(cfg.off_policy_geo_bounds)),))
 
 
 def preset_custom(cfg: LearnerFields) -> Correction:
@@ -256,7 +276,7 @@ def preset_custom(cfg: LearnerFields) -> Correction:
     rc = cfg.rollout_correction
     if rc is None:
         raise ValueError("learner.off_policy='custom' reads learner.rollout_correction, which is not set")
-    return Correction(rc.is_level, rc.is_cap, rc.reject, tuple(rc.reject_bounds))
+    return Correction(rc.is_level, rc.is_cap, tuple(Reject(x.level, tuple(x.bounds)) for x in rc.reject))
 
 
 def off_policy_weights(

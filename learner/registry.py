@@ -184,18 +184,18 @@ OFF_POLICY: Registry[Part] = Registry(
             name="mask",
             function="learner.corrections:preset_mask",
             summary="1[rho <= off_policy_cap] per token: token rejection; "
-            "= rollout_correction {reject: token, reject_bounds: [0, off_policy_cap]}",
+            "= rollout_correction {reject: [{level: token, bounds: [0, off_policy_cap]}]}",
         ),
         Part(
             name="geo_mask",
             function="learner.corrections:preset_geo_mask",
             summary="drops every token of a sequence whose geometric-mean rho is outside off_policy_geo_bounds: "
-            "sequence rejection; = rollout_correction {reject: geometric, reject_bounds: off_policy_geo_bounds}",
+            "sequence rejection; = rollout_correction {reject: [{level: geometric, bounds: off_policy_geo_bounds}]}",
         ),
         Part(
             name="custom",
             function="learner.corrections:preset_custom",
-            summary="the learner.rollout_correction block: an IS level times a rejection, composed",
+            summary="the learner.rollout_correction block: an IS level times any rejections, composed",
         ),
     ],
 )
@@ -221,9 +221,8 @@ ROLLOUT_IS: Registry[Part] = Registry(
 
 ROLLOUT_REJECT: Registry[Part] = Registry(
     "rollout rejection",
-    "learner.rollout_correction.reject",
+    "learner.rollout_correction.reject[].level",
     [
-        Part(name="none", function="learner.corrections:no_reject", summary="every token kept"),
         Part(
             name="token",
             function="learner.corrections:token_reject",
@@ -238,6 +237,11 @@ ROLLOUT_REJECT: Registry[Part] = Registry(
             name="geometric",
             function="learner.corrections:geometric_reject",
             summary="drops the sequence unless lo <= (prod_t rho_t)^(1/|y|) <= hi (verl seq_mean_k1, SkyRL geo mask)",
+        ),
+        Part(
+            name="outlier",
+            function="learner.corrections:outlier_reject",
+            summary="drops the sequence when any token has rho_t outside [lo, hi] (SkyRL outlier mask)",
         ),
         Part(
             name="icepop",

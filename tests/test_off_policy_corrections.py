@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from learner.bypass import ProximalBypass
 from learner.config import LearnerConfig
-from learner.corrections import Correction, correction_weights, from_config
+from learner.corrections import Correction, Reject, correction_weights, from_config
 
 # The shared case. rho = pi_prox / mu: row 0 [2, 1, 3]; row 1 [0.25, 1] then a padded position.
 # Row 0: prod rho = 6, geometric mean 6^(1/3) = 1.8171; row 1: prod 0.25, geometric mean 0.5.
@@ -23,14 +23,19 @@ MU = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.4, 0.4, 0.2]]))
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 
-def _run(**kw):
-    w, sums, mx = correction_weights(PROX, MU, MASK, Correction(**kw))
+def _c(is_level="none", is_cap=2.0, *rejects):
+    """A correction: (level, (lo, hi)) pairs for the rejections."""
+    return Correction(is_level, is_cap, tuple(Reject(level, bounds) for level, bounds in rejects))
+
+
+def _run(is_level="none", is_cap=2.0, *rejects):
+    w, sums, mx = correction_weights(PROX, MU, MASK, _c(is_level, is_cap, *rejects))
     return w, sums.metrics(mx)
 
 
 def test_token_tis_truncates_each_ratio_at_the_cap():
     # min(rho, 2.5): [2, 1, 2.5] and [0.25, 1]; one token (rho 3) truncated of 5.
-    w, m = _run(is_level="token", is_cap=2.5)
+    w, m = _run("token", 2.5)
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, 2.5], [0.25, 1.0, 0.0]]))
     assert m["off_policy/truncated_frac"] == pytest.approx(1 / 5)
     assert m["off_policy/masked_token_frac"] == 0.0
@@ -39,12 +44,12 @@ def test_token_tis_truncates_each_ratio_at_the_cap():
 
 def test_sequence_tis_truncates_the_product_of_the_ratios():
     # Row 0: min(2*1*3, 2.5) = 2.5 on its 3 tokens (truncated); row 1: min(0.25*1, 2.5) = 0.25 on its 2.
-    w, m = _run(is_level="sequence", is_cap=2.5)
+    w, m = _run("sequence", 2.5)
     assert torch.allclose(w, torch.tensor([[2.5, 2.5, 2.5], [0.25, 0.25, 0.0]]))
     assert m["off_policy/truncated_frac"] == pytest.approx(3 / 5)
     assert m["off_policy/weight_max"] == pytest.approx(2.5)
     # a cap above 6 keeps the whole product: 6 on row 0
-    w, _ = _run(is_level="sequence", is_cap=10.0)
+    w, _ = _run("sequence", 10.0)
     assert torch.allclose(w[0], torch.full((3,), 6.0))
 
 
@@ -59,57 +64,79 @@ def test_sequence_tis_is_computed_in_log_space():
 
 def test_token_rejection_is_two_sided():
     # keep rho in [0.5, 2.5]: 2 yes, 1 yes, 3 no (above), 0.25 no (below), 1 yes.
-    w, m = _run(reject="token", reject_bounds=(0.5, 2.5))
+    w, m = _run("none", 2.0, ("token", (0.5, 2.5)))
     assert torch.equal(w, torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
     assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
     assert m["off_policy/masked_seq_frac"] == pytest.approx(2 / 2)  # each row lost a token
     assert m["off_policy/truncated_frac"] == 0.0
     # lo = 0: one-sided, the old 'mask' preset: only the 3 goes
-    w, _ = _run(reject="token", reject_bounds=(0.0, 2.5))
+    w, _ = _run("none", 2.0, ("token", (0.0, 2.5)))
     assert torch.equal(w, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
 
 
 def test_sequence_rejection_reads_the_product():
     # keep prod rho in [0.2, 5]: row 0 (6) rejected, row 1 (0.25) kept.
-    w, m = _run(reject="sequence", reject_bounds=(0.2, 5.0))
+    w, m = _run("none", 2.0, ("sequence", (0.2, 5.0)))
     assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
     assert m["off_policy/masked_token_frac"] == pytest.approx(3 / 5)
     assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
     # [0.3, 10]: row 1's 0.25 is now below
-    w, _ = _run(reject="sequence", reject_bounds=(0.3, 10.0))
+    w, _ = _run("none", 2.0, ("sequence", (0.3, 10.0)))
     assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
 
 
 def test_geometric_rejection_reads_the_geometric_mean():
     # [0.6, 2]: row 0 (1.817) kept, row 1 (0.5) below; [0.5, 1.5]: row 0 above, row 1 kept (0.5 >= 0.5).
-    w, m = _run(reject="geometric", reject_bounds=(0.6, 2.0))
+    w, m = _run("none", 2.0, ("geometric", (0.6, 2.0)))
     assert torch.equal(w, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
     assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
-    w, _ = _run(reject="geometric", reject_bounds=(0.5, 1.5))
+    w, _ = _run("none", 2.0, ("geometric", (0.5, 1.5)))
     assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
 
 
 def test_icepop_keeps_the_ratio_inside_the_band_and_zero_outside():
     # M(rho) = rho on [0.5, 2.5], else 0: [2, 1, 0] and [0, 1]. The kept tokens carry rho, not 1.
-    w, m = _run(reject="icepop", reject_bounds=(0.5, 2.5))
+    w, m = _run("none", 2.0, ("icepop", (0.5, 2.5)))
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
     assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
     assert m["off_policy/weight_mean"] == pytest.approx(4 / 5)
     # = token TIS with a cap >= hi times the two-sided token mask
-    tis, _ = _run(is_level="token", is_cap=2.5)
-    mask, _ = _run(reject="token", reject_bounds=(0.5, 2.5))
+    tis, _ = _run("token", 2.5)
+    mask, _ = _run("none", 2.0, ("token", (0.5, 2.5)))
     assert torch.allclose(w, tis * mask)
 
 
 def test_token_tis_composes_with_the_geometric_mask():
     # min(rho, 1.5) x 1[geo in [0.6, 2]]: row 0 [1.5, 1, 1.5] (two truncated), row 1 rejected (two masked).
-    w, m = _run(is_level="token", is_cap=1.5, reject="geometric", reject_bounds=(0.6, 2.0))
+    w, m = _run("token", 1.5, ("geometric", (0.6, 2.0)))
     assert torch.allclose(w, torch.tensor([[1.5, 1.0, 1.5], [0.0, 0.0, 0.0]]))
     assert m["off_policy/weight_mean"] == pytest.approx(4 / 5)
     assert m["off_policy/truncated_frac"] == pytest.approx(2 / 5)
     assert m["off_policy/masked_token_frac"] == pytest.approx(2 / 5)
     assert m["off_policy/clipped_frac"] == pytest.approx(4 / 5)  # truncated or masked
     assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
+
+
+def test_the_outlier_mask_drops_a_row_with_any_token_outside():
+    # [0.2, 2.5]: row 0 has rho 3 (above) -> dropped; row 1's 0.25 and 1 are inside -> kept.
+    w, m = _run("none", 2.0, ("outlier", (0.2, 2.5)))
+    assert torch.equal(w, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert m["off_policy/masked_seq_frac"] == pytest.approx(1 / 2)
+    # the padded position (read as rho 1 where it is NaN) never drops its row
+    w, _ = _run("none", 2.0, ("outlier", (0.2, 3.0)))
+    assert torch.equal(w, MASK)
+
+
+def test_rejections_stack_a_token_is_kept_when_every_one_keeps_it():
+    """SkyRL's order: geometric [0.5, 2] keeps both rows (1.817, 0.5); token TIS C = 2 gives [2, 1, 2]
+    and [0.25, 1]; the token mask [0.5, 2.5] drops 3 and 0.25; the outlier mask [0.2, 2.5] drops row 0
+    (its 3). Result: row 0 all 0, row 1 [0, 1]; 4 of 5 tokens and both rows rejected."""
+    w, m = _run("token", 2.0, ("geometric", (0.5, 2.0)), ("token", (0.5, 2.5)), ("outlier", (0.2, 2.5)))
+    assert torch.allclose(w, torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]))
+    assert m["off_policy/masked_token_frac"] == pytest.approx(4 / 5)
+    assert m["off_policy/masked_seq_frac"] == 1.0
+    assert m["off_policy/truncated_frac"] == pytest.approx(1 / 5)  # the 3, truncated (and then rejected)
+    assert m["off_policy/clipped_frac"] == pytest.approx(4 / 5)
 
 
 def test_mismatch_metrics_by_hand():
@@ -127,13 +154,13 @@ def test_mismatch_metrics_by_hand():
 def test_padding_is_never_read():
     prox, mu = PROX.clone(), MU.clone()
     prox[1, 2], mu[1, 2] = float("nan"), float("inf")
-    for kw in (
-        dict(is_level="sequence", reject="geometric", reject_bounds=(0.4, 2.0)),
-        dict(reject="icepop", reject_bounds=(0.5, 5.0)),
-        dict(is_level="token", reject="sequence", reject_bounds=(0.1, 10.0)),
+    for c in (
+        _c("sequence", 2.0, ("geometric", (0.4, 2.0))),
+        _c("none", 2.0, ("icepop", (0.5, 5.0))),
+        _c("token", 2.0, ("sequence", (0.1, 10.0)), ("outlier", (0.2, 2.5))),
     ):
-        w1, s1, mx1 = correction_weights(prox, mu, MASK, Correction(**kw))
-        w2, s2, mx2 = correction_weights(PROX, MU, MASK, Correction(**kw))
+        w1, s1, mx1 = correction_weights(prox, mu, MASK, c)
+        w2, s2, mx2 = correction_weights(PROX, MU, MASK, c)
         assert torch.equal(w1, w2) and s1 == s2 and mx1 == mx2
 
 
@@ -158,16 +185,15 @@ def _verl(old, rollout, m, rollout_is, is_thr, rollout_rs, rs_lo, rs_hi):
     else:
         w = torch.ones_like(lr)
     w = (w * m).clamp(max=is_thr)
-    stat = {
+    stats = {
         "token_k1": -lr,
         "seq_sum_k1": (-lr * m).sum(-1, keepdim=True).expand_as(lr),
         "seq_mean_k1": _mmean(-lr, m, -1).unsqueeze(-1).expand_as(lr),
-    }.get(rollout_rs)
-    keep = (
-        torch.ones_like(lr)
-        if stat is None
-        else ((stat >= math.log(rs_lo)) & (stat <= math.log(rs_hi))).float()
-    )
+    }
+    keep = torch.ones_like(lr)
+    for option in filter(None, rollout_rs.split(",")):  # every option must pass
+        stat = stats[option]
+        keep = keep * ((stat >= math.log(rs_lo)) & (stat <= math.log(rs_hi))).float()
     new_mask = m * keep
     metrics = {
         "kl": float(_mmean(rollout - old, m)),
@@ -179,25 +205,28 @@ def _verl(old, rollout, m, rollout_is, is_thr, rollout_rs, rs_lo, rs_hi):
     return w * new_mask, metrics
 
 
-OURS_TO_VERL_RS = {"none": None, "token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+OURS_TO_VERL_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+HI = {"": 2.0, "token": 1.5, "sequence": 3.0, "geometric": 1.25, "geometric,token": 1.5}
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("is_level", ["none", "token", "sequence"])
-@pytest.mark.parametrize("reject", ["none", "token", "sequence", "geometric"])
+@pytest.mark.parametrize("reject", sorted(HI))
 def test_the_family_equals_verls_formulas_on_shared_cases(seed, is_level, reject):
     """Symmetric bounds (lo = 1/hi), verl's own default: there verl's k1 rejection on -log rho and ours
-    on log rho coincide (see test_verls_k1_bounds_apply_to_the_inverse_ratio for asymmetric ones)."""
+    on log rho coincide (see test_verls_k1_bounds_apply_to_the_inverse_ratio for asymmetric ones).
+    'geometric,token' is verl's comma-separated rollout_rs "seq_mean_k1,token_k1" (every option must pass)."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand((5, 7), generator=g) * 3
     rollout = old + torch.randn((5, 7), generator=g) * 0.4
     lengths = torch.randint(1, 8, (5, 1), generator=g)
     m = (torch.arange(7) < lengths).float()
-    hi = {"token": 1.5, "sequence": 3.0, "geometric": 1.25, "none": 2.0}[reject]
-    c = Correction(is_level=is_level, is_cap=2.0, reject=reject, reject_bounds=(1 / hi, hi))
+    hi, levels = HI[reject], [x for x in reject.split(",") if x]
+    c = _c(is_level, 2.0, *[(level, (1 / hi, hi)) for level in levels])
     w, sums, mx = correction_weights(old, rollout, m, c)
     ours = sums.metrics(mx)
-    want_w, want = _verl(old, rollout, m, is_level, 2.0, OURS_TO_VERL_RS[reject], 1 / hi, hi)
+    verl_rs = ",".join(OURS_TO_VERL_RS[level] for level in levels)
+    want_w, want = _verl(old, rollout, m, is_level, 2.0, verl_rs, 1 / hi, hi)
     assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
     assert ours["off_policy/behaviour_kl_k1"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6)
     assert ours["off_policy/behaviour_kl"] == pytest.approx(want["k3_kl"], rel=1e-4, abs=1e-6)
@@ -211,7 +240,7 @@ def test_verls_k1_bounds_apply_to_the_inverse_ratio():
     1/hi <= rho <= 1/lo; ours keep lo <= rho <= hi, as verl's documentation describes its bounds. With
     [0.3, 2.5] on the shared case (rho 2, 1, 3 | 0.25, 1): ours drop 3 (above 2.5) and 0.25 (below 0.3);
     verl's keep [1/2.5, 1/0.3] = [0.4, 3.33]: 3 kept, 0.25 dropped."""
-    ours, _ = _run(reject="token", reject_bounds=(0.3, 2.5))
+    ours, _ = _run("none", 2.0, ("token", (0.3, 2.5)))
     verl, _ = _verl(PROX, MU, MASK, "none", 1e9, "token_k1", 0.3, 2.5)
     assert torch.equal(ours, torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
     assert torch.equal(verl, torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]]))
@@ -220,24 +249,33 @@ def test_verls_k1_bounds_apply_to_the_inverse_ratio():
 # ----- the config -----
 def test_presets_map_onto_the_composed_correction():
     assert from_config(LearnerConfig(off_policy="tis", off_policy_cap=3.0)) == Correction("token", 3.0)
-    assert from_config(LearnerConfig(off_policy="mask", off_policy_cap=3.0)) == Correction(
-        reject="token", reject_bounds=(0.0, 3.0)
+    assert from_config(LearnerConfig(off_policy="mask", off_policy_cap=3.0)) == _c(
+        "none", 2.0, ("token", (0.0, 3.0))
     )
-    assert from_config(LearnerConfig(off_policy="geo_mask", off_policy_geo_bounds=(0.7, 1.4))) == Correction(
-        reject="geometric", reject_bounds=(0.7, 1.4)
-    )
+    geo = LearnerConfig(off_policy="geo_mask", off_policy_geo_bounds=(0.7, 1.4))
+    assert from_config(geo) == _c("none", 2.0, ("geometric", (0.7, 1.4)))
     assert from_config(LearnerConfig(off_policy="auto")) == from_config(LearnerConfig(off_policy="none"))
-    block = {"is_level": "token", "is_cap": 1.5, "reject": "geometric", "reject_bounds": [0.8, 1.25]}
+    block = {
+        "is_level": "token",
+        "is_cap": 1.5,
+        "reject": [
+            {"level": "geometric", "bounds": [0.8, 1.25]},
+            {"level": "outlier", "bounds": [1e-4, 100]},
+        ],
+    }
     cfg = LearnerConfig(off_policy="custom", rollout_correction=block)
-    assert from_config(cfg) == Correction("token", 1.5, "geometric", (0.8, 1.25))
+    assert from_config(cfg) == _c("token", 1.5, ("geometric", (0.8, 1.25)), ("outlier", (1e-4, 100.0)))
 
 
 @pytest.mark.parametrize(
     "kw, words",
     [
         (
-            {"off_policy": "custom", "rollout_correction": {"reject": "outlier"}},
-            ["rollout_correction.reject", "'none', 'token', 'sequence', 'geometric' or 'icepop'"],
+            {
+                "off_policy": "custom",
+                "rollout_correction": {"reject": [{"level": "product", "bounds": [0.5, 2]}]},
+            },
+            ["rollout_correction.reject.0.level", "'token', 'sequence', 'geometric', 'outlier' or 'icepop'"],
         ),
         (
             {"off_policy": "custom", "rollout_correction": {"is_level": "seq"}},
@@ -246,12 +284,21 @@ def test_presets_map_onto_the_composed_correction():
         ({"off_policy": "custom"}, ["off_policy='custom' needs learner.rollout_correction"]),
         ({"off_policy": "tis", "rollout_correction": {}}, ["only with learner.off_policy: custom", "'tis'"]),
         (
-            {"off_policy": "custom", "rollout_correction": {"is_level": "token", "reject": "icepop"}},
-            ["reject='icepop'", "is_level must be 'none'"],
+            {
+                "off_policy": "custom",
+                "rollout_correction": {
+                    "is_level": "token",
+                    "reject": [{"level": "icepop", "bounds": [0.5, 5]}],
+                },
+            },
+            ["'icepop' rejection", "is_level must be 'none'"],
         ),
         (
-            {"off_policy": "custom", "rollout_correction": {"reject": "token", "reject_bounds": [1.2, 2.0]}},
-            ["reject_bounds must satisfy 0 <= lo <= 1 <= hi"],
+            {
+                "off_policy": "custom",
+                "rollout_correction": {"reject": [{"level": "token", "bounds": [1.2, 2.0]}]},
+            },
+            ["reject bounds must satisfy 0 <= lo <= 1 <= hi"],
         ),
         ({"proximal_pass": "never"}, ["proximal_pass", "'auto', 'always' or 'bypass'"]),
         ({"proximal_pass": "bypass", "advantage": "gae"}, ["proximal_pass='bypass'", "critic"]),
@@ -337,11 +384,14 @@ MODES = {  # bounds tight enough that each truncates or rejects some of the nois
     "seq_tis+seq_mask": {
         "is_level": "sequence",
         "is_cap": 1.2,
-        "reject": "sequence",
-        "reject_bounds": [0.6, 1.6],
+        "reject": [{"level": "sequence", "bounds": [0.6, 1.6]}],
     },
-    "token_tis+geo": {"is_level": "token", "is_cap": 1.2, "reject": "geometric", "reject_bounds": [0.9, 1.1]},
-    "icepop": {"reject": "icepop", "reject_bounds": [0.8, 1.25]},
+    "token_tis+geo+outlier": {
+        "is_level": "token",
+        "is_cap": 1.2,
+        "reject": [{"level": "geometric", "bounds": [0.9, 1.1]}, {"level": "outlier", "bounds": [0.3, 3.0]}],
+    },
+    "icepop": {"reject": [{"level": "icepop", "bounds": [0.8, 1.25]}]},
 }
 
 
@@ -366,7 +416,7 @@ def test_a_learner_step_runs_under_each_new_mode(policy_path, trajs, mode):
     ):
         assert math.isfinite(stats[f"off_policy/{k}"]), k
     assert stats["off_policy/behaviour_kl"] > 0  # the behaviour logprobs carry noise
-    assert 0 < stats["off_policy/clipped_frac"] and stats["off_policy/masked_token_frac"] < 1.0
+    assert stats["off_policy/clipped_frac"] > 0 and stats["off_policy/masked_token_frac"] < 1.0
     assert math.isfinite(stats["loss/policy"])
     assert any(float(g.abs().sum()) > 0 for g in grads[0].values())
 
@@ -374,7 +424,7 @@ def test_a_learner_step_runs_under_each_new_mode(policy_path, trajs, mode):
 def test_rejecting_every_sequence_leaves_no_policy_gradient(policy_path, trajs):
     """Geometric bounds [0.999, 1.001] reject every row here (the behaviour logprobs carry noise): every
     weight is 0, so the surrogate, the only loss term (no entropy bonus, KL in the reward), has no gradient."""
-    block = {"reject": "geometric", "reject_bounds": [0.999, 1.001]}
+    block = {"reject": [{"level": "geometric", "bounds": [0.999, 1.001]}]}
     grads, stats, _, weights = _step(policy_path, trajs, off_policy="custom", rollout_correction=block)
     assert stats["off_policy/masked_seq_frac"] == 1.0 and float(weights.abs().sum()) == 0.0
     assert all(float(g.abs().sum()) == 0.0 for g in grads[0].values())
