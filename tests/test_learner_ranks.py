@@ -254,6 +254,35 @@ def test_reward_moments_are_global_and_come_back_from_a_checkpoint(ray_local, ti
             assert m_again[key] == pytest.approx(m_first[key], rel=1e-9), key
 
 
+def test_a_composed_rollout_correction_is_the_same_step_on_one_rank_and_two(ray_local, tiny_policy_dir):
+    """learner.off_policy 'custom' (token TIS x geometric mask x outlier mask, learner/corrections.py): the
+    rejections see whole rows on each rank, the metrics are all-reduced sums, so one rank and two ranks
+    (uneven shards) report the same correction and mismatch metrics and take the same step."""
+    ray = ray_local
+    block = {
+        "is_level": "token",
+        "is_cap": 1.1,
+        "reject": [
+            {"level": "geometric", "bounds": [0.85, 1.15]},
+            {"level": "outlier", "bounds": [0.5, 2.0]},
+        ],
+    }
+    cfg = _config(off_policy="custom", rollout_correction=block)
+    batch = _trajectories(12, seed=7)
+    with (
+        learner_group(ray, 1, tiny_policy_dir, cfg) as one,
+        learner_group(ray, 2, tiny_policy_dir, cfg) as two,
+    ):
+        m1 = _train(ray, one, [batch])
+        m2 = _train(ray, two, [batch[:5], batch[5:]])
+        names = ("weight_mean", "weight_max", "truncated_frac", "masked_token_frac", "masked_seq_frac")
+        for key in [f"off_policy/{n}" for n in (*names, "behaviour_kl", "behaviour_kl_k1", "ppl_ratio")]:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-6, abs=1e-9), key
+        assert 0 < m1["off_policy/masked_seq_frac"] < 1 and m1["off_policy/truncated_frac"] > 0
+        assert m2["loss/policy"] == pytest.approx(m1["loss/policy"], rel=1e-5, abs=1e-7)
+        _assert_same_weights(_weights(ray, one), _weights(ray, two))
+
+
 def test_three_zero3_ranks_write_their_padded_partitions_into_shared_memory(
     ray_local, tiny_policy_dir, tmp_path
 ):
