@@ -1,13 +1,16 @@
 """The terms of the PPO objective, as pure tensor functions: a per-token loss reduced to a scalar, the
-clipped policy surrogate, the off-policy (decoupled PPO) weights that multiply it, and the clipped value loss.
+clipped policy surrogate (times the rollout-correction weights, `learner.corrections`), and the clipped
+value loss.
 
 Conventions as in `learner.algorithms`: tensors are `[B, T]` over response tokens, `mask` is 1 on a
 row's valid prefix, invalid entries (even NaN) never change an output. The policy losses (`Surrogate`)
 and the loss aggregations (`Aggregate`) are registered in `learner.registry` (POLICY_LOSSES, LOSS_AGGS);
-the rollout corrections whose weights multiply the surrogate live in `learner.corrections`. Imports only the pure `learner.algorithms` and `learner.registry` (no Ray, no DeepSpeed).
+the rollout corrections whose weights multiply the surrogate live in `learner.corrections` (its
+`off_policy_weights` is re-exported here). Imports only the pure `learner.algorithms`, `learner.corrections`
+and `learner.registry` (no Ray, no DeepSpeed).
 
-References: Schulman et al. 2017 (PPO), Ye et al. 2020 (dual-clip PPO), Espeholt et al. 2018 (truncated
-importance sampling), Zheng et al. 2025 (GSPO), Liu et al. 2025 (Dr. GRPO).
+References: Schulman et al. 2017 (PPO), Ye et al. 2020 (dual-clip PPO), Zheng et al. 2025 (GSPO), Liu et
+al. 2025 (Dr. GRPO).
 """
 
 from __future__ import annotations
