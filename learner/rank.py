@@ -292,13 +292,14 @@ class LearnerRank:
         world_size: int,
         timeout_s: float,
         backend: str = "gloo",
-        shared: bool = False,
+        shared: bool | str = False,
     ) -> str | None:
         """Rank 0 hosts a weight group (`learner.weight_broadcast`) of itself and `world_size - 1`
         processes holding rollout engines' weights; each collective on it fails after `timeout_s`. With
         `shared` (every member and learner rank on this host) bundles travel through a shared-memory
-        segment of rank 0's (`learner.shared_bundle`, kept while the group lasts): returns its path, for
-        every rank's `broadcast_weights`."""
+        segment of rank 0's (`learner.shared_bundle`, kept while the group lasts), or with
+        `shared='cuda_ipc'` (every member on this device) through a CUDA buffer of rank 0's
+        (`learner.cuda_ipc_bundle`): returns its path, for every rank's `broadcast_weights`."""
         if self.rank != 0:
             raise RuntimeError(f"learner rank {self.rank}: only rank 0 broadcasts weights")
         from learner.weight_broadcast import close_group, open_group
@@ -310,7 +311,12 @@ class LearnerRank:
         self._weight_group = (open_group(host, port, 0, world_size, timeout_s, backend), timeout_s, backend)
         if self._segment is not None:
             self._segment.remove()
-        self._segment = SharedSegment.create() if shared else None
+        if shared == "cuda_ipc":
+            from learner.cuda_ipc_bundle import CudaIpcSegment
+
+            self._segment = CudaIpcSegment.create()
+        else:
+            self._segment = SharedSegment.create() if shared else None
         return None if self._segment is None else self._segment.path
 
     def broadcast_weights(

@@ -10,7 +10,8 @@ from kernel.strict import Strict as _Strict
 from rollout_workers.engines import ENGINES
 
 EngineName = Literal[ENGINES.names()]  # the registered engines (rollout_workers.engines)
-WeightTransport = Literal["auto", "broadcast", "shared_memory"]  # cluster.weights.collective reads them
+# rollout.weight_transport's values; cluster.weights.transport_choice chooses among them
+WeightTransport = Literal["auto", "broadcast", "shared_memory", "cuda_ipc"]
 
 
 class SamplingConfig(_Strict):
@@ -263,7 +264,12 @@ class RolloutConfig(_Strict):
         "over the group (gloo or NCCL), from learner rank 0 after it gathered the bundle. 'shared_memory': "
         "every learner rank writes its part (its ZeRO-3 partitions, nothing gathered) into a /dev/shm segment "
         "that every member maps, and only the header is broadcast; needs every learner rank and worker on one "
-        "node with CPU weights and room in its /dev/shm. 'auto': shared_memory where that holds, else broadcast.",
+        "node with CPU weights and room in its /dev/shm. 'cuda_ipc': learner rank 0 writes the bundle into a "
+        "CUDA buffer on its device and every member maps it by its IPC handle, only the header is broadcast "
+        "(over gloo: NCCL refuses two ranks on one device); needs GPU weights (learner.num_gpus_per_rank and "
+        "rollout.num_gpus_per_worker > 0) with every learner rank and worker on one node and one CUDA device "
+        "(not run on a GPU yet). 'auto': cuda_ipc where that holds, else shared_memory where that holds, else "
+        "broadcast. An explicit transport that cannot apply is refused when the group forms.",
     )
     weight_bucket_mb: float = Field(
         64.0,
@@ -319,6 +325,15 @@ class RolloutConfig(_Strict):
             raise ValueError(
                 "rollout.lora_sync='adapter' needs rollout.weight_sync='object_store': the collective broadcast "
                 "carries full weights (the adapter is megabytes; the object store moves it once)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cuda_ipc_on_gpus(self) -> RolloutConfig:
+        if self.weight_transport == "cuda_ipc" and not self.num_gpus_per_worker:
+            raise ValueError(
+                "rollout.weight_transport='cuda_ipc' maps the learner's CUDA buffer into the workers: it needs "
+                "rollout.num_gpus_per_worker > 0 (CPU workers: 'auto', 'shared_memory' or 'broadcast')"
             )
         return self
 

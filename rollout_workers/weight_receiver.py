@@ -15,6 +15,9 @@ unusable and is formed again. The digest of what arrived (`digest`) is the bundl
 When every member is on the learner's host, the header may name a shared-memory segment holding every
 bucket (`learner.shared_bundle`): the buckets are then views of that segment, mapped read-only and
 kept mapped from push to push, instead of broadcasts; nothing else changes for the engine's loader.
+When every member is on the learner's CUDA device, the header may name a CUDA buffer by its IPC handle
+instead (`learner.cuda_ipc_bundle`, `kernel.cuda_ipc`): mapped once on this process's index of that
+device, the buckets are views of it, on the GPU (not run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kernel import cuda_ipc
 from rollout_workers.weights import check_state_keys, combine_digest, digest_sample
 
 
@@ -74,7 +78,7 @@ class WeightGroupMember:
         self.timeout_s = timeout_s
         self._group: dist.ProcessGroup | None = open_group(host, port, rank, world_size, timeout_s, backend)
         self.device = group_device(self._group)
-        self._mapped: tuple[str, int, torch.Tensor] | None = None  # the sender's shared segment, mapped
+        self._mapped: tuple | None = None  # the sender's shared segment or CUDA buffer: (key, key, view)
 
     def shared(self, path: str, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the shared-memory segment at `path`, mapped read-only (kept while the
@@ -107,6 +111,23 @@ class WeightGroupMember:
                     else torch.empty(0, dtype=torch.uint8)
                 )
             self._mapped = (path, nbytes, view)
+        return self._mapped[2]
+
+    def ipc(self, description: dict) -> torch.Tensor:
+        """The learner's CUDA buffer `description` names (`kernel.cuda_ipc`), mapped (kept while its
+        handle stays the same)."""
+        key = ("cuda_ipc", description["handle"])
+        if self._mapped is None or self._mapped[:2] != key:
+            self._mapped = None
+            try:
+                buffer = cuda_ipc.open_buffer(description)
+            except (ValueError, RuntimeError) as err:
+                self.close()  # as after a failed broadcast: the group is joined again
+                raise WeightGroupError(
+                    f"the learner's CUDA weight buffer cannot be opened here ({err}): is this process on the "
+                    "learner's device? (rollout.weight_transport: broadcast sends over the group)"
+                ) from err
+            self._mapped = (*key, buffer)
         return self._mapped[2]
 
     def stream(self) -> BroadcastStream:
@@ -163,9 +184,12 @@ class BroadcastStream:
         }
         self._next = 0  # the next bucket to receive
         shared = header.get("shared")
-        self._segment = (
-            None if shared is None else (member.shared(shared["path"], shared["bytes"]), shared["offsets"])
-        )
+        if shared is None:
+            self._segment = None
+        elif shared.get("kind") == cuda_ipc.KIND:
+            self._segment = (member.ipc(shared), shared["offsets"])
+        else:
+            self._segment = (member.shared(shared["path"], shared["bytes"]), shared["offsets"])
         self._samples: dict[str, tuple[tuple[int, ...], bytes]] = {}
 
     def _bucket(self) -> torch.Tensor:

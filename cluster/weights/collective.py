@@ -22,9 +22,10 @@ from cluster.weights.push import (
     verify_ack,
     worker_method,
 )
+from cluster.weights.transport_choice import MemberPlace, TransportChoice, TransportRefused, choose_transport
 from rollout_workers.config import WeightTransport
 
-# rollout.weight_transport: how a bundle reaches the group's members (CollectiveWeightSync._use_shared_memory)
+# rollout.weight_transport: how a bundle reaches the group's members (cluster.weights.transport_choice)
 TRANSPORTS = frozenset(get_args(WeightTransport))
 
 
@@ -84,37 +85,38 @@ class CollectiveWeightSync:
     def _use_shared_memory(
         self, ranks: list[Any], workers: list[Any], names: list[str], deadline: float, dtype: str
     ) -> bool:
-        """Whether the bundles go through shared memory (`learner.shared_bundle`): the transport asks for
-        it ('shared_memory') or allows it ('auto'), every learner rank and worker is on one Ray node with
-        CPU buffers (gloo), and that node's /dev/shm has room for the bundle at `dtype`. 'shared_memory'
-        where that is not so is a `WeightSyncError`. A worker that died before answering is lost
+        """Whether the bundles go through shared memory (`_choose`)."""
+        return self._choose(ranks, workers, names, deadline, dtype).transport == "shared_memory"
+
+    def _choose(
+        self, ranks: list[Any], workers: list[Any], names: list[str], deadline: float, dtype: str
+    ) -> TransportChoice:
+        """The transport and group backend for these members (`transport_choice.choose_transport`): each
+        learner rank and worker is asked where it runs (its node, its CUDA device); the /dev/shm room
+        only where shared memory is in question. A transport asked for that cannot apply is a
+        `WeightSyncError` naming `rollout.weight_transport`. A worker that died before answering is lost
         (`_LostMembers`), as in the rest of the group's forming."""
-        if self.transport == "broadcast" or (self.transport == "auto" and self.backend != "gloo"):
-            return False
-        on_ranks = [r.__ray_call__.remote(_node_id) for r in ranks]
-        asks = [worker_method(w, "__ray_call__", self.cut_in).remote(_node_id) for w in workers]
+        if self.transport == "broadcast":
+            return TransportChoice("broadcast", self.backend)
+        on_ranks = [r.__ray_call__.remote(_place) for r in ranks]
+        asks = [worker_method(w, "__ray_call__", self.cut_in).remote(_place) for w in workers]
         _drop_silent(on_ranks, asks, workers, deadline, 0.0, "asking the learner's and workers' nodes")
-        nodes = set(_answers(asks, names, "could not report its node"))
+        places = [
+            MemberPlace(n, *p)
+            for n, p in zip(names, _answers(asks, names, "could not report its node"), strict=True)
+        ]
         try:
-            nodes |= set(ray.get(on_ranks))
+            places += [MemberPlace(f"learner rank {i}", *p) for i, p in enumerate(ray.get(on_ranks))]
         except ray.exceptions.RayError as err:
             raise WeightSyncError(f"a learner rank could not report its node: {err}") from err
-        if self.transport == "shared_memory" and (len(nodes) > 1 or self.backend != "gloo"):
-            raise WeightSyncError(
-                "rollout.weight_transport='shared_memory' needs every learner rank and rollout worker on one node "
-                f"with CPU weights (gloo); they are on {len(nodes)} nodes, backend {self.backend}: use 'auto' or "
-                "'broadcast'"
-            )
-        if len(nodes) > 1:
-            return False
-        need, free = ray.get(ranks[0].weight_segment_room.remote(dtype), timeout=_left(deadline))
-        if need > free and self.transport == "shared_memory":
-            raise WeightSyncError(
-                f"rollout.weight_transport='shared_memory': the bundle needs {need / 2**20:.0f} MiB in the node's "
-                f"/dev/shm and {free / 2**20:.0f} MiB are free: give it more (docker run --shm-size) or use "
-                "'auto' or 'broadcast'"
-            )
-        return need <= free
+
+        def room() -> tuple[int, int]:
+            return tuple(ray.get(ranks[0].weight_segment_room.remote(dtype), timeout=_left(deadline)))
+
+        try:
+            return choose_transport(self.transport, places, self.backend, room)
+        except TransportRefused as err:
+            raise WeightSyncError(str(err)) from None
 
     def _form(
         self,
@@ -133,17 +135,18 @@ class CollectiveWeightSync:
         if members == self._members:
             return
         self._members = None
-        shared = self._use_shared_memory(ranks, workers, names, deadline, dtype)
+        choice = self._choose(ranks, workers, names, deadline, dtype)
+        shared = {"shared_memory": True, "cuda_ipc": "cuda_ipc"}.get(choice.transport, False)
         host, port = ray.get(rank0.node_address.remote(), timeout=_left(deadline))
         asks = [worker_method(w, "weight_receivers", self.cut_in).remote() for w in workers]
         _drop_silent([], asks, workers, deadline, 0.0, "asking the workers' receivers")
         counts = _answers(asks, names, "could not report its weight receivers")
         world = 1 + sum(counts)
         firsts = np.cumsum([1, *counts[:-1]]).tolist() if workers else []
-        joins = [rank0.join_weight_group.remote(host, port, world, timeout, self.backend, shared)]
+        joins = [rank0.join_weight_group.remote(host, port, world, timeout, choice.backend, shared)]
         joins += [
             worker_method(w, "join_weight_group", self.cut_in).remote(
-                host, port, int(first), world, timeout, self.backend
+                host, port, int(first), world, timeout, choice.backend
             )
             for w, first in zip(workers, firsts, strict=True)
         ]
@@ -245,9 +248,12 @@ class CollectiveWeightSync:
         return expected, stage_seconds(meta, values)
 
 
-def _node_id(actor: Any) -> str:
-    """Run inside an actor (`__ray_call__`): the Ray node it is on."""
-    return ray.get_runtime_context().get_node_id()
+def _place(actor: Any) -> tuple[str, str | None]:
+    """Run inside an actor (`__ray_call__`): the Ray node it is on and the UUID of its current CUDA
+    device (None where torch.cuda is not available)."""
+    from kernel.cuda_ipc import device_uuid
+
+    return ray.get_runtime_context().get_node_id(), device_uuid()
 
 
 def _answers(calls: list[Any], names: list[str], failed: str) -> list[Any]:
