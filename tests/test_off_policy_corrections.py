@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from learner.bypass import ProximalBypass
@@ -162,6 +164,31 @@ def test_padding_is_never_read():
         w1, s1, mx1 = correction_weights(prox, mu, MASK, c)
         w2, s2, mx2 = correction_weights(PROX, MU, MASK, c)
         assert torch.equal(w1, w2) and s1 == s2 and mx1 == mx2
+
+
+LEVELS = ["token", "sequence", "geometric", "outlier", "icepop"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["none", "token", "sequence"]),
+    st.floats(0.1, 5.0),
+    st.lists(st.tuples(st.sampled_from(LEVELS[:4]), st.floats(0.0, 1.0), st.floats(1.0, 10.0)), max_size=3),
+    st.integers(0, 2**31),
+)
+def test_no_mismatch_means_no_correction(is_level, cap, rejects, seed):
+    """mu = pi_prox: rho = 1 on every token, inside every [lo, hi] (lo <= 1 <= hi), so no rejection fires
+    and every weight is min(1, C) (1 for the usual C >= 1); the mismatch metrics read 0 (ppl ratio 1)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand((4, 6), generator=g) * 5
+    mask = (torch.arange(6) < torch.randint(1, 7, (4, 1), generator=g)).float()
+    c = _c(is_level, cap, *[(level, (lo, hi)) for level, lo, hi in rejects])
+    w, sums, _ = correction_weights(lp, lp.clone(), mask, c)
+    assert torch.allclose(w, mask * (min(1.0, cap) if is_level != "none" else 1.0))
+    m = sums.metrics(0.0)
+    assert m["off_policy/masked_token_frac"] == 0.0 and m["off_policy/masked_seq_frac"] == 0.0
+    assert m["off_policy/behaviour_kl"] == 0.0 and m["off_policy/behaviour_kl_k1"] == 0.0
+    assert m["off_policy/ppl_ratio"] == pytest.approx(1.0)
 
 
 # ----- verl's rollout-correction formulas (verl/trainer/ppo/rollout_corr_helper.py), re-implemented -----
