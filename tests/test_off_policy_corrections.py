@@ -260,6 +260,20 @@ def test_a_wrong_value_names_the_field_and_the_allowed_values(kw, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+def test_every_is_level_and_rejection_is_a_registered_two_argument_function_listed_in_the_reference():
+    import inspect
+    from pathlib import Path
+
+    from learner.registry import ROLLOUT_IS, ROLLOUT_REJECT
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
+    for registry in (ROLLOUT_IS, ROLLOUT_REJECT):
+        for part in registry:
+            fn = registry.function(part.name)
+            assert len(inspect.signature(fn).parameters) == 2 and fn.__doc__, part.name
+            assert f"'{part.name}': {part.summary}".replace("|", "\\|") in doc, part.name
+
+
 def test_the_explicit_bypass_mode_bypasses_every_step_without_the_engines_word():
     b = ProximalBypass(LearnerConfig(advantage="grpo", proximal_pass="bypass", proximal_check_every=2))
     assert b.never is None
