@@ -18,7 +18,10 @@ placement, on the sentiment demo scaled up: the demo's tokenizer, prompts and re
   learner rank drives exactly one GPU (`learner.num_gpus_per_rank` must be 1), so Ray is told of two
   logical GPUs on the one device (`cluster.num_gpus` 2, `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`:
   every process sees the device as cuda:0): the learner takes 1, the rollout worker 0.5, the
-  reference and the reward scorer 0.25 each.
+  reference and the reward scorer 0.25 each;
+- `separate-ipc`: the same, weights pushed on the collective path through CUDA IPC
+  (`rollout.weight_transport: cuda_ipc`: the learner's CUDA buffer mapped by the rollout worker; on the
+  CPU `auto`, which takes the /dev/shm segment there).
 
 Each run's row: start-up (command start to the first step's start), per-step generation and
 training seconds and tokens/s (means over the steps after the first), the weight push's seconds and
@@ -27,7 +30,9 @@ gap (`rollout/logprob_gap`, mean over the steps that measured it), peak GPU memo
 from `nvidia-smi` every 0.2 s, by the Ray process title of each process on the device; absent on a
 CPU), and whether the newest checkpoint and `final/` load back (the checkpoint's state is read and its
 files' digests checked, `final/` loads in transformers and gives finite logits). The table is printed
-and written to `--out` (`gpu_e2e.md`, `gpu_e2e.json`). Exit status 1 when a run or a load-back fails.
+and written to `--out` (`gpu_e2e.md`, `gpu_e2e.json`), with the device's own copy bandwidth (a
+device-to-device copy of the bundle's size, `copy_gb_per_s`) to read the push's GB/s against. Exit
+status 1 when a run or a load-back fails.
 
 Without a GPU it runs on the CPU (gloo, float32, the tiny Qwen2 shape, short steps), which is how the
 test suite keeps this script working (`tests/test_gpu_e2e.py`).
@@ -78,14 +83,44 @@ SEPARATE_GPUS = {
     "reference.num_gpus": 0.25,
     "reward.num_gpus": 0.25,
 }
-PLACEMENTS = ("colocated", "separate")
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """One run of the script: its placement and how the weights reach the engine (`weights` on a GPU,
+    `cpu_weights` on the CPU, where CUDA IPC cannot apply)."""
+
+    name: str
+    placement: str
+    weight_sync: str = "object_store"
+    transport: str = "auto"  # rollout.weight_transport (collective only)
+    weights: str = "object store"
+    cpu_weights: str = "object store"
+
+
+RUNS = {
+    r.name: r
+    for r in (
+        RunKind("colocated", "colocated", weights="in process", cpu_weights="in process"),
+        RunKind("separate", "separate"),
+        RunKind(
+            "separate-ipc",
+            "separate",
+            weight_sync="collective",
+            transport="cuda_ipc",
+            weights="collective, CUDA IPC",
+            cpu_weights="collective, shared memory (auto)",
+        ),
+    )
+}
 
 
 @dataclass
 class Row:
-    """One placement's run: its measured numbers (`facts`) and the load-back checks."""
+    """One run's outcome: its measured numbers (`facts`) and the load-back checks."""
 
-    placement: str
+    run: str
+    weights: str = ""
     status: str = "ok"
     facts: dict = field(default_factory=dict)
     gpu_peak_gib: dict = field(default_factory=dict)  # Ray process title -> peak GiB on the device
@@ -94,8 +129,9 @@ class Row:
     note: str = ""
 
 
-def overrides(placement: str, scale: Scale, assets, policy: str, steps: int, gpu: bool) -> list[str]:
+def overrides(run: RunKind, scale: Scale, assets, policy: str, steps: int, gpu: bool) -> list[str]:
     """The `--set` list of one run: the demo config pointed at the built assets, at `scale`."""
+    placement = run.placement
     sets: dict[str, object] = {
         "model.policy_path": policy,
         "model.demo_assets": None,
@@ -113,7 +149,10 @@ def overrides(placement: str, scale: Scale, assets, policy: str, steps: int, gpu
         "rollout.sampling.max_new_tokens": scale.max_new_tokens,
         "learner.micro_batch_size": scale.micro_batch_size,
         "learner.torch_threads": 1,
+        "rollout.weight_sync": run.weight_sync,
     }
+    if run.weight_sync == "collective":  # CUDA IPC needs GPU weights; on the CPU auto takes shared memory
+        sets["rollout.weight_transport"] = run.transport if gpu else "auto"
     if gpu:
         sets.update({"learner.dtype": "bfloat16", "rollout.dtype": "bfloat16"})
         if placement == "colocated":
@@ -252,17 +291,17 @@ def check_loads(run_dir: Path) -> tuple[bool, bool, str]:
     return ckpt_ok, final_ok, "; ".join(notes)
 
 
-def run_placement(placement: str, args, assets, policy: Path, facts: dict, gpu: bool) -> Row:
-    row = Row(placement)
-    run_dir = Path(args.work) / f"run-{placement}"
+def run_one(run: RunKind, args, assets, policy: Path, facts: dict, gpu: bool) -> Row:
+    row = Row(run.name, run.weights if gpu else run.cpu_weights)
+    run_dir = Path(args.work) / f"run-{run.name}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    sets = overrides(placement, args.scale, assets, str(policy), args.steps, gpu)
+    sets = overrides(run, args.scale, assets, str(policy), args.steps, gpu)
     cmd = [sys.executable, "-m", "cluster.train", str(CONFIG), "--run-dir", str(run_dir)]
     cmd += [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-    if gpu and placement == "separate":  # two logical GPUs, one device: every process keeps cuda:0
+    if gpu and run.placement == "separate":  # two logical GPUs, one device: every process keeps cuda:0
         env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-    log = Path(args.work) / f"train-{placement}.log"
+    log = Path(args.work) / f"train-{run.name}.log"
     t0 = time.perf_counter()
     with GpuSampler() as sampler, log.open("w") as out:
         proc = subprocess.run(
@@ -290,7 +329,8 @@ def run_placement(placement: str, args, assets, policy: Path, facts: dict, gpu: 
 
 
 COLUMNS = [
-    ("placement", lambda r: r.placement),
+    ("run", lambda r: r.run),
+    ("weights", lambda r: r.weights),
     ("status", lambda r: r.status),
     ("start-up + end (s)", lambda r: r.facts.get("startup_s")),
     ("generate (s/step)", lambda r: r.facts.get("generate_s")),
@@ -305,6 +345,26 @@ COLUMNS = [
         lambda r: f"{'yes' if r.checkpoint_loads else 'no'} / {'yes' if r.final_loads else 'no'}",
     ),
 ]
+
+
+def copy_gb_per_s(nbytes: int, reps: int = 5) -> float:
+    """GB/s of a device-to-device copy of `nbytes` on the current GPU (one warm-up, then the mean of
+    `reps`; bytes copied over seconds, each byte read once and written once)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / 1e9 / seconds
 
 
 def table(rows: list[Row]) -> str:
@@ -326,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default=base.size, help="a bench/scale_models.SIZES name")
     ap.add_argument("--steps", type=int, default=3 if gpu else 2)
-    ap.add_argument("--placements", default=",".join(PLACEMENTS))
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"some of {list(RUNS)}")
     ap.add_argument("--out", default=None, help="folder for gpu_e2e.md / gpu_e2e.json")
     ap.add_argument("--work", default=None, help="folder for the assets and runs (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
@@ -335,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         args.size, base.prompts_per_step, base.chunk_size, base.max_new_tokens, base.micro_batch_size
     )
     args.engine_dtype = "bfloat16" if gpu else "float32"
-    placements = [p for p in args.placements.split(",") if p]
-    unknown = sorted(set(placements) - set(PLACEMENTS))
+    runs = [p for p in args.runs.split(",") if p]
+    unknown = sorted(set(runs) - set(RUNS))
     if unknown:
-        ap.error(f"--placements: {unknown} not in {list(PLACEMENTS)}")
+        ap.error(f"--runs: {unknown} not in {list(RUNS)}")
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
         Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -347,27 +407,30 @@ def main(argv: list[str] | None = None) -> int:
         assets = ensure_assets(Path(args.work) / "sentiment", lm_steps=1, clf_steps=50, quiet=True)
         policy = Path(args.work) / args.size
         facts = build_policy(policy, args.size, assets.policy)
-        rows = [run_placement(p, args, assets, policy, facts, gpu) for p in placements]
+        rows = [run_one(RUNS[name], args, assets, policy, facts, gpu) for name in runs]
     device = torch.cuda.get_device_name(0) if gpu else "cpu"
+    bundle = facts["bundle_bytes"][args.engine_dtype]
+    copy = round(copy_gb_per_s(bundle), 1) if gpu else None
     versions = {"torch": torch.__version__}
     for name in ("ray", "deepspeed", "transformers"):
         try:
             versions[name] = __import__(name).__version__
         except ImportError:
             versions[name] = "missing"
-    header = f"device: {device}; model: {args.size} ({facts['params'] / 1e6:.0f}M parameters); " + ", ".join(
-        f"{k} {v}" for k, v in versions.items()
-    )
+    header = f"device: {device}; model: {args.size} ({facts['params'] / 1e6:.0f}M parameters, bundle {bundle / 1e9:.3f} GB"
+    header += f"; device copy {copy} GB/s); " if copy else "); "
+    header += ", ".join(f"{k} {v}" for k, v in versions.items())
     text = header + "\n\n" + table(rows)
     print(text, flush=True)
     for r in rows:
         if r.note:
-            print(f"{r.placement}: {r.note}", flush=True)
+            print(f"{r.run}: {r.note}", flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_e2e.md").write_text(text + "\n")
         report = {"device": device, "versions": versions, "model": args.size, "params": facts["params"]}
+        report["copy_gb_per_s"] = copy
         report["scale"] = asdict(args.scale)
         report["rows"] = [asdict(r) for r in rows]
         (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

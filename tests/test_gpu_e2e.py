@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_e2e import (  # noqa: E402
     CPU_SCALE,
     GPU_SCALE,
+    RUNS,
     SEPARATE_GPUS,
     SEPARATE_LOGICAL_GPUS,
     overrides,
@@ -50,28 +51,33 @@ def test_step_facts_leave_the_first_step_out_and_divide_the_bundle_by_the_push()
     assert facts["startup_s"] == 12.0 and facts["steps"] == 3
 
 
-@pytest.mark.parametrize("placement", ["colocated", "separate"])
-def test_the_gpu_runs_are_valid_configs(placement, tmp_path):
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_gpu_runs_are_valid_configs(name, tmp_path):
     """The GPU overrides are accepted by the config (checked here, where no GPU is: a run on the
     device must not fail on its config)."""
     assets = SimpleNamespace(prompts=tmp_path / "p.jsonl", reward=tmp_path / "reward")
-    sets = overrides(placement, GPU_SCALE, assets, str(tmp_path / "policy"), 3, gpu=True)
+    run = RUNS[name]
+    sets = overrides(run, GPU_SCALE, assets, str(tmp_path / "policy"), 3, gpu=True)
     cfg = load_config(ROOT / "configs" / "sentiment_tiny.yaml", sets)
-    assert cfg.cluster.placement == placement and cfg.learner.dtype == "bfloat16"
-    if placement == "separate":
+    assert cfg.cluster.placement == run.placement and cfg.learner.dtype == "bfloat16"
+    assert cfg.rollout.weight_sync == run.weight_sync
+    if run.weight_sync == "collective":
+        assert cfg.rollout.weight_transport == "cuda_ipc"
+    if run.placement == "separate":
         total = sum(SEPARATE_GPUS.values())
         assert total == cfg.cluster.num_gpus == SEPARATE_LOGICAL_GPUS
         assert cfg.rollout.num_gpus_per_worker == SEPARATE_GPUS["rollout.num_gpus_per_worker"]
     else:
         assert cfg.learner.num_gpus_per_rank == 1 and cfg.rollout.sleep_level == 1
     cpu = load_config(
-        ROOT / "configs" / "sentiment_tiny.yaml", overrides(placement, CPU_SCALE, assets, "p", 2, gpu=False)
+        ROOT / "configs" / "sentiment_tiny.yaml", overrides(run, CPU_SCALE, assets, "p", 2, gpu=False)
     )
     assert cpu.learner.num_gpus_per_rank == 0 and cpu.rollout.sleep_level in (0, None)
+    assert cpu.rollout.weight_transport == "auto"  # CUDA IPC cannot apply to CPU weights
 
 
 @pytest.mark.slow
-def test_gpu_e2e_runs_both_placements_on_cpu(tmp_path):
+def test_gpu_e2e_runs_every_run_on_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--out", str(tmp_path / "out"),
@@ -81,8 +87,8 @@ def test_gpu_e2e_runs_both_placements_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_e2e.json").read_text())
     assert report["device"] == "cpu" and report["model"] == CPU_SCALE.size
-    rows = {r["placement"]: r for r in report["rows"]}
-    assert list(rows) == ["colocated", "separate"]
+    rows = {r["run"]: r for r in report["rows"]}
+    assert list(rows) == ["colocated", "separate", "separate-ipc"]
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["checkpoint_loads"] and row["final_loads"]
@@ -92,4 +98,4 @@ def test_gpu_e2e_runs_both_placements_on_cpu(tmp_path):
         # float32 engine and float32 learner read the same weights: the sampled tokens' logprobs agree
         assert math.isfinite(facts["logprob_gap"]) and abs(facts["logprob_gap"]) < 1e-3
     table = (tmp_path / "out" / "gpu_e2e.md").read_text()
-    assert "| colocated | ok |" in table and "| separate | ok |" in table
+    assert "| colocated | in process | ok |" in table and "| separate | object store | ok |" in table
