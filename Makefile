@@ -145,12 +145,15 @@ gpu-e2e: $(STAMP)
 
 # DeepSpeed's source distribution and the wheels a lent GPU machine lacks (Python 3.12), into .gpu/;
 # with Ray (the venv's version) trimmed by bench/trim_ray.py into an xz tarball (its docstring says what
-# is left out and why), and Ray's own requirements pinned to this venv's versions. The full Ray wheel
-# is downloaded to a temporary folder, never into .gpu/ (a call carries at most 64 MiB).
+# is left out and why), and what the image lacks for it (bench/ray_deps.txt) pinned to this venv's
+# versions. The full Ray wheel is downloaded to a temporary folder, never into .gpu/ (a call carries at
+# most 64 MiB). Where a Python 3.12 is found here (PY312), the carried Ray is installed into a bare
+# venv of it as the device does and must start a cluster, an actor and a placement group.
 GPU_WHEELS := hjson msgpack ninja py-cpuinfo psutil pydantic pydantic-core annotated-types \
 	typing-inspection typing-extensions einops nvidia-ml-py setuptools wheel
-RAY_WHEELS := click filelock jsonschema jsonschema-specifications referencing rpds-py attrs packaging \
-	protobuf pyyaml requests urllib3 idna charset-normalizer certifi xxhash
+RAY_WHEELS := $(shell grep -v '^\#' bench/ray_deps.txt)
+PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
 PIP312 := $(BIN)/pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
 	--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
 VERSION_OF = $$($(BIN)/python -c "import importlib.metadata as m; print(m.version('$(1)'))")
@@ -162,6 +165,7 @@ gpu-wheels: $(STAMP)
 		tmp=$$(mktemp -d) && $(PIP312) -d $$tmp ray==$(call VERSION_OF,ray) && \
 		$(BIN)/python bench/trim_ray.py --wheel $$tmp/ray-*.whl --out .gpu/ray-$(call VERSION_OF,ray)-cp312-trimmed.tar.xz; \
 		rc=$$?; rm -rf $$tmp; exit $$rc; }
+	$(if $(PY312),$(BIN)/python bench/trim_ray.py --check .gpu/ray-$(call VERSION_OF,ray)-cp312-trimmed.tar.xz --python $(PY312),@echo "no python3.12 here: the carried Ray is not checked (tests/test_trimmed_ray.py checks the trim on this Python)")
 	du -cb .gpu/* | tail -1 | awk '{printf ".gpu/: %.1f MiB of the 64 MiB a device call carries\n", $$1 / 1048576}'
 
 clean:

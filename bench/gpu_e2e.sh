@@ -5,8 +5,7 @@
 # unpacked into site-packages (its docstring says what was left out and why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RAY_DEPS="click filelock jsonschema jsonschema-specifications referencing rpds-py attrs packaging protobuf
-  pyyaml requests urllib3 idna charset-normalizer certifi xxhash msgpack"
+RAY_DEPS=$(grep -v '^#' bench/ray_deps.txt)  # what the image lacks for Ray and the runs
 if ! python -c "import ray" >/dev/null 2>&1; then
   tarball=$(ls .gpu/ray-*-cp312-trimmed.tar.xz 2>/dev/null | head -1 || true)
   if [ -z "$tarball" ]; then

@@ -1,6 +1,7 @@
 """A trimmed Ray that fits in a lent GPU machine's 64 MiB carry (`make gpu-wheels`).
 
     python bench/trim_ray.py --wheel ray-2.60.0-cp312-...whl --out .gpu/ray-2.60.0-cp312-trimmed.tar.xz
+    python bench/trim_ray.py --check .gpu/ray-2.60.0-cp312-trimmed.tar.xz --python python3.12
 
 The device image has PyTorch, transformers and PEFT but no Ray, and nothing outside the machine can be
 reached from it. Ray's cp312 wheel is 79 MB (201 MB unpacked); `cluster.train` on one machine needs
@@ -26,7 +27,10 @@ the dashboard's web client is static files the head serves to a browser: its scr
 profile viewer go, `client/build/` itself with `index.html` and `static/` stays (the head refuses to
 start when that folder is missing, `FrontendNotFoundError`); a browser then gets a blank page, the
 HTTP API (jobs, state, metrics) answers as before. `tests/test_trimmed_ray.py`
-applies `trim` to this machine's Ray and starts a local cluster, an actor and a placement group on it.
+applies `trim` to this machine's Ray and starts a local cluster, an actor and a placement group on it;
+`--check` does the same with the carried artefact itself as the device installs it (`check_carry`: a
+bare venv of the device's Python, `bench/ray_deps.txt` from the artefact's folder with no index, the
+tarball unpacked into site-packages), where a Python of that version is at hand.
 """
 
 from __future__ import annotations
@@ -178,12 +182,85 @@ def build_from_wheel(wheel: Path, out: Path, strip: bool = True) -> dict:
     }
 
 
+RAY_DEPS = Path(__file__).with_name("ray_deps.txt")
+
+# The check a carried Ray must pass (`check_carry`): a local cluster as `bench/gpu_e2e.py` starts it on
+# the device (no dashboard: its requirements are not carried), an actor in a placement group.
+CARRY_CHECK = r"""
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+@ray.remote(num_cpus=0.5)
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def add(self, k):
+        self.n += k
+        return self.n
+
+pg = placement_group([{"CPU": 0.5}], strategy="STRICT_PACK")
+ray.get(pg.ready())
+actor = Counter.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote()
+totals = [ray.get(actor.add.remote(k)) for k in (1, 2, 3)]
+ray.kill(actor)
+remove_placement_group(pg)
+ray.shutdown()
+assert totals == [1, 3, 6], totals
+print("carried ray", ray.__version__, "ran a cluster, an actor and a placement group from", ray.__file__)
+"""
+
+
+def ray_deps() -> list[str]:
+    """The names in `bench/ray_deps.txt` (one per line, # comments)."""
+    lines = (ln.split("#")[0].strip() for ln in RAY_DEPS.read_text().splitlines())
+    return [ln for ln in lines if ln]
+
+
+def check_carry(artefact: Path, python: str, timeout: float = 300.0) -> str:
+    """Install the carried Ray as `bench/gpu_e2e.sh` does on the device, into a new venv of `python`
+    (the device's version): `ray_deps()` from the artefact's folder with no index, the tarball unpacked
+    into site-packages; then run `CARRY_CHECK` there. Returns its last line; raises CalledProcessError
+    (with its output) when a step fails."""
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = Path(tmp) / "venv"
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        py = str(venv / "bin" / "python")
+        run = dict(check=True, capture_output=True, text=True, timeout=timeout)
+        pip = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links"]
+        subprocess.run([*pip, str(artefact.parent), *ray_deps()], **run)
+        site = subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], **run
+        ).stdout.strip()
+        with tarfile.open(artefact, "r:xz") as tar:
+            tar.extractall(site, filter="tar")
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("PYTHONPATH", None)
+        out = subprocess.run([py, "-c", CARRY_CHECK], cwd=tmp, env=env, **run).stdout
+    return out.strip().splitlines()[-1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--wheel", type=Path, required=True, help="Ray's wheel for the device's Python")
-    ap.add_argument("--out", type=Path, required=True, help="the .tar.xz to write")
+    ap.add_argument("--wheel", type=Path, help="Ray's wheel for the device's Python")
+    ap.add_argument("--out", type=Path, help="the .tar.xz to write")
     ap.add_argument("--no-strip", action="store_true", help="keep the binaries' symbol tables")
+    ap.add_argument("--check", type=Path, metavar="TARBALL", help="check a carried tarball (`check_carry`)")
+    ap.add_argument("--python", default="python3.12", help="with --check: the device's Python version here")
     args = ap.parse_args()
+    if args.check:
+        try:
+            print(check_carry(args.check, args.python), flush=True)
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"the carried Ray failed its check: {err}\n{err.stdout}\n{err.stderr}") from None
+        return
+    if not (args.wheel and args.out):
+        ap.error("--wheel and --out (or --check)")
     report = build_from_wheel(args.wheel, args.out, strip=not args.no_strip)
     args.out.with_suffix("").with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     mib = 2**20
