@@ -28,7 +28,7 @@ import torch
 
 # Architectures whose causal-LM logits are exactly `lm_head(final hidden state)` (no softcap, scale or
 # multiplier in the output path), read off their modeling code. Anything else keeps the full logits path.
-LINEAR_LOGITS_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
+LINEAR_LOGITS_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"})
 # Config fields that change the output path where set (Gemma-2 softcap, Cohere scale, Granite scaling ...).
 _OUTPUT_PATH_FIELDS = (
     "final_logit_softcapping",

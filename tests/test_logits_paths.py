@@ -1,6 +1,7 @@
 """Learner, reference and hf generator agree on every architecture's logits (fp32, tolerance 1e-5).
 
-Tiny causal LMs built from configs of six families (tests/tiny_models.FAMILIES): the hf generator
+Tiny causal LMs built from configs of eight families (tests/tiny_models.FAMILIES; two mixtures of experts,
+Qwen3-MoE and Mixtral, docs/moe.md): the hf generator
 samples responses with their behaviour logprobs; the reference and the learner (PolicyWithValueHead,
 the forward training uses) rescore the same tokens; an unpadded full forward of the HF model is the
 independent check. Gemma2 (final softcap), Granite (`logits_scaling`) and Cohere (`logit_scale`)

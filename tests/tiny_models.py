@@ -103,7 +103,26 @@ FAMILIES: dict[str, dict] = {
     },
     "granite": {"num_attention_heads": 4, "num_key_value_heads": 2, "logits_scaling": 4.0},
     "cohere": {"num_attention_heads": 4, "num_key_value_heads": 2, "logit_scale": 0.25},
+    # Mixtures of experts (docs/moe.md): 4 experts, top-2, in every layer. transformers 5.24 keeps the
+    # experts fused (3-D `gate_up_proj` / `down_proj` of one `*Experts` module) beside a `*TopKRouter`
+    # `gate`; Qwen3-MoE renormalises the top-2 weights only with norm_topk_prob, Mixtral always.
+    "qwen3_moe": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def build_causal_lm(out: Path, family: str, seed: int = 0, **fields) -> Path:
