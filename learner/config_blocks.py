@@ -73,6 +73,16 @@ class LoRAConfig(_Strict):
             "the model's linear module names."
         ),
     )
+    target_parameters: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Parameters that get adapters as parameters (PEFT target_parameters): the fused 3-D expert stacks "
+            "of a mixture of experts, e.g. ['experts.gate_up_proj', 'experts.down_proj'] (one rank-r adapter "
+            "per expert; see docs/moe.md), matched as PEFT matches them (a parameter's full name or its last "
+            "components). A name matching no parameter is a config error listing the model's 3-D parameters. "
+            "Exported merged like the modules' adapters; not with rollout.lora_sync: adapter."
+        ),
+    )
     modules_to_save: list[str] = Field(
         default_factory=list,
         description=(

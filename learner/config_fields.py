@@ -143,7 +143,7 @@ class LearnerFields(_Strict):
             "Score response tokens from the final hidden states this many positions at a time, the lm_head "
             "and log-softmax recomputed in backward, so no [tokens, vocabulary] float32 logits, log-softmax or "
             "gradient exist whole (equal to the full path up to float rounding order). Only for models whose "
-            "logits are exactly lm_head(hidden) (gpt2, llama, mistral, qwen2, qwen3 with no softcap or logit "
+            "logits are exactly lm_head(hidden) (gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe with no softcap or logit "
             "scale); an int on any other model is an error. 'auto': 512 where the model qualifies, else the "
             "model's own full logits path; null: always the full logits path."
         ),

@@ -76,6 +76,25 @@ def check_targets(model: nn.Module, cfg: LoRAConfig) -> None:
     bad = sorted(n for n in tied if any(matches(n, k) for k in cfg.modules_to_save))
     if bad:
         raise ValueError(f"learner.lora.modules_to_save: {bad} share their weight with another module")
+    params = [n for n, _ in model.named_parameters()]
+    missing = [k for k in cfg.target_parameters if not any(matches(n, k) for n in params)]
+    if missing:
+        stacks = sorted({".".join(n.split(".")[-2:]) for n in expert_stacks(model)})
+        raise ValueError(
+            f"learner.lora.target_parameters: {missing} match no parameter of the model; its 3-D (fused "
+            f"expert) parameters are {stacks or 'none'}"
+        )
+    if cfg.target_parameters and cfg.dropout:
+        raise ValueError(
+            f"learner.lora.dropout={cfg.dropout}: PEFT's adapters on parameters (learner.lora.target_parameters) "
+            "take no dropout; set it to 0"
+        )
+
+
+def expert_stacks(model: nn.Module) -> list[str]:
+    """Full names of the 3-D parameters of `model`: the fused expert stacks of a mixture of experts
+    (transformers' `*Experts` modules: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I])."""
+    return [n for n, p in model.named_parameters() if p.ndim == 3]
 
 
 def peft_config(cfg: LoRAConfig):
@@ -87,6 +106,7 @@ def peft_config(cfg: LoRAConfig):
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
+        target_parameters=list(cfg.target_parameters) or None,
         modules_to_save=list(cfg.modules_to_save) or None,
         bias="none",
     )
@@ -106,11 +126,38 @@ def apply_lora(policy: nn.Module, cfg: LoRAConfig) -> nn.Module:
 
 @dataclass(frozen=True)
 class LoraLayerInfo:
-    """One adapted layer: its module name, scale alpha/r and weight layout (GPT-2's Conv1D is [in, out])."""
+    """One adapted layer: its module name, scale alpha/r, weight layout (GPT-2's Conv1D is [in, out]), the
+    state name of the weight its adapter adds to (`<name>.base_layer.weight` for a module; for a parameter
+    PEFT wraps (`target_parameters`), under as many `.base_layer` as wrappers are nested), and for a 3-D
+    expert stack its number of experts (0: a 2-D weight) and whether it is stored [E, out, in]."""
 
     name: str
     scale: float
     fan_in_fan_out: bool
+    base: str = ""
+    experts: int = 0
+    out_in: bool = True
+
+
+def _layer_info(name: str, layer) -> LoraLayerInfo:
+    from peft.tuners.lora import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    path, inner = name, layer
+    while isinstance(inner, BaseTunerLayer):  # nested wrappers: one per targeted parameter of a module
+        path, inner = f"{path}.base_layer", inner.base_layer
+    wrapped = isinstance(layer, ParamWrapper)
+    base = f"{path}.{layer.parameter_name if wrapped else 'weight'}"
+    experts = layer.num_experts if wrapped and layer._param_ndim == 3 else 0
+    out_in = bool(getattr(layer, "_did_swap_in_out_features", True))
+    return LoraLayerInfo(
+        name,
+        float(layer.scaling[ADAPTER]),
+        bool(getattr(layer, "fan_in_fan_out", False)),
+        base,
+        experts,
+        out_in,
+    )
 
 
 def lora_layers(model: nn.Module) -> list[LoraLayerInfo]:
@@ -121,7 +168,7 @@ def lora_layers(model: nn.Module) -> list[LoraLayerInfo]:
     from peft.tuners.lora import LoraLayer
 
     return [
-        LoraLayerInfo(n, float(m.scaling[ADAPTER]), bool(getattr(m, "fan_in_fan_out", False)))
+        _layer_info(n, m)
         for n, m in model.named_modules()
         if isinstance(m, LoraLayer) and ADAPTER in m.lora_A
     ]
@@ -164,12 +211,38 @@ def merge_weight(
     return (base.float() + delta).to(base.dtype)
 
 
+def merge_expert_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, out_in: bool = True
+) -> torch.Tensor:
+    """The merged expert stack W'_e = W_e + (B_e @ A_e) * scale for each expert e of a 3-D `base` [E, out, in]
+    (transformers' fused experts; `out_in` False: [E, in, out], each delta transposed), in PEFT's
+    ParamWrapper layout: A is [E r, in] with expert e's rows at e r .. e r + r - 1 (A_e = A.view(E, r, in)[e]),
+    B is [out, r E] with expert e's columns at e, E + e, 2E + e, ... (B_e = B.view(out, r, E)[:, :, e]).
+    Computed in float32 and returned in the base's dtype."""
+    experts = base.shape[0]
+    a_e = a.float().reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b_e = b.float().reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r]
+    delta = torch.bmm(b_e, a_e) * scale  # [E, out, in]
+    if not out_in:
+        delta = delta.transpose(1, 2)
+    return (base.float() + delta).to(base.dtype)
+
+
+def _merged(full: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraLayerInfo) -> torch.Tensor:
+    if info.experts:
+        return merge_expert_weight(full, a, b, info.scale, info.out_in)
+    return merge_weight(full, a, b, info.scale, info.fan_in_fan_out)
+
+
 def hf_name(name: str) -> str | None:
     """The base model's name of a LoRA model's state entry; None for entries the export drops (the
-    adapter tensors, merged into their base weight, and a modules_to_save module's frozen original)."""
+    adapter tensors, merged into their base weight, and a modules_to_save module's frozen original).
+    Nested wrappers (several parameters of one module targeted) leave one `.base_layer` each."""
     if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name or ".original_module." in name:
         return None
-    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name.replace(f".modules_to_save.{ADAPTER}.", ".")
 
 
 @dataclass(frozen=True)
@@ -184,18 +257,17 @@ class ExportEntry:
 
 def export_entries(state: dict[str, torch.Tensor], layers: list[LoraLayerInfo]) -> list[ExportEntry]:
     """The entries of a LoRA model's `state_dict(keep_vars=True)`, in its order, tied tensors once."""
-    by_name = {layer.name: layer for layer in layers}
+    by_base = {layer.base: layer for layer in layers}
     kept = {n: t for n, t in state.items() if hf_name(n) is not None}
     out = []
     for names, t in group_tied(kept):
-        module, _, leaf = names[0].rpartition(".")
-        owner = module.removesuffix(".base_layer")
+        layer = by_base.get(names[0])
         lora = None
-        if leaf == "weight" and module.endswith(".base_layer") and owner in by_name:
+        if layer is not None:
             lora = (
-                state[f"{owner}.lora_A.{ADAPTER}.weight"],
-                state[f"{owner}.lora_B.{ADAPTER}.weight"],
-                by_name[owner],
+                state[f"{layer.name}.lora_A.{ADAPTER}.weight"],
+                state[f"{layer.name}.lora_B.{ADAPTER}.weight"],
+                layer,
             )
         out.append(ExportEntry([hf_name(n) for n in names], t, lora))
     return out
@@ -226,7 +298,7 @@ def merged_cpu_state_dict(
                 full = t.detach()
                 if e.lora is not None:
                     a, b, info = e.lora
-                    full = merge_weight(full, a.detach(), b.detach(), info.scale, info.fan_in_fan_out)
+                    full = _merged(full, a.detach(), b.detach(), info)
                 cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
                 copy = full.to("cpu", dtype=cast, copy=True).contiguous()
                 for name in e.names:
@@ -247,6 +319,12 @@ def adapter_bundle(
     layers = {layer.name: layer for layer in lora_layers(model)}
     if not layers:
         raise ValueError("the policy has no LoRA adapters to export (learner.lora.rank is 0)")
+    stacked = sorted(n for n, layer in layers.items() if layer.experts)
+    if stacked:
+        raise ValueError(
+            f"rollout.lora_sync='adapter' carries per-module adapters only, but {stacked[:2]} adapt fused expert "
+            "stacks (learner.lora.target_parameters): set rollout.lora_sync='merged'"
+        )
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     state = cpu_state_dict(trainable, bucket_bytes, keep)
     if state is None:
