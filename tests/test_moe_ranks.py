@@ -101,3 +101,54 @@ def test_two_ranks_with_uneven_routing_take_the_step_of_one_rank(ray_local, tmp_
         # The experts and the router trained (the unused experts of the narrow rank too, from the wide one).
         for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.down_proj"):
             assert not torch.equal(w1[name], initial[name]), name
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lora_on_the_experts_two_zero3_ranks_take_the_step_of_one_rank(ray_local, tmp_path, family):
+    """LoRA on the attention projections and the fused expert stacks (learner.lora.target_parameters),
+    uneven routing, 2 ZeRO-3 ranks (every tensor sharded) vs 1 ZeRO-2 rank: the same merged export,
+    which differs from the base exactly in the adapted weights."""
+    from test_learner_ranks import (
+        _assert_same_weights,
+        _config,
+        _train,
+        _trajectories,
+        _weights,
+        learner_group,
+    )
+
+    from learner.config import LoRAConfig
+
+    ray = ray_local
+    path = build_causal_lm(tmp_path, family, seed=5)
+    lora = LoRAConfig(
+        rank=2,
+        alpha=4.0,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
+    z3 = _config(
+        zero_stage=3,
+        lora=lora,
+        deepspeed_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+    )
+    wide, narrow = _trajectories(6, seed=3), _narrow(4, seed=4)
+    with (
+        learner_group(ray, 1, path, _config(lora=lora)) as one,
+        learner_group(ray, 2, path, z3) as two,
+    ):
+        base = _weights(ray, one)
+        for _ in range(2):  # the first step moves only B (A's gradient is B^T ...: zero at B = 0)
+            m1 = _train(ray, one, [wide + narrow])
+            m2 = _train(ray, two, [wide, narrow])
+        w1, w2 = _weights(ray, one), _weights(ray, two)
+        _assert_same_weights(w1, w2)
+        assert m2["params/grad_norm"] == pytest.approx(m1["params/grad_norm"], rel=1e-5)
+        changed = {k for k in base if not torch.equal(base[k], w1[k])}
+        adapted = (
+            "self_attn.q_proj.weight",
+            "self_attn.v_proj.weight",
+            "experts.gate_up_proj",
+            "experts.down_proj",
+        )
+        assert changed == {k for k in base if k.endswith(adapted)}
