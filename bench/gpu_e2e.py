@@ -45,6 +45,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,24 @@ def check_loads(run_dir: Path) -> tuple[bool, bool, str]:
     return ckpt_ok, final_ok, "; ".join(notes)
 
 
+def run_bounded(cmd: list[str], env: dict, out, timeout: float) -> int | None:
+    """Run `cmd` in a process group of its own; its exit status, or None when it outlived `timeout` (then
+    the whole group, its local Ray included, is sent SIGTERM, and SIGKILL 30 s later)."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return None
+
+
 def run_one(run: RunKind, args, assets, policy: Path, facts: dict, gpu: bool) -> Row:
     row = Row(run.name, run.weights if gpu else run.cpu_weights)
     run_dir = Path(args.work) / f"run-{run.name}"
@@ -304,17 +323,16 @@ def run_one(run: RunKind, args, assets, policy: Path, facts: dict, gpu: bool) ->
     log = Path(args.work) / f"train-{run.name}.log"
     t0 = time.perf_counter()
     with GpuSampler() as sampler, log.open("w") as out:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout
-        )
+        returncode = run_bounded(cmd, env, out, args.timeout)
     wall = time.perf_counter() - t0
     row.gpu_peak_gib = {k: round(v, 2) for k, v in sorted(sampler.peaks.items())}
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "time/step" in r]
-    if proc.returncode != 0 or len(rows) < args.steps:
+    if returncode != 0 or len(rows) < args.steps:
         row.status = "FAIL"
-        row.note = f"exit {proc.returncode}, {len(rows)} steps; last lines of {log}:\n" + "".join(
+        why = "not done within --timeout" if returncode is None else f"exit {returncode}"
+        row.note = f"{why}, {len(rows)} steps; last lines of {log}:\n" + "".join(
             log.read_text().splitlines(True)[-15:]
         )
         return row
@@ -378,6 +396,15 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def report_text(
+    device: str, size: str, facts: dict, bundle: int, copy: float | None, versions: dict, rows
+) -> str:
+    header = f"device: {device}; model: {size} ({facts['params'] / 1e6:.0f}M parameters, bundle {bundle / 1e9:.3f} GB"
+    header += f"; device copy {copy} GB/s); " if copy else "); "
+    header += ", ".join(f"{k} {v}" for k, v in versions.items())
+    return header + "\n\n" + table(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -387,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default=base.size, help="a bench/scale_models.SIZES name")
     ap.add_argument("--steps", type=int, default=3 if gpu else 2)
     ap.add_argument("--runs", default=",".join(RUNS), help=f"some of {list(RUNS)}")
-    ap.add_argument("--out", default=None, help="folder for gpu_e2e.md / gpu_e2e.json")
+    ap.add_argument(
+        "--out", default=None, help="folder for gpu_e2e.md / gpu_e2e.json (written after each run)"
+    )
     ap.add_argument("--work", default=None, help="folder for the assets and runs (default: a temporary one)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--timeout", type=float, default=240.0 if gpu else 600.0, help="seconds per run")
     args = ap.parse_args(argv)
     args.scale = Scale(
         args.size, base.prompts_per_step, base.chunk_size, base.max_new_tokens, base.micro_batch_size
@@ -399,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:
         ap.error(f"--runs: {unknown} not in {list(RUNS)}")
+    versions = {"torch": torch.__version__}
+    for name in ("ray", "deepspeed", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = "missing"
+    device = torch.cuda.get_device_name(0) if gpu else "cpu"
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         args.work = args.work or tmp
         Path(args.work).mkdir(parents=True, exist_ok=True)
@@ -407,33 +444,29 @@ def main(argv: list[str] | None = None) -> int:
         assets = ensure_assets(Path(args.work) / "sentiment", lm_steps=1, clf_steps=50, quiet=True)
         policy = Path(args.work) / args.size
         facts = build_policy(policy, args.size, assets.policy)
-        rows = [run_one(RUNS[name], args, assets, policy, facts, gpu) for name in runs]
-    device = torch.cuda.get_device_name(0) if gpu else "cpu"
-    bundle = facts["bundle_bytes"][args.engine_dtype]
-    copy = round(copy_gb_per_s(bundle), 1) if gpu else None
-    versions = {"torch": torch.__version__}
-    for name in ("ray", "deepspeed", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = "missing"
-    header = f"device: {device}; model: {args.size} ({facts['params'] / 1e6:.0f}M parameters, bundle {bundle / 1e9:.3f} GB"
-    header += f"; device copy {copy} GB/s); " if copy else "); "
-    header += ", ".join(f"{k} {v}" for k, v in versions.items())
-    text = header + "\n\n" + table(rows)
+        bundle = facts["bundle_bytes"][args.engine_dtype]
+        copy = round(copy_gb_per_s(bundle), 1) if gpu else None
+        for name in runs:  # the report is rewritten after each run: a call cut short keeps the runs done
+            rows.append(run_one(RUNS[name], args, assets, policy, facts, gpu))
+            text = report_text(device, args.size, facts, bundle, copy, versions, rows)
+            if args.out:
+                out = Path(args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "gpu_e2e.md").write_text(text + "\n")
+                report = {
+                    "device": device,
+                    "versions": versions,
+                    "model": args.size,
+                    "params": facts["params"],
+                }
+                report["copy_gb_per_s"] = copy
+                report["scale"] = asdict(args.scale)
+                report["rows"] = [asdict(r) for r in rows]
+                (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(text, flush=True)
     for r in rows:
         if r.note:
             print(f"{r.run}: {r.note}", flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_e2e.md").write_text(text + "\n")
-        report = {"device": device, "versions": versions, "model": args.size, "params": facts["params"]}
-        report["copy_gb_per_s"] = copy
-        report["scale"] = asdict(args.scale)
-        report["rows"] = [asdict(r) for r in rows]
-        (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0 if all(r.status == "ok" for r in rows) else 1
 
 
