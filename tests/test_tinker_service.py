@@ -5,7 +5,8 @@ What is compared, and with what: a LoRA client's first `forward` logprobs with a
 forward of the base model (the adapter starts at B = 0); training with cross_entropy lowers the loss
 and moves the logprobs; importance_sampling on policy with advantages 1 is minus the token count
 (ratio 1, worked by hand); an unknown loss name and base model are refused by name; a wrong key is a
-401; two tenants (the async SDK) stay apart: training one never moves the other; an unknown route a
+401; a sampling client samples the adapter it was saved with (sampled logprobs = teacher-forced ones);
+two tenants (the async SDK) stay apart: training one never moves the other; an unknown route a
 404 naming it; a forward_backward sent twice (same seq_id, another idempotency key) is applied once:
 the optimizer's gradient norm equals that of a tenant that got it once.
 """
@@ -51,7 +52,7 @@ def service(tiny_policy_dir, tmp_path_factory):
                 "api_keys": [KEY],
                 "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
                 "lora_alpha": 8.0,
-                "tenant_cpus": 0.5,
+                "tenant_cpus": 0.1,  # tenants and samplers are never released (docs/service.md, Limits)
             }  # fmt: skip
         )
     )
@@ -140,6 +141,26 @@ def test_two_tenants_through_the_async_sdk_stay_apart(service):
     np.testing.assert_array_equal(np.concatenate(a0), np.concatenate(b0))  # same base, same LoRA seed
     np.testing.assert_array_equal(np.concatenate(b1), np.concatenate(b0))  # A's steps never reach B
     assert not np.allclose(np.concatenate(a1), np.concatenate(a0))
+
+
+@slow
+@needs_sdk
+def test_sampling_client_samples_the_acknowledged_adapter(service):
+    """save_weights_and_get_sampling_client after 2 steps: each sampled token's logprob (temperature 1,
+    no truncation: the full distribution) equals the training client's teacher-forced logprob of it on
+    the same weights, the prompt logprobs too (NaN, read as None, at position 0); a later step leaves
+    the snapshot as it was (same seed, same samples)."""
+    seen = run_client("sample", service)
+    p, first = len(seen["prompt"]), seen["first"]
+    assert len(first["sequences"]) == 3 and len({q["id"] for q in first["sequences"]}) == 3
+    for q, forced in zip(first["sequences"], seen["teacher_forced"], strict=True):
+        assert 1 <= len(q["tokens"]) <= 5 and q["stop"] in ("stop", "length")
+        np.testing.assert_allclose(q["logprobs"], forced[p - 1 :], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(first["prompt_logprobs"][1:], forced[: p - 1], atol=1e-5, rtol=0)
+    assert first["prompt_logprobs"][0] is None
+    again = seen["again"]["sequences"]
+    assert [q["tokens"] for q in again] == [q["tokens"] for q in first["sequences"]]
+    np.testing.assert_array_equal([q["logprobs"] for q in again], [q["logprobs"] for q in first["sequences"]])
 
 
 @slow

@@ -114,7 +114,52 @@ def tenants(client, model: str) -> dict:
     return asyncio.run(_tenants(client, model))
 
 
-SCENARIOS = {"train": train, "refusals": refusals, "wrong_key": wrong_key, "tenants": tenants}
+def _draw(sc, prompt: list[int]) -> dict:
+    params = types.SamplingParams(max_tokens=5, seed=11, temperature=1.0)
+    r = sc.sample(types.ModelInput.from_ints(prompt), 3, params, include_prompt_logprobs=True).result()
+    seqs = [
+        {"tokens": list(map(int, q.tokens)), "logprobs": [float(x) for x in q.logprobs], "stop": q.stop_reason,
+         "id": q.sequence_id}
+        for q in r.sequences
+    ]  # fmt: skip
+    return {
+        "sequences": seqs,
+        "prompt_logprobs": [None if x is None else float(x) for x in r.prompt_logprobs],
+    }
+
+
+def sample(client, model: str) -> dict:
+    """Train 2 steps, sample from save_weights_and_get_sampling_client, score the samples teacher-forced
+    with the training client (same weights), then train once more and sample the old client again."""
+    tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
+    for _ in range(2):
+        fb, opt = (
+            tc.forward_backward(sft_data(), "cross_entropy"),
+            tc.optim_step(types.AdamParams(learning_rate=0.05)),
+        )
+        fb.result()
+        opt.result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = [1, 4, 5]
+    first = _draw(sc, prompt)
+    full = [prompt + q["tokens"] for q in first["sequences"]]
+    scored = tc.forward([datum(f[:-1], f[1:]) for f in full], "cross_entropy").result()
+    fb, opt = (
+        tc.forward_backward(sft_data(), "cross_entropy"),
+        tc.optim_step(types.AdamParams(learning_rate=0.05)),
+    )
+    fb.result()
+    opt.result()
+    return {"prompt": prompt, "first": first, "teacher_forced": logprobs(scored), "again": _draw(sc, prompt)}
+
+
+SCENARIOS = {
+    "sample": sample,
+    "train": train,
+    "refusals": refusals,
+    "wrong_key": wrong_key,
+    "tenants": tenants,
+}
 
 
 def main() -> None:

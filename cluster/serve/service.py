@@ -6,6 +6,7 @@ Served (docs/service.md has the full table of what the SDK calls and what is ref
     POST /api/v1/create_session, /api/v1/session_heartbeat, /api/v1/sessions/{id}/finish
     POST /api/v1/create_model, /api/v1/get_info
     POST /api/v1/forward_backward (protobuf), /api/v1/optim_step
+    POST /api/v1/save_weights_for_sampler, /api/v1/asample (cluster.serve.sampling)
     POST /api/v1/retrieve_future
 Every /api/v1 route but healthz needs a configured key in `X-API-Key` (else 401). A session, its models
 and their futures belong to the key that made them: another key is told they do not exist (404). Any
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.serve.config import ServeConfig
 from cluster.serve.futures import Done, Failed, FutureBook, UserError
+from cluster.serve.sampling import SampleBody, Samplers, sample_call
 from cluster.serve.tenant import AdamStep, TenantModel
 from cluster.serve.wire import WireError, decode_forward_backward, encode_output
 from learner.config_blocks import LoRAConfig
@@ -36,7 +38,7 @@ SERVED = [
     "POST /api/v1/client/dynamic_config", "POST /api/v1/telemetry", "POST /api/v1/create_session",
     "POST /api/v1/session_heartbeat", "POST /api/v1/sessions/{id}/finish", "POST /api/v1/create_model",
     "POST /api/v1/get_info", "POST /api/v1/forward_backward", "POST /api/v1/optim_step",
-    "POST /api/v1/retrieve_future",
+    "POST /api/v1/save_weights_for_sampler", "POST /api/v1/asample", "POST /api/v1/retrieve_future",
 ]  # fmt: skip
 
 
@@ -76,6 +78,13 @@ class _OptimStep(_Body):
     optimizer_params: dict[str, Any] | None = None
 
 
+class _SaveForSampler(_Body):
+    model_id: str
+    seq_id: int | None = None
+    path: str | None = None
+    kind: str = "snapshot"
+
+
 class _Retrieve(_Body):
     request_id: str
 
@@ -107,6 +116,7 @@ class Service:
         self.tenants: dict[str, Tenant] = {}
         self.book = FutureBook()
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
+        self.samplers = Samplers(config.tenant_cpus, config.torch_threads)
 
     def tenant(self, model_id: str, owner: str) -> Tenant:
         t = self.tenants.get(model_id)
@@ -153,10 +163,13 @@ def build_app(service: Service) -> FastAPI:
     def owner(request: Request) -> str:
         return request.headers["x-api-key"]
 
-    def future(request: Request, work, model_id=None, seq_id=None) -> JSONResponse:
+    def future(request: Request, work, model_id=None, seq_id=None, samples: int = 0) -> JSONResponse:
         key = request.headers.get("x-idempotency-key")
         rid = service.book.submit(owner(request), work, key, model_id, seq_id)
-        return JSONResponse({"request_id": rid, "model_id": model_id})
+        answer = {"request_id": rid, "model_id": model_id}
+        if samples:  # a sample's future names its sequences (SampledSequence.sequence_id)
+            answer["sample_sequence_ids"] = [f"{rid}:{i}" for i in range(samples)]
+        return JSONResponse(answer)
 
     @app.get("/api/v1/healthz")
     async def healthz():
@@ -164,7 +177,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
-        models = [{"model_name": e.name, "trainable": True, "sampleable": False} for e in cfg.base_models]
+        models = [{"model_name": e.name, "trainable": True, "sampleable": True} for e in cfg.base_models]
         return {"supported_models": models}
 
     @app.post("/api/v1/client/config")
@@ -258,6 +271,37 @@ def build_app(service: Service) -> FastAPI:
             return Done({"metrics": metrics})
 
         return future(request, work, body.model_id, body.seq_id)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(body: _SaveForSampler, request: Request):
+        who = owner(request)
+        try:
+            tenant = service.tenant(body.model_id, who)
+        except UserError as e:
+            return _error(404, str(e))
+        if body.path is not None or body.kind != "snapshot":
+            return _error(
+                400,
+                "save_weights_for_sampler: only an unnamed snapshot (save_weights_and_get_sampling_client)",
+            )
+        path = cfg.base_model(tenant.base_model).path
+
+        def work():
+            return service.samplers.save_for_sampler(tenant.actor, tenant.base_model, path, who)
+
+        return future(request, work, body.model_id, body.seq_id)
+
+    @app.post("/api/v1/asample")
+    async def asample(body: SampleBody, request: Request):
+        try:
+            session = service.samplers.session(body.sampling_session_id, owner(request))
+        except UserError as e:
+            return _error(404, str(e))
+        try:
+            call = sample_call(body, session)
+        except UserError as e:
+            return _error(400, str(e))
+        return future(request, lambda: service.samplers.sample(session, call), samples=body.num_samples)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(body: _Retrieve, request: Request):

@@ -20,7 +20,10 @@ import torch
 from cluster.serve.losses import LossBatch, lookup
 from cluster.serve.wire import WireDatum
 from learner.config_blocks import LoRAConfig
+from learner.lora import adapter_bundle
 from learner.model import PolicyWithValueHead
+
+BUCKET_BYTES = 1 << 26  # the export's gather bucket (learner.gather; one process, so no ZeRO gathers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,11 @@ class TenantModel:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm:mean": float(norm), "step:max": float(self.steps)}
+
+    def adapter_bundle(self) -> dict[str, torch.Tensor]:
+        """The adapter as a rollout engine applies it (`learner.lora.adapter_bundle`: alpha/r folded into
+        B, the base model's module names), float32 CPU copies."""
+        return adapter_bundle(self.model.policy, BUCKET_BYTES, keep=True, dtype=torch.float32)
 
     def adapter_digest(self) -> float:
         """The sum of |w| over the trainable (adapter) weights: a cheap witness that a step moved them."""

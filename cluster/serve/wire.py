@@ -1,7 +1,7 @@
 """The Tinker SDK's protobuf wire format for `forward_backward` (requests) and its output (answers).
 
 The SDK (tinker 0.38) sends `/api/v1/forward_backward` as `application/x-protobuf` (optionally zstd
-compressed) and accepts a `ForwardBackwardOutput` only as protobuf from `/api/v1/retrieve_future`
+compressed) and accepts a `ForwardBackwardOutput` and a `SampleResponse` only as protobuf from `/api/v1/retrieve_future`
 (`Accept: application/x-protobuf`; a JSON answer for that type is an error in the SDK). The schema
 below is written here from the field numbers the SDK's `tinker_public.proto` declares (package
 `tinker_public`; only the messages this service reads or writes), built at import with protobuf's
@@ -63,6 +63,12 @@ _MESSAGES |= {
                     ("num_datums", 3, _F.TYPE_INT64, _OPT, None, None)],
     "ForwardBackwardOutput": [("loss_fn_output_type", 1, _F.TYPE_STRING, _OPT, None, None),
                               ("loss_fn_outputs", 2, _F.TYPE_MESSAGE, _REP, "ArrayRecord", None)],
+    "SampledSequence": [("stop_reason", 1, _F.TYPE_INT32, _OPT, None, None),  # enum: 0 stop, 1 length
+                        ("tokens", 2, _F.TYPE_BYTES, _OPT, None, None),
+                        ("logprobs", 3, _F.TYPE_BYTES, _OPT, None, None)],
+    "SampleResponse": [("sequences", 1, _F.TYPE_MESSAGE, _REP, "SampledSequence", None),
+                       ("prompt_logprobs", 2, _F.TYPE_BYTES, _OPT, None, None),
+                       ("prompt_cache_hit_tokens", 4, _F.TYPE_INT32, _OPT, None, None)],
 }  # fmt: skip
 ONEOFS = {"Tensor": "encoding", "Chunk": "chunk", "LossConfigValue": "value"}
 
@@ -233,3 +239,23 @@ def decode_output(body: bytes) -> tuple[list[dict[str, np.ndarray]], dict[str, f
                 part[i][name] = np.frombuffer(bt.data[offs[i] : offs[i + 1]], dtype=np.float32)
         rows += part
     return rows, dict(out.metrics)
+
+
+STOP_REASONS = {"stop": 0, "length": 1}
+
+
+def encode_sample_response(
+    sequences: list[tuple[np.ndarray, np.ndarray, str]], prompt_logprobs: np.ndarray | None
+) -> bytes:
+    """A protobuf `SampleResponse`: per sequence (tokens as int32 bytes, logprobs as float32 bytes, stop
+    reason 'stop' | 'length'), and the prompt's logprobs (float32, NaN at position 0) when asked for."""
+    out = _CLASSES["SampleResponse"]()
+    for tokens, logprobs, reason in sequences:
+        out.sequences.add(
+            stop_reason=STOP_REASONS[reason],
+            tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(logprobs, dtype=np.float32).tobytes(),
+        )
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return out.SerializeToString()

@@ -1,0 +1,166 @@
+"""Sampling clients of the Tinker API on the project's hf rollout engine (`rollout_workers.hf_engine`).
+
+`save_weights_for_sampler` (what `save_weights_and_get_sampling_client` sends) takes the tenant's adapter
+(`learner.lora.adapter_bundle`), starts an `HFEngine` on the same base model in a Ray actor of its own and
+loads the adapter there (`rollout.lora_sync: adapter`'s path: PEFT layers inside the engine's model).
+The future resolves, and the sampling session exists, only once the engine acknowledges the weights:
+its `adapter_checksum` equals the bundle's `state_checksum` at the engine's dtype, so a sampling client
+never samples from weights the engine has not acknowledged. The session keeps that snapshot: later
+training steps do not reach it (Tinker's `kind: snapshot`).
+
+`asample` draws `num_samples` responses with the engine's own contract (`RolloutEngine.generate`): each
+token's logprob is that of the distribution it was drawn from (temperature, top_k / top_p applied);
+`prompt_logprobs` are the engine's teacher-forced logprobs of the prompt (`probe_logprobs`, temperature
+1), NaN at position 0 as the SDK expects. A response ends at the model's EOS or a `stop` token id
+(finish 'stop') or after `max_tokens` ('length').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoConfig
+
+from cluster.serve.futures import Done, UserError
+from cluster.serve.wire import encode_sample_response
+from rollout_workers.config import RolloutConfig, SamplingConfig
+from rollout_workers.hf_engine import HFEngine
+from rollout_workers.weights import state_checksum
+
+ENGINE_DTYPE = torch.float32  # RolloutConfig's default dtype, at which the acknowledgement compares
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Params(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class _Chunk(_Body):
+    type: str = "encoded_text"
+    tokens: list[int] = Field(default_factory=list)
+
+
+class _Prompt(_Body):
+    chunks: list[_Chunk]
+
+
+class SampleBody(_Body):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: int = Field(1, ge=1)
+    prompt: _Prompt
+    sampling_params: _Params
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+@dataclasses.dataclass
+class SamplerSession:
+    owner: str
+    base_model: str
+    engine: Any  # ray ActorHandle of HFEngine
+    checksum: str  # the adapter the engine acknowledged
+    vocab_size: int
+    max_len: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleCall:
+    prompt: np.ndarray
+    sampling: SamplingConfig
+    seed: int
+    stop_ids: frozenset[int]
+    prompt_logprobs: bool
+
+
+def sample_call(body: SampleBody, session: SamplerSession) -> SampleCall:
+    """The engine call a request asks for; a UserError names any field this service does not take."""
+    unserved = {
+        "topk_prompt_logprobs": body.topk_prompt_logprobs, "topk_sample_logprobs": body.topk_sample_logprobs,
+        "prompt_alt_tokens_k": body.prompt_alt_tokens_k, "target_prompt_logprobs": body.target_prompt_logprobs,
+        "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
+    }  # fmt: skip
+    asked = sorted(k for k, v in unserved.items() if v)
+    if asked:
+        raise UserError(f"asample: {asked} are not served (tokens, their logprobs and prompt_logprobs are)")
+    kinds = {c.type for c in body.prompt.chunks} - {"encoded_text"}
+    if kinds:
+        raise UserError(f"asample: prompt chunks {sorted(kinds)} are not served; encoded_text only")
+    prompt = np.asarray([t for c in body.prompt.chunks for t in c.tokens], dtype=np.int64)
+    p = body.sampling_params
+    if p.max_tokens is None or p.max_tokens < 1:
+        raise UserError(f"asample: sampling_params.max_tokens must be >= 1 (got {p.max_tokens})")
+    if isinstance(p.stop, str) or (p.stop and isinstance(p.stop[0], str)):
+        raise UserError("asample: sampling_params.stop strings are not served; stop token ids are")
+    if p.stop == []:
+        raise UserError("asample: sampling_params.stop=[] (never stop at EOS) is not served")
+    if len(prompt) == 0 or prompt.min() < 0 or prompt.max() >= session.vocab_size:
+        raise UserError(f"asample: prompt tokens must be 0..{session.vocab_size - 1} and at least one")
+    if session.max_len is not None and len(prompt) + p.max_tokens > session.max_len:
+        raise UserError(
+            f"asample: prompt {len(prompt)} + max_tokens {p.max_tokens} > the model's {session.max_len}"
+        )
+    sampling = SamplingConfig(
+        temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, max_new_tokens=p.max_tokens,
+        n=body.num_samples,
+    )  # fmt: skip
+    seed = secrets.randbits(31) if p.seed is None else int(p.seed) % (2**31)
+    return SampleCall(prompt, sampling, seed, frozenset(p.stop or ()), bool(body.prompt_logprobs))
+
+
+class Samplers:
+    def __init__(self, engine_cpus: float, torch_threads: int) -> None:
+        self.engine_class = ray.remote(num_cpus=engine_cpus)(HFEngine)
+        self.rollout = RolloutConfig(torch_threads=torch_threads)
+        self.sessions: dict[str, SamplerSession] = {}
+
+    def session(self, sid: str | None, owner: str) -> SamplerSession:
+        s = self.sessions.get(sid or "")
+        if s is None or s.owner != owner:
+            raise UserError(f"unknown sampling_session_id {sid!r}")
+        return s
+
+    async def save_for_sampler(self, tenant_actor, base_model: str, path: str, owner: str) -> Done:
+        bundle = await tenant_actor.adapter_bundle.remote()
+        engine = self.engine_class.remote(path, self.rollout)
+        await engine.load_adapter.remote(bundle)
+        held, expected = await engine.adapter_checksum.remote(), state_checksum(bundle, ENGINE_DTYPE)
+        if held != expected:
+            raise RuntimeError(f"the sampler holds adapter {held}, not the one sent ({expected})")
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+        max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        sid = str(uuid.uuid4())
+        self.sessions[sid] = SamplerSession(owner, base_model, engine, held, int(cfg.vocab_size), max_len)
+        return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+    async def sample(self, session: SamplerSession, call: SampleCall) -> Done:
+        outs = (await session.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids))[
+            0
+        ]
+        prompt_lp = None
+        if call.prompt_logprobs:
+            probe = (await session.engine.probe_logprobs.remote([call.prompt]))[0]
+            prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
+        seqs = [(o.response_ids, o.logprobs, "stop" if o.finish_reason == "stop" else "length") for o in outs]
+        return Done(body=encode_sample_response(seqs, prompt_lp))
