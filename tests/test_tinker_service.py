@@ -222,6 +222,28 @@ def _tenant(url: str) -> str:
 
 
 @slow
+def test_finishing_a_session_ends_its_tenants_and_samplers(service):
+    model_id = _tenant(service)
+    sid = model_id.split(":train:")[0]
+    rid = json.loads(
+        _call(service, "/api/v1/save_weights_for_sampler", {"model_id": model_id, "seq_id": 1})[1]
+    )
+    sampler = json.loads(_result(service, rid["request_id"]))["sampling_session_id"]
+    assert _call(service, f"/api/v1/sessions/{sid}/finish", {"reason": {"type": "success"}})[0] == 200
+    assert _call(service, "/api/v1/session_heartbeat", {"session_id": sid})[0] == 410
+    step = {"model_id": model_id, "seq_id": 2, "adam_params": {}}
+    status, raw = _call(service, "/api/v1/optim_step", step)
+    assert status == 404 and f"unknown model_id {model_id!r}".encode() in raw
+    body = {
+        "sampling_session_id": sampler,
+        "prompt": {"chunks": [{"tokens": [1, 4]}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    status, raw = _call(service, "/api/v1/asample", body)
+    assert status == 404 and b"unknown sampling_session_id" in raw
+
+
+@slow
 def test_a_resent_forward_backward_is_applied_once(service):
     data = [
         WireDatum(

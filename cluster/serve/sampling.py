@@ -78,6 +78,7 @@ class SampleBody(_Body):
 @dataclasses.dataclass
 class SamplerSession:
     owner: str
+    session_id: str  # the training session whose model it samples (released with it)
     base_model: str
     engine: Any  # ray ActorHandle of HFEngine
     checksum: str  # the adapter the engine acknowledged
@@ -141,7 +142,9 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         return s
 
-    async def save_for_sampler(self, tenant_actor, base_model: str, path: str, owner: str) -> Done:
+    async def save_for_sampler(
+        self, tenant_actor, base_model: str, path: str, owner: str, session_id: str
+    ) -> Done:
         bundle = await tenant_actor.adapter_bundle.remote()
         engine = self.engine_class.remote(path, self.rollout)
         await engine.load_adapter.remote(bundle)
@@ -151,8 +154,14 @@ class Samplers:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
         max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         sid = str(uuid.uuid4())
-        self.sessions[sid] = SamplerSession(owner, base_model, engine, held, int(cfg.vocab_size), max_len)
+        self.sessions[sid] = SamplerSession(
+            owner, session_id, base_model, engine, held, int(cfg.vocab_size), max_len
+        )
         return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+    def release(self, session_id: str) -> None:
+        for sid in [k for k, v in self.sessions.items() if v.session_id == session_id]:
+            ray.kill(self.sessions.pop(sid).engine)
 
     async def sample(self, session: SamplerSession, call: SampleCall) -> Done:
         outs = (await session.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids))[

@@ -9,7 +9,8 @@ Served (docs/service.md has the full table of what the SDK calls and what is ref
     POST /api/v1/save_weights_for_sampler, /api/v1/asample (cluster.serve.sampling)
     POST /api/v1/retrieve_future
 Every /api/v1 route but healthz needs a configured key in `X-API-Key` (else 401). A session, its models
-and their futures belong to the key that made them: another key is told they do not exist (404). Any
+and their futures belong to the key that made them: another key is told they do not exist (404).
+Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Service.release`). Any
 other route is a 404 naming it. Each tenant (a LoRA training client) is a `TenantModel` in a Ray actor
 of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`.
 """
@@ -98,6 +99,7 @@ class Session:
 @dataclasses.dataclass
 class Tenant:
     owner: str
+    session_id: str
     base_model: str
     rank: int
     actor: Any  # ray ActorHandle of TenantModel
@@ -117,6 +119,13 @@ class Service:
         self.book = FutureBook()
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
         self.samplers = Samplers(config.tenant_cpus, config.torch_threads)
+
+    def release(self, session_id: str) -> None:
+        """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, their pending
+        futures fail with the actor's error, and their ids are unknown from then on."""
+        for model_id in [m for m, t in self.tenants.items() if t.session_id == session_id]:
+            ray.kill(self.tenants.pop(model_id).actor)
+        self.samplers.release(session_id)
 
     def tenant(self, model_id: str, owner: str) -> Tenant:
         t = self.tenants.get(model_id)
@@ -144,7 +153,7 @@ class Service:
         seed = self.config.seed if lora.seed is None else lora.seed
         actor = self.actor_class.remote(entry.path, cfg, seed, self.config.torch_threads)
         await actor.adapter_digest.remote()  # the model is loaded (or its load error raises here)
-        self.tenants[model_id] = Tenant(owner, req.base_model, lora.rank, actor)
+        self.tenants[model_id] = Tenant(owner, req.session_id, req.base_model, lora.rank, actor)
         return Done({"model_id": model_id, "type": "create_model"})
 
 
@@ -214,6 +223,7 @@ def build_app(service: Service) -> FastAPI:
         s = _session(request, sid)
         if isinstance(s, Session):
             s.finished = True
+            service.release(sid)
             return {}
         return s
 
@@ -287,7 +297,9 @@ def build_app(service: Service) -> FastAPI:
         path = cfg.base_model(tenant.base_model).path
 
         def work():
-            return service.samplers.save_for_sampler(tenant.actor, tenant.base_model, path, who)
+            return service.samplers.save_for_sampler(
+                tenant.actor, tenant.base_model, path, who, tenant.session_id
+            )
 
         return future(request, work, body.model_id, body.seq_id)
 
