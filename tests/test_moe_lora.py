@@ -80,10 +80,16 @@ def test_the_expert_adapters_train(moe_dir):
             assert g[f"{name}.{part}.{ADAPTER}.weight"].abs().sum() > 0, (name, part)
 
 
-def test_the_merged_export_is_a_plain_model_with_the_adapted_logits(moe_dir):
+# PEFT 0.21's 'all-linear' also wraps the expert stacks and the router (ParamWrappers) on its own.
+ALL_LINEAR = LoRAConfig(rank=2, alpha=4.0, target_modules="all-linear")
+
+
+@pytest.mark.parametrize("cfg", [LORA, ALL_LINEAR], ids=["listed", "all-linear"])
+def test_the_merged_export_is_a_plain_model_with_the_adapted_logits(moe_dir, cfg):
     from peft.tuners.lora import ParamWrapper
 
-    model = PolicyWithValueHead.from_pretrained(moe_dir, lora=LORA).eval()
+    model = PolicyWithValueHead.from_pretrained(moe_dir, lora=cfg).eval()
+    assert sum(layer.experts > 0 for layer in lora_layers(model.policy)) == 4  # 2 stacks x 2 layers
     _randomized(model.policy)
     merged = merged_cpu_state_dict(model.policy, BIG, keep=True)
     plain = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
