@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.serve.futures import Done, FutureBook
+from cluster.serve.futures import Done, Failed, FutureBook
 from cluster.serve.losses import LossBatch, lookup
 from cluster.serve.wire import FwdBwdRequest, WireDatum, encode_forward_backward
 
@@ -148,8 +148,8 @@ def test_two_tenants_through_the_async_sdk_stay_apart(service):
 def test_sampling_client_samples_the_acknowledged_adapter(service):
     """save_weights_and_get_sampling_client after 2 steps: each sampled token's logprob (temperature 1,
     no truncation: the full distribution) equals the training client's teacher-forced logprob of it on
-    the same weights, the prompt logprobs too (NaN, read as None, at position 0); a later step leaves
-    the snapshot as it was (same seed, same samples)."""
+    the same weights, the prompt logprobs too (NaN, read as None, at position 0); a later step and a
+    second snapshot on the same engine leave the first snapshot as it was (same seed, same samples)."""
     seen = run_client("sample", service)
     p, first = len(seen["prompt"]), seen["first"]
     assert len(first["sequences"]) == 3 and len({q["id"] for q in first["sequences"]}) == 3
@@ -158,6 +158,8 @@ def test_sampling_client_samples_the_acknowledged_adapter(service):
         np.testing.assert_allclose(q["logprobs"], forced[p - 1 :], atol=1e-5, rtol=0)
         np.testing.assert_allclose(first["prompt_logprobs"][1:], forced[: p - 1], atol=1e-5, rtol=0)
     assert first["prompt_logprobs"][0] is None
+    second = seen["second"]["sequences"]  # the newer adapter: other numbers
+    assert [q["logprobs"] for q in second] != [q["logprobs"] for q in first["sequences"]]
     again = seen["again"]["sequences"]
     assert [q["tokens"] for q in again] == [q["tokens"] for q in first["sequences"]]
     np.testing.assert_array_equal([q["logprobs"] for q in again], [q["logprobs"] for q in first["sequences"]])
@@ -293,6 +295,45 @@ def test_calls_run_in_seq_id_order_whatever_order_they_arrive():
 
     ran = asyncio.run(scenario())
     assert [n for n in ran if n <= 3] == [1, 2, 3] and sorted(ran) == [1, 2, 3, 7, 9]
+
+
+def test_a_call_whose_predecessor_never_arrives_fails_naming_order_wait_s():
+    """seq_id 2 without seq_id 1: it fails after order_wait_s, unapplied; seq_id 1 arriving after that
+    is refused too (applying it now would break the order); seq_id 3 runs."""
+
+    async def scenario():
+        book, ran = FutureBook(order_wait_s=0.2), []
+
+        def work(n):
+            async def run():
+                ran.append(n)
+                return Done(n)
+
+            return run
+
+        late = await book.result(book.submit("k", work(2), None, model_id="m", seq_id=2), wait_s=30)
+        early = await book.result(book.submit("k", work(1), None, model_id="m", seq_id=1), wait_s=30)
+        third = await book.result(book.submit("k", work(3), None, model_id="m", seq_id=3), wait_s=30)
+        return late, early, third, ran
+
+    late, early, third, ran = asyncio.run(scenario())
+    assert isinstance(late, Failed) and "waited 0.2s (order_wait_s) for seq_id 1" in late.error
+    assert isinstance(early, Failed) and "arrived after a later call stopped waiting" in early.error
+    assert third == Done(3) and ran == [3]
+
+
+def test_a_call_past_call_timeout_s_fails_naming_it():
+    async def scenario():
+        book = FutureBook(call_timeout_s=0.2)
+
+        async def stuck():
+            await asyncio.Event().wait()
+
+        return await book.result(book.submit("k", stuck, "a"), wait_s=30)
+
+    out = asyncio.run(scenario())
+    assert isinstance(out, Failed) and out.category == "server"
+    assert "did not finish within 0.2s (call_timeout_s)" in out.error
 
 
 def _batch(lp, q, adv, w=None) -> LossBatch:

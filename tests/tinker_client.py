@@ -130,7 +130,8 @@ def _draw(sc, prompt: list[int]) -> dict:
 
 def sample(client, model: str) -> dict:
     """Train 2 steps, sample from save_weights_and_get_sampling_client, score the samples teacher-forced
-    with the training client (same weights), then train once more and sample the old client again."""
+    with the training client (same weights), then train once more, take a second snapshot (the same
+    engine), sample it, and sample the old client again (its snapshot loaded back)."""
     tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
     for _ in range(2):
         fb, opt = (
@@ -150,7 +151,14 @@ def sample(client, model: str) -> dict:
     )
     fb.result()
     opt.result()
-    return {"prompt": prompt, "first": first, "teacher_forced": logprobs(scored), "again": _draw(sc, prompt)}
+    second = _draw(tc.save_weights_and_get_sampling_client().result(), prompt)
+    return {
+        "prompt": prompt,
+        "first": first,
+        "teacher_forced": logprobs(scored),
+        "second": second,
+        "again": _draw(sc, prompt),
+    }
 
 
 SCENARIOS = {

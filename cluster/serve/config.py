@@ -12,6 +12,9 @@
     torch_threads: 1           # per tenant actor
     tenant_cpus: 1.0           # Ray CPUs per tenant actor
     ray_address: local         # 'local' starts a Ray here; an address joins that cluster
+    start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this
+    call_timeout_s: 600        # one forward_backward / optim_step / sample must finish within this
+    order_wait_s: 300          # a call waits this long for its seq_id predecessor, then fails
 
 A wrong field is an error naming it and what it allows.
 """
@@ -22,17 +25,17 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from kernel.strict import Strict
 
 
-class BaseModelEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class BaseModelEntry(Strict):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)
 
 
-class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ServeConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(min_length=1)
@@ -43,6 +46,9 @@ class ServeConfig(BaseModel):
     torch_threads: int = Field(1, ge=1)
     tenant_cpus: float = Field(1.0, gt=0.0)
     ray_address: str = "local"
+    start_timeout_s: float = Field(300.0, gt=0.0)
+    call_timeout_s: float = Field(600.0, gt=0.0)
+    order_wait_s: float = Field(300.0, gt=0.0)
 
     @field_validator("api_keys")
     @classmethod

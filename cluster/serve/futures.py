@@ -8,17 +8,26 @@ order: a call waits for its predecessor (the SDK may send a chunk's calls out of
 `(model_id, seq_id)` sent again (a retry after a dropped connection, whatever its idempotency key), and
 for a call without a seq_id the same `X-Idempotency-Key` from the same API key, answer the first call's id:
 the work is done once and every copy reads its one result.
+
+Deadlines. A call whose predecessor seq_id has not arrived within `order_wait_s` fails (the SDK resends a
+lost call with its seq_id well within that; a client that died leaves the gap for ever), and so does a
+call whose work runs past `call_timeout_s`; each failure names the setting that bounds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 POLL_S = 20.0  # how long one retrieve_future waits before answering try_again (the SDK waits 45 s)
+
+
+class OrderGap(Exception):
+    """A call whose seq_id predecessor never arrived within `order_wait_s` (not applied)."""
 
 
 class UserError(ValueError):
@@ -45,10 +54,13 @@ class _Order:
 
     started: dict[int, asyncio.Event] = dataclasses.field(default_factory=dict)
     next_seq: int = 1
+    given_up: set[int] = dataclasses.field(default_factory=set)  # seq_ids a successor stopped waiting for
 
 
 class FutureBook:
-    def __init__(self) -> None:
+    def __init__(self, order_wait_s: float = 300.0, call_timeout_s: float = 600.0) -> None:
+        self.order_wait_s = order_wait_s
+        self.call_timeout_s = call_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}
         self._owner: dict[str, str] = {}  # request id -> API key that made it
         self._by_key: dict[tuple[str, str], str] = {}  # (API key, idempotency key) -> request id
@@ -83,20 +95,50 @@ class FutureBook:
         return request_id
 
     async def _turn(self, model_id: str, seq_id: int) -> None:
+        """Wait until `seq_id`'s predecessor has started, for at most `order_wait_s`."""
         order = self._order.setdefault(model_id, _Order())
+        if seq_id in order.given_up:
+            raise OrderGap(
+                f"call seq_id {seq_id} of {model_id!r} arrived after a later call stopped waiting for it "
+                f"({self.order_wait_s:g}s, order_wait_s); it is not applied"
+            )
+        deadline = time.monotonic() + self.order_wait_s
         while seq_id > order.next_seq:
             event = order.started.setdefault(order.next_seq, asyncio.Event())
-            await event.wait()
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=max(left, 0.0))
+            except TimeoutError:
+                missing = order.next_seq
+                order.given_up.update(
+                    n
+                    for n in range(missing, seq_id)
+                    if not (n in order.started and order.started[n].is_set())
+                )
+                order.next_seq = seq_id + 1  # its successors are not held by the same gap
+                order.started.setdefault(seq_id, asyncio.Event()).set()
+                raise OrderGap(
+                    f"call seq_id {seq_id} of {model_id!r} waited {self.order_wait_s:g}s (order_wait_s) for "
+                    f"seq_id {missing}, which never arrived; this call is not applied"
+                ) from None
         order.next_seq = max(order.next_seq, seq_id + 1)
         order.started.setdefault(seq_id, asyncio.Event()).set()
 
     async def _run(self, work, model_id, seq_id) -> Done | Failed:
-        if model_id is not None and seq_id is not None:
-            await self._turn(model_id, seq_id)
-        self.applied += 1
+        timer: asyncio.Timeout | None = None
         try:
-            return await work()
+            if model_id is not None and seq_id is not None:
+                await self._turn(model_id, seq_id)
+            self.applied += 1
+            async with asyncio.timeout(self.call_timeout_s) as timer:
+                return await work()
+        except OrderGap as e:
+            return Failed(str(e), "server")
         except Exception as e:  # the SDK surfaces the message; the service keeps serving
+            if timer is not None and timer.expired():
+                return Failed(
+                    f"the call did not finish within {self.call_timeout_s:g}s (call_timeout_s)", "server"
+                )
             cause = getattr(e, "cause", None) or e  # a Ray task's error carries the actor's exception
             category = "user" if isinstance(cause, ValueError) else "server"
             return Failed(f"{type(cause).__name__}: {cause}", category)

@@ -1,12 +1,15 @@
 """Sampling clients of the Tinker API on the project's hf rollout engine (`rollout_workers.hf_engine`).
 
 `save_weights_for_sampler` (what `save_weights_and_get_sampling_client` sends) takes the tenant's adapter
-(`learner.lora.adapter_bundle`), starts an `HFEngine` on the same base model in a Ray actor of its own and
-loads the adapter there (`rollout.lora_sync: adapter`'s path: PEFT layers inside the engine's model).
-The future resolves, and the sampling session exists, only once the engine acknowledges the weights:
-its `adapter_checksum` equals the bundle's `state_checksum` at the engine's dtype, so a sampling client
-never samples from weights the engine has not acknowledged. The session keeps that snapshot: later
-training steps do not reach it (Tinker's `kind: snapshot`).
+(`learner.lora.adapter_bundle`) and loads it into the training session's `HFEngine` for that base model
+(a Ray actor started on the first snapshot and kept until the session ends: an RL loop that snapshots
+every step reuses it) through `rollout.lora_sync: adapter`'s path (PEFT layers inside the engine's
+model). The future resolves, and the sampling session exists, only once the engine acknowledges the
+weights: its `adapter_checksum` equals the bundle's `state_checksum` at the engine's dtype, so a sampling
+client never samples from weights the engine has not acknowledged. The session keeps that snapshot (the
+bundle stays in Ray's object store until the training session ends): when another snapshot was loaded
+since, a sample loads this one back, acknowledged the same way, before it draws (Tinker's `kind:
+snapshot`: later training steps do not reach it).
 
 `asample` draws `num_samples` responses with the engine's own contract (`RolloutEngine.generate`): each
 token's logprob is that of the distribution it was drawn from (temperature, top_k / top_p applied);
@@ -17,6 +20,7 @@ token's logprob is that of the distribution it was drawn from (temperature, top_
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 import uuid
@@ -76,12 +80,22 @@ class SampleBody(_Body):
 
 
 @dataclasses.dataclass
+class EngineSlot:
+    """A training session's engine for one base model; `lock` keeps a load and the draw after it together."""
+
+    engine: Any  # ray ActorHandle of HFEngine
+    held: str  # the checksum of the adapter it holds now
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+@dataclasses.dataclass
 class SamplerSession:
     owner: str
     session_id: str  # the training session whose model it samples (released with it)
     base_model: str
-    engine: Any  # ray ActorHandle of HFEngine
-    checksum: str  # the adapter the engine acknowledged
+    slot: EngineSlot
+    bundle: Any  # ray ObjectRef of the snapshot's adapter bundle
+    checksum: str  # the snapshot's checksum, which the engine acknowledged
     vocab_size: int
     max_len: int | None
 
@@ -131,10 +145,12 @@ def sample_call(body: SampleBody, session: SamplerSession) -> SampleCall:
 
 
 class Samplers:
-    def __init__(self, engine_cpus: float, torch_threads: int) -> None:
+    def __init__(self, engine_cpus: float, torch_threads: int, start_timeout_s: float = 300.0) -> None:
         self.engine_class = ray.remote(num_cpus=engine_cpus)(HFEngine)
         self.rollout = RolloutConfig(torch_threads=torch_threads)
+        self.start_timeout_s = start_timeout_s
         self.sessions: dict[str, SamplerSession] = {}
+        self.slots: dict[tuple[str, str], EngineSlot] = {}  # (training session, base model) -> engine
 
     def session(self, sid: str | None, owner: str) -> SamplerSession:
         s = self.sessions.get(sid or "")
@@ -142,34 +158,65 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         return s
 
+    async def _slot(self, session_id: str, base_model: str, path: str) -> EngineSlot:
+        key = (session_id, base_model)
+        if key not in self.slots:
+            engine = self.engine_class.remote(path, self.rollout)
+            try:
+                await asyncio.wait_for(engine.adapter_checksum.remote(), self.start_timeout_s)
+            except TimeoutError:
+                ray.kill(engine)
+                raise RuntimeError(
+                    f"the sampling engine did not start within {self.start_timeout_s:g}s (start_timeout_s): "
+                    "does the cluster have free CPUs for it (tenant_cpus)?"
+                ) from None
+            self.slots.setdefault(key, EngineSlot(engine, held=""))
+        return self.slots[key]
+
+    @staticmethod
+    async def _load(slot: EngineSlot, bundle_ref: Any, expected: str) -> None:
+        """Load a snapshot into the slot's engine and check its acknowledgement (the caller holds the lock)."""
+        if slot.held == expected:
+            return
+        slot.held = ""  # unknown until acknowledged
+        await slot.engine.load_adapter.remote(bundle_ref)
+        held = await slot.engine.adapter_checksum.remote()
+        if held != expected:
+            raise RuntimeError(f"the sampler holds adapter {held}, not the one sent ({expected})")
+        slot.held = held
+
     async def save_for_sampler(
         self, tenant_actor, base_model: str, path: str, owner: str, session_id: str
     ) -> Done:
-        bundle = await tenant_actor.adapter_bundle.remote()
-        engine = self.engine_class.remote(path, self.rollout)
-        await engine.load_adapter.remote(bundle)
-        held, expected = await engine.adapter_checksum.remote(), state_checksum(bundle, ENGINE_DTYPE)
-        if held != expected:
-            raise RuntimeError(f"the sampler holds adapter {held}, not the one sent ({expected})")
+        bundle_ref = tenant_actor.adapter_bundle.remote()
+        expected = state_checksum(await bundle_ref, ENGINE_DTYPE)
+        slot = await self._slot(session_id, base_model, path)
+        async with slot.lock:
+            await self._load(slot, bundle_ref, expected)
         cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
         max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         sid = str(uuid.uuid4())
         self.sessions[sid] = SamplerSession(
-            owner, session_id, base_model, engine, held, int(cfg.vocab_size), max_len
+            owner, session_id, base_model, slot, bundle_ref, expected, int(cfg.vocab_size), max_len
         )
         return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
     def release(self, session_id: str) -> None:
         for sid in [k for k, v in self.sessions.items() if v.session_id == session_id]:
-            ray.kill(self.sessions.pop(sid).engine)
+            del self.sessions[sid]
+        for key in [k for k in self.slots if k[0] == session_id]:
+            ray.kill(self.slots.pop(key).engine)
 
     async def sample(self, session: SamplerSession, call: SampleCall) -> Done:
-        outs = (await session.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids))[
-            0
-        ]
-        prompt_lp = None
-        if call.prompt_logprobs:
-            probe = (await session.engine.probe_logprobs.remote([call.prompt]))[0]
-            prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
+        slot = session.slot
+        async with slot.lock:  # another snapshot may have been loaded since: this one back, acknowledged
+            await self._load(slot, session.bundle, session.checksum)
+            outs = (
+                await slot.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids)
+            )[0]
+            prompt_lp = None
+            if call.prompt_logprobs:
+                probe = (await slot.engine.probe_logprobs.remote([call.prompt]))[0]
+                prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
         seqs = [(o.response_ids, o.logprobs, "stop" if o.finish_reason == "stop" else "length") for o in outs]
         return Done(body=encode_sample_response(seqs, prompt_lp))

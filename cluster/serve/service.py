@@ -17,6 +17,7 @@ of its own; its calls are ordered and applied once by `cluster.serve.futures.Fut
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from typing import Any
@@ -116,9 +117,9 @@ class Service:
         self.config = config
         self.sessions: dict[str, Session] = {}
         self.tenants: dict[str, Tenant] = {}
-        self.book = FutureBook()
+        self.book = FutureBook(config.order_wait_s, config.call_timeout_s)
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
-        self.samplers = Samplers(config.tenant_cpus, config.torch_threads)
+        self.samplers = Samplers(config.tenant_cpus, config.torch_threads, config.start_timeout_s)
 
     def release(self, session_id: str) -> None:
         """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, their pending
@@ -152,7 +153,15 @@ class Service:
         )
         seed = self.config.seed if lora.seed is None else lora.seed
         actor = self.actor_class.remote(entry.path, cfg, seed, self.config.torch_threads)
-        await actor.adapter_digest.remote()  # the model is loaded (or its load error raises here)
+        try:  # the model is loaded (or its load error raises here)
+            await asyncio.wait_for(actor.adapter_digest.remote(), self.config.start_timeout_s)
+        except TimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(
+                f"the tenant's actor did not start within {self.config.start_timeout_s:g}s (start_timeout_s): "
+                f"does the cluster have {self.config.tenant_cpus:g} free CPUs (tenant_cpus)? "
+                f"{len(self.tenants)} tenants are held now"
+            ) from None
         self.tenants[model_id] = Tenant(owner, req.session_id, req.base_model, lora.rank, actor)
         return Done({"model_id": model_id, "type": "create_model"})
 
