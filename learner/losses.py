@@ -161,6 +161,25 @@ def gspo_surrogate(logprobs, old_logprobs, advantages, mask, clip: Clip) -> Surr
     return SurrogateTerms(per_token, ratio, hit, log_ratio, clamped)
 
 
+def cispo_surrogate(logprobs, old_logprobs, advantages, mask, clip: Clip) -> SurrogateTerms:
+    """CISPO (MiniMax-M1, Chen et al. 2025): the clipped ratio as a stopped coefficient of the policy
+    gradient, per token
+        L_t = -sg(clip(r_t, 1 - low, 1 + high)) * A_t * log pi(y_t),
+    so every token keeps a gradient (PPO's clip zeroes the clipped tokens' gradients; here the weight is
+    only bounded). Its paper sets no lower bound (a large `low`) and tunes `high`. The value of L is not
+    a surrogate of the return (it reads log pi): only its gradient, sg(clip(r_t)) A_t grad log pi(y_t),
+    is. `clipped` marks tokens whose ratio lay outside the range; a dual clip does not apply (refused by
+    the config)."""
+    log_ratio, clamped = _token_log_ratio(logprobs, old_logprobs, mask)
+    ratio = torch.exp(log_ratio)
+    high = clip.low if clip.high is None else clip.high
+    weight = torch.clamp(ratio, 1.0 - clip.low, 1.0 + high).detach()
+    per_token = -weight * _zero_invalid(advantages, mask) * _zero_invalid(logprobs, mask)
+    return SurrogateTerms(
+        per_token, ratio, (ratio < 1.0 - clip.low) | (ratio > 1.0 + high), log_ratio, clamped
+    )
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -37,6 +37,7 @@ class Estimator(Part):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLoss(Part):
     loss_agg: str | None = None  # the aggregation its objective is defined with (None: any)
+    dual_clip: bool = True  # whether it takes learner.dual_clip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +101,14 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
             summary="the clipped surrogate on the sequence's ratio (pi/pi_old)^(1/|y|), the geometric mean of "
             "its tokens' ratios (GSPO, Zheng et al. 2025; its paper clips at 3e-4/4e-4)",
             loss_agg="seq-mean-token-mean",
+        ),
+        PolicyLoss(
+            name="cispo",
+            function="learner.losses:cispo_surrogate",
+            summary="-sg(clip(r, 1 - clip_eps, 1 + clip_eps_high)) * A * log pi per token: the clipped ratio "
+            "weights every token's policy gradient and clips none away (CISPO, MiniMax-M1, Chen et al. 2025; "
+            "its paper sets no lower bound)",
+            dual_clip=False,
         ),
     ],
 )

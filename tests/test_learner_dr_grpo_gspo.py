@@ -143,3 +143,34 @@ def test_gspo_and_ppo_agree_on_one_token_responses():
     a, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean", loss="gspo")
     b, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean", loss="ppo")
     assert float(a) == pytest.approx(float(b), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- CISPO (MiniMax-M1, Chen et al. 2025)
+
+
+def test_cispo_by_hand():
+    """Row 0: log-ratios 0.3, -0.4 -> r = 1.3499 (clipped to 1.2), 0.6703 (clipped to 0.8), A = +1, -1.
+    Row 1: log-ratios 0.1, 0, 0, -0.1 -> r = 1.1052, 1, 1, 0.9048 (none clipped), A = +2.
+    Per token L = -sg(clip(r)) * A * log pi; 'token-mean' over the 6 valid tokens. The gradient
+    d L / d log pi_t = -clip(r_t) * A_t / 6: every token keeps one (PPO's clip would zero row 0's)."""
+    old = torch.zeros(2, 4)
+    lp = T([[0.3, -0.4, 7.0, 7.0], [0.1, 0.0, 0.0, -0.1]]).requires_grad_(True)
+    adv = T([[1.0, -1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    loss, m = policy_loss(lp, old, adv, MASK, clip_eps=0.2, agg="token-mean", loss="cispo")
+    w = [1.2, 0.8, math.exp(0.1), 1.0, 1.0, math.exp(-0.1)]
+    a = [1.0, -1.0, 2.0, 2.0, 2.0, 2.0]
+    x = [0.3, -0.4, 0.1, 0.0, 0.0, -0.1]
+    assert float(loss.detach()) == pytest.approx(
+        -sum(wi * ai * xi for wi, ai, xi in zip(w, a, x, strict=True)) / 6, abs=1e-6
+    )
+    loss.backward()
+    g = [-wi * ai / 6 for wi, ai in zip(w, a, strict=True)]
+    torch.testing.assert_close(lp.grad, T([[g[0], g[1], 0.0, 0.0], g[2:]]), atol=1e-6, rtol=0)
+    assert m["clip_frac"] == pytest.approx(2 / 6)  # the two of row 0 lay outside [0.8, 1.2]
+
+
+def test_cispo_refuses_a_dual_clip_by_name():
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ValueError, match=r"learner.dual_clip applies to policy_loss \['ppo', 'gspo'\]"):
+        LearnerConfig(policy_loss="cispo", dual_clip=3.0)

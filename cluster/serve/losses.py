@@ -9,6 +9,12 @@ q_t the sampler's (`loss_fn_inputs["logprobs"]`), A_t the advantages and w_t the
     ppo                   L = -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t),  r_t = exp(lp_t - q_t)
                           (Schulman et al. 2017; lo, hi = loss_fn_config clip_low_threshold /
                           clip_high_threshold, 0.8 / 1.2 by default)
+    cispo                 L = -sum_t sg(clip(r_t, lo, hi)) lp_t A_t  (MiniMax-M1; `learner.losses.
+                          cispo_surrogate`, the learner's policy_loss 'cispo')
+    gspo                  L = -sum_t min(s_t A_t, clip(s_t, lo, hi) A_t), s_t = sg(s) pi_t / sg(pi_t),
+                          s = exp(mean_{t in M} (lp_t - q_t)) per datum (GSPO-token, Zheng et al. 2025;
+                          `learner.losses.gspo_surrogate`, the learner's policy_loss 'gspo'); M is the
+                          optional `sequence_ratio_mask`'s nonzero tokens, else all the datum's tokens
 
 A token sum is the project's 'token-mean' aggregation (`learner.losses.aggregate_loss`) with a global
 token count of 1; the policy terms are `learner.losses.ppo_surrogate` (importance sampling: its clip
@@ -27,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from kernel.registry import Part, Registry
-from learner.losses import Clip, aggregate_loss, ppo_surrogate
+from learner.losses import Clip, aggregate_loss, cispo_surrogate, gspo_surrogate, ppo_surrogate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +54,20 @@ class LossResult:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TinkerLoss(Part):
     inputs: tuple[str, ...]  # the loss_fn_inputs it needs besides target_tokens
+    optional: tuple[str, ...] = ()  # those it reads when sent
     config: tuple[str, ...] = ()  # the loss_fn_config keys it reads
 
 
 def _token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return aggregate_loss(per_token, mask, "token-mean", global_tokens=1.0)
+
+
+def _clip(config: dict, name: str) -> Clip:
+    lo = float(config.get("clip_low_threshold", 0.8))
+    hi = float(config.get("clip_high_threshold", 1.2))
+    if not 0.0 <= lo <= 1.0 <= hi:
+        raise ValueError(f"{name} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold (got {lo}, {hi})")
+    return Clip(low=1.0 - lo, high=hi - 1.0)
 
 
 def cross_entropy(b: LossBatch, config: dict) -> LossResult:
@@ -72,14 +87,34 @@ def importance_sampling(b: LossBatch, config: dict) -> LossResult:
 
 def ppo(b: LossBatch, config: dict) -> LossResult:
     """-sum_t min(r_t A_t, clip(r_t, lo, hi) A_t): `ppo_surrogate` with Clip(1 - lo, hi - 1)."""
-    lo = float(config.get("clip_low_threshold", 0.8))
-    hi = float(config.get("clip_high_threshold", 1.2))
-    if not 0.0 <= lo <= 1.0 <= hi:
-        raise ValueError(f"ppo needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold (got {lo}, {hi})")
     terms = ppo_surrogate(
-        b.logprobs, b.inputs["logprobs"], b.inputs["advantages"], b.mask, Clip(low=1.0 - lo, high=hi - 1.0)
+        b.logprobs, b.inputs["logprobs"], b.inputs["advantages"], b.mask, _clip(config, "ppo")
     )
     return LossResult(_token_sum(terms.per_token, b.mask), {})
+
+
+def cispo(b: LossBatch, config: dict) -> LossResult:
+    """-sum_t sg(clip(r_t, lo, hi)) lp_t A_t: the learner's `cispo_surrogate`, token-summed."""
+    terms = cispo_surrogate(
+        b.logprobs, b.inputs["logprobs"], b.inputs["advantages"], b.mask, _clip(config, "cispo")
+    )
+    return LossResult(_token_sum(terms.per_token, b.mask), {})
+
+
+def gspo(b: LossBatch, config: dict) -> LossResult:
+    """GSPO-token, token-summed: the learner's `gspo_surrogate` with its sequence ratio over M (the
+    `sequence_ratio_mask` when sent). A token outside M with a non-zero advantage is refused: its term
+    would need the sequence's ratio without being part of it, which the learner's form does not define."""
+    m = b.mask
+    if "sequence_ratio_mask" in b.inputs:
+        m = b.mask * (b.inputs["sequence_ratio_mask"] != 0).to(b.mask.dtype)
+        outside = (b.mask - m).bool() & (b.inputs["advantages"] != 0)
+        if bool(outside.any()):
+            raise ValueError(
+                "gspo: tokens outside sequence_ratio_mask carry non-zero advantages (not served)"
+            )
+    terms = gspo_surrogate(b.logprobs, b.inputs["logprobs"], b.inputs["advantages"], m, _clip(config, "gspo"))
+    return LossResult(_token_sum(terms.per_token, m), {})
 
 
 TINKER_LOSSES: Registry[TinkerLoss] = Registry(
@@ -104,6 +139,21 @@ TINKER_LOSSES: Registry[TinkerLoss] = Registry(
             inputs=("logprobs", "advantages"),
             config=("clip_low_threshold", "clip_high_threshold"),
             summary="-sum min(r A, clip(r, lo, hi) A) (Schulman et al. 2017)",
+        ),
+        TinkerLoss(
+            name="cispo",
+            function=cispo,
+            inputs=("logprobs", "advantages"),
+            config=("clip_low_threshold", "clip_high_threshold"),
+            summary="-sum sg(clip(r, lo, hi)) * logprob * advantage (MiniMax-M1)",
+        ),
+        TinkerLoss(
+            name="gspo",
+            function=gspo,
+            inputs=("logprobs", "advantages"),
+            optional=("sequence_ratio_mask",),
+            config=("clip_low_threshold", "clip_high_threshold"),
+            summary="-sum min(s A, clip(s, lo, hi) A), s the datum's geometric-mean ratio (GSPO-token)",
         ),
     ],
 )

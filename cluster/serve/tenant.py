@@ -85,7 +85,20 @@ class TenantModel:
     ) -> StepOutput:
         if not data:
             raise ValueError("forward_backward got no data")
-        names = set.intersection(*(set(d.inputs) for d in data)) - {"target_tokens"}
+        first = set(data[0].inputs)
+        for i, d in enumerate(data):
+            if set(d.inputs) != first:
+                raise ValueError(
+                    f"datum {i}: loss_fn_inputs {sorted(d.inputs)} differ from datum 0's {sorted(first)} (every "
+                    "datum of one call sends the same inputs)"
+                )
+            for k, v in d.inputs.items():
+                if np.asarray(v).size != len(d.tokens):
+                    raise ValueError(
+                        f"datum {i}: loss_fn_inputs[{k!r}] has {np.asarray(v).size} entries for "
+                        f"{len(d.tokens)} tokens"
+                    )
+        names = first - {"target_tokens"}
         loss = lookup(loss_fn, names, config)
         with torch.set_grad_enabled(not forward_only):
             lp, mask = self._scores(data)
