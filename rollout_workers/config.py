@@ -301,6 +301,14 @@ class RolloutConfig(_Strict):
         "the new weights, each token tagged with its version. Set by the cluster from "
         "pipeline.partial_rollout; off: a load waits for the call to end.",
     )
+    record_routing: bool = Field(
+        False,
+        description="Record, for a mixture-of-experts policy, the experts each MoE layer chose for every "
+        "token of each sample (prompt and response, the last response token excepted: the engine never "
+        "forwards it), uint8 [tokens, layers, top_k] on the sample (`Sample.routing`), for rollout routing "
+        "replay (docs/moe.md). hf engine only; refused for a model without MoE layers and for multi-turn "
+        "environments.",
+    )
     sleep_level: Literal[0, 1, 2] = Field(
         0,
         description="What the engine frees between generations while the learner trains on the same devices "
@@ -334,6 +342,20 @@ class RolloutConfig(_Strict):
             raise ValueError(
                 "rollout.weight_transport='cuda_ipc' maps the learner's CUDA buffer into the workers: it needs "
                 "rollout.num_gpus_per_worker > 0 (CPU workers: 'auto', 'shared_memory' or 'broadcast')"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _record_routing(self) -> RolloutConfig:
+        if not self.record_routing:
+            return self
+        why = ENGINES[self.engine].no_routing
+        if why is not None:
+            raise ValueError(f"rollout.record_routing with rollout.engine={self.engine!r}: {why}")
+        if self.environment.enabled:
+            raise ValueError(
+                "rollout.record_routing with rollout.environment: multi-turn samples carry observation tokens "
+                "the engine never routes as one sequence; recording is for single-turn samples"
             )
         return self
 

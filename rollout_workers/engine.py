@@ -34,6 +34,9 @@ class GenerationOutput:
     finish_reason: FinishReason
     # int64 [r]: `interrupt.version` when each token was sampled; None when generated without an interrupt
     versions: np.ndarray | None = None
+    # uint8 [p + r - 1, layers, k] (rollout.record_routing, an MoE policy): the experts each MoE layer chose
+    # for the prompt's tokens and the response's but its last (never forwarded); None: not recorded
+    routing: np.ndarray | None = None
 
 
 class Interrupt(Protocol):

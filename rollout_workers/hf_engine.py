@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kernel.moe_routing import moe_routers, record_routing
 from kernel.sequences import fused_gelu_kwargs, right_padded, sequence_logprobs
 from rollout_workers.adapter import AdapterSlots
 from rollout_workers.config import RolloutConfig, SamplingConfig
@@ -75,6 +76,12 @@ class HFEngine(RolloutEngine):
         self._group: WeightGroupMember | None = None  # learner rank 0's weight group, once joined
         self._keep_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._adapter: AdapterSlots | None = None  # LoRA layers, once an adapter loads (rollout.lora_sync)
+        self._record = config.record_routing
+        if self._record and not moe_routers(self.model):
+            raise ValueError(
+                f"rollout.record_routing: {type(self.model).__name__} has no MoE layers (no module with a "
+                "router `gate` and fused `experts`); set it false for a dense policy"
+            )
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, past=None):
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
@@ -87,6 +94,20 @@ class HFEngine(RolloutEngine):
             **kwargs,
         )
         return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _routed(self, route: list, start: int, ids: torch.Tensor, *args):
+        """`_forward`, keeping each MoE layer's experts for the fed columns start.. of the batch's
+        sequences in `route[0]` (uint8 [B, columns, layers, k], made on first use) when recording."""
+        if route is None:
+            return self._forward(ids, *args)
+        with record_routing(self.model) as taken:
+            out = self._forward(ids, *args)
+        B, S = ids.shape
+        step = torch.stack([t[0].reshape(B, S, -1) for t in taken], dim=2).cpu()  # [B, S, layers, k]
+        if route[0] is None:
+            route[0] = torch.zeros((B, route[1], *step.shape[2:]), dtype=step.dtype)
+        route[0][:, start : start + S] = step
+        return out
 
     @torch.inference_mode()
     def _generate(
@@ -121,6 +142,7 @@ class HFEngine(RolloutEngine):
         last_position = (self.max_model_len or 1 << 62) - 1
 
         past = None
+        route = [None, P + steps] if self._record else None  # the experts of every fed column
         versions = None if interrupt is None else torch.empty((B, steps), dtype=torch.long)
         for t in range(steps):
             if interrupt is not None:
@@ -130,7 +152,8 @@ class HFEngine(RolloutEngine):
                 versions[:, t] = interrupt.version
             if past is None:  # one prefill of every token so far: the prompt at t = 0, after a swap all
                 seen = torch.cat([ids, tokens[:, :t]], dim=1)
-                logits, past = self._forward(seen, attn, (attn.cumsum(-1) - 1).clamp(0, last_position))
+                positions = (attn.cumsum(-1) - 1).clamp(0, last_position)
+                logits, past = self._routed(route, 0, seen, attn, positions)
             scaled = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(scaled, dim=-1)  # the distribution sampled from
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
@@ -144,7 +167,7 @@ class HFEngine(RolloutEngine):
             if t == steps - 1 or bool(ended.all()):
                 break
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=dev)], dim=1)
-            logits, past = self._forward(tok.unsqueeze(1), attn, next_pos, past)
+            logits, past = self._routed(route, P + t, tok.unsqueeze(1), attn, next_pos, past)
             # a row past its own limit is still fed (its outputs are ignored): keep its position in range
             next_pos = (next_pos + 1).clamp(max=last_position)
 
@@ -160,6 +183,9 @@ class HFEngine(RolloutEngine):
                 logprobs=logps[r, : lengths[r]].copy(),
                 finish_reason="stop" if done[r] else "length",
                 versions=None if versions is None else versions[r, : lengths[r]].numpy().copy(),
+                routing=None
+                if route is None
+                else route[0][r, P - len(rows[r]) : P + lengths[r] - 1].numpy().copy(),
             )
             for r in range(B)
         ]

@@ -36,6 +36,11 @@ class Sample:
     # observation token carries the version of the model token before it); None: every token was
     # sampled by `policy_version`, which is always the oldest token's version
     token_versions: np.ndarray | None = None
+    # rollout.record_routing (an MoE policy): uint8 [p + r - 1, layers, k], the experts the engine's MoE
+    # layers chose for every token of prompt_ids + response_ids but the last (which the engine never
+    # forwards, and which no logprob of the sample depends on); after a weight swap mid-sample
+    # (partial_rollout) the routing of the recomputed prefill. None: not recorded
+    routing: np.ndarray | None = None
 
     def versions(self) -> np.ndarray:
         """The policy version of every response token."""

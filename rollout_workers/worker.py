@@ -172,7 +172,7 @@ class RolloutWorker:
                 outputs = self._engine.generate(ids, sampling, int(seed), interrupt=cut_in)
                 self._check_outputs(outputs, len(ids), sampling)
                 results = [
-                    [(o.response_ids, o.logprobs, o.finish_reason, None, o.versions) for o in outs]
+                    [(o.response_ids, o.logprobs, o.finish_reason, None, o.versions, o.routing) for o in outs]
                     for outs in outputs
                 ]
             else:
@@ -186,12 +186,15 @@ class RolloutWorker:
                     ids, texts, metas, sampling, int(seed), self._check_outputs, cut_in
                 )
                 results = [
-                    [(r, lp, "stop" if e.status == "done" else "length", e, vs) for r, lp, e, vs in outs]
+                    [
+                        (r, lp, "stop" if e.status == "done" else "length", e, vs, None)
+                        for r, lp, e, vs in outs
+                    ]
                     for outs in episodes
                 ]
             samples = []
             for idx, p, outs in zip(prompt_indices, ids, results, strict=True):
-                for k, (r, lp, finish, episode, vs) in enumerate(outs):
+                for k, (r, lp, finish, episode, vs, routing) in enumerate(outs):
                     policy_version, token_versions = version_tags(vs, version)
                     samples.append(
                         Sample(
@@ -204,6 +207,7 @@ class RolloutWorker:
                             sample_index=k,
                             episode=episode,
                             token_versions=token_versions,
+                            routing=routing,
                         )
                     )
             self._count(len(ids), len(samples), sum(len(x.response_ids) for x in samples), t0)

@@ -1,0 +1,122 @@
+"""The hf engine records an MoE policy's routing per sample (rollout.record_routing): uint8
+[p + r - 1, layers, k], equal to an unpadded transformers forward of the sample's tokens; refused by name
+for vLLM, for a dense policy and for multi-turn environments. With a deliberate mismatch (noise on the
+engine's routers), a float32 learner forward on the engine's samples picks other experts for a
+measurable share of choices; replaying the recorded routing (R3, `kernel.moe_routing.replay_routing`)
+makes every choice the engine's and brings the logprobs closer to the engine's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_contract_shared import INDICES, PROMPTS
+from pydantic import ValidationError
+from tiny_models import MOE_FAMILIES, build_causal_lm
+from transformers import AutoModelForCausalLM
+
+from kernel.moe_routing import moe_routers, record_routing, replay_routing
+from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
+from rollout_workers.worker import RolloutWorker
+
+SAMPLING = SamplingConfig(n=2, max_new_tokens=8, temperature=1.0)
+
+
+def _model(path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _learner_view(model, sample, routing=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The response's logprobs and each MoE layer's experts [p + r - 1, k] from one unpadded forward of
+    prompt + response but its last token (the last position's logits predict nothing of the sample)."""
+    ids = torch.from_numpy(np.concatenate([sample.prompt_ids, sample.response_ids]))
+    p = len(sample.prompt_ids)
+    replay = (
+        replay_routing(model, [torch.from_numpy(routing[:, i]) for i in range(routing.shape[1])])
+        if routing is not None
+        else torch.no_grad()
+    )
+    with torch.no_grad(), replay, record_routing(model) as taken:
+        logits = model(input_ids=ids[None, :-1]).logits[0]
+    logp = torch.log_softmax(logits[p - 1 :].float(), dim=-1).gather(-1, ids[p:, None])[:, 0]
+    return logp, [t[0] for t in taken]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_hf_engine_records_each_samples_routing(tmp_path, family):
+    path = str(build_causal_lm(tmp_path / "m", family, seed=2))
+    worker = RolloutWorker(path, RolloutConfig(engine="hf", record_routing=True), initial_version=0)
+    samples = worker.generate(INDICES, PROMPTS, seed=5, sampling=SAMPLING)
+    assert len({len(s.prompt_ids) for s in samples}) == 3  # left padding in the engine's batch
+    model = _model(path)
+    for s in samples:
+        T = len(s.prompt_ids) + len(s.response_ids) - 1
+        assert s.routing.dtype == np.uint8 and s.routing.shape == (T, 2, 2)
+        _, own = _learner_view(model, s)
+        assert all(torch.equal(torch.from_numpy(s.routing[:, i]), own[i]) for i in range(2))
+    plain = RolloutWorker(path, RolloutConfig(engine="hf"), initial_version=0)
+    assert all(s.routing is None for s in plain.generate(INDICES, PROMPTS, seed=5, sampling=SAMPLING))
+
+
+def test_recording_is_refused_by_name(tmp_path):
+    with pytest.raises(
+        ValidationError, match=r"rollout.record_routing with rollout.engine='vllm'.*Model Runner V2"
+    ):
+        RolloutConfig(engine="vllm", record_routing=True)
+    env = EnvironmentConfig(name="anything", max_turns=2)
+    with pytest.raises(ValidationError, match=r"rollout.record_routing with rollout.environment"):
+        RolloutConfig(record_routing=True, environment=env)
+    dense = str(build_causal_lm(tmp_path / "d", "llama", seed=2))
+    with pytest.raises(ValueError, match=r"rollout.record_routing: LlamaForCausalLM has no MoE layers"):
+        RolloutWorker(dense, RolloutConfig(engine="hf", record_routing=True), initial_version=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_replaying_the_engines_routing_removes_the_mismatch(tmp_path, family):
+    learner_dir = build_causal_lm(tmp_path / "learner", family, seed=2)
+    engine_dir = build_causal_lm(tmp_path / "engine", family, seed=2)
+    noisy = _model(engine_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in moe_routers(noisy):
+            w = router.weight
+            w.add_(0.15 * w.std() * torch.randn(w.shape, generator=gen))
+    noisy.save_pretrained(engine_dir)
+    worker = RolloutWorker(
+        str(engine_dir), RolloutConfig(engine="hf", record_routing=True), initial_version=0
+    )
+    samples = worker.generate(list(range(6)), PROMPTS * 2, seed=7, sampling=SAMPLING)
+    model = _model(learner_dir)
+    differ = total = 0
+    gap_plain, gap_replay = [], []
+    for s in samples:
+        behaviour = torch.from_numpy(s.logprobs)
+        plain, own = _learner_view(model, s)
+        replayed, used = _learner_view(model, s, s.routing)
+        for i in range(2):
+            engine = torch.from_numpy(s.routing[:, i]).long().sort(-1).values
+            differ += int((own[i].long().sort(-1).values != engine).any(-1).sum())
+            total += engine.shape[0]
+            assert torch.equal(used[i], torch.from_numpy(s.routing[:, i]))  # exactly the engine's experts
+        gap_plain.append((plain - behaviour).abs())
+        gap_replay.append((replayed - behaviour).abs())
+    share = differ / total
+    plain_gap, replay_gap = torch.cat(gap_plain).mean().item(), torch.cat(gap_replay).mean().item()
+    print(
+        f"{family}: {differ}/{total} top-2 sets differ ({share:.1%}); mean |logprob gap| {plain_gap:.4f} -> {replay_gap:.4f}"
+    )
+    assert share > 0.05
+    assert replay_gap < plain_gap
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_router_learns_under_the_engines_routing(tmp_path, family):
+    path = str(build_causal_lm(tmp_path / "m", family, seed=2))
+    worker = RolloutWorker(path, RolloutConfig(engine="hf", record_routing=True), initial_version=0)
+    s = worker.generate(INDICES[:1], PROMPTS[1:2], seed=5, sampling=SAMPLING)[0]
+    model = _model(path)
+    ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]))
+    with replay_routing(model, [torch.from_numpy(s.routing[:, i]) for i in range(2)]):
+        logits = model(input_ids=ids[None, :-1]).logits[0]
+    torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).sum().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
