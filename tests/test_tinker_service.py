@@ -34,6 +34,7 @@ from cluster.serve.wire import FwdBwdRequest, WireDatum, encode_forward_backward
 REPO = Path(__file__).resolve().parent.parent
 TINKER_PY = REPO / ".venv-tinker" / "bin" / "python"
 KEY, MODEL = "tml-test-key", "tiny-gpt2"
+OTHER_KEY = "tml-other-key"  # a second tenant's key: it must never reach KEY's checkpoints
 
 slow = pytest.mark.slow  # starts the service and its Ray
 needs_sdk = pytest.mark.skipif(
@@ -49,7 +50,8 @@ def service(tiny_policy_dir, tmp_path_factory):
         json.dumps(
             {
                 "port": 0,
-                "api_keys": [KEY],
+                "api_keys": [KEY, OTHER_KEY],
+                "checkpoint_dir": str(cfg.parent / "checkpoints"),
                 "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
                 "lora_alpha": 8.0,
                 "tenant_cpus": 0.1,  # tenants and samplers are never released (docs/service.md, Limits)
@@ -74,10 +76,10 @@ def service(tiny_policy_dir, tmp_path_factory):
     proc.wait(timeout=120)
 
 
-def run_client(scenario: str, url: str, key: str = KEY) -> dict:
+def run_client(scenario: str, url: str, key: str = KEY, *args: str) -> dict:
     env = {**os.environ, "TINKER_TELEMETRY": "0"}
     out = subprocess.run(
-        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), scenario, url, key, MODEL],
+        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), scenario, url, key, MODEL, *args],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -180,6 +182,67 @@ def test_unknown_loss_and_model_are_refused_by_name(service):
 def test_wrong_api_key_is_a_401(service):
     err = run_client("wrong_key", service, key="tml-not-a-key")["error"]
     assert err["status"] == 401 and err["type"] == "AuthenticationError"
+
+
+@pytest.fixture(scope="module")
+def saved(service) -> dict:
+    return run_client("checkpoints", service)
+
+
+@slow
+@needs_sdk
+def test_a_loaded_state_scores_bit_for_bit_as_the_saved_client(saved):
+    """save_state after 2 steps; create_training_client_from_state(_with_optimizer) and load_state onto
+    an existing client (another LoRA seed: other logprobs before) all give the saved client's logprobs,
+    bit for bit."""
+    ref = np.concatenate(saved["loaded"]["saved"])
+    assert (
+        saved["paths"]["weights"].startswith("tinker://")
+        and "/weights/two-steps" in saved["paths"]["weights"]
+    )
+    assert not np.array_equal(np.concatenate(saved["onto_before"]), ref)
+    for name in ("with_opt", "without", "onto"):
+        np.testing.assert_array_equal(np.concatenate(saved["loaded"][name]), ref, err_msg=name)
+
+
+@slow
+@needs_sdk
+def test_the_optimizer_state_travels_with_the_checkpoint(saved):
+    """One more identical step: with the AdamW moments and step count restored the adapter moves exactly
+    as the saved client's; with a fresh optimizer (load without it) it moves otherwise (Adam's first
+    step is lr * g/|g| per element, not the third step's bias-corrected moments)."""
+    ref = np.concatenate(saved["stepped"]["saved"])
+    np.testing.assert_array_equal(np.concatenate(saved["stepped"]["with_opt"]), ref)
+    np.testing.assert_array_equal(np.concatenate(saved["stepped"]["onto"]), ref)
+    assert not np.allclose(np.concatenate(saved["stepped"]["without"]), ref, atol=1e-4)
+    assert not np.array_equal(ref, np.concatenate(saved["loaded"]["saved"]))  # the step moved it
+    err = saved["errors"]["exists"]  # a name is not overwritten unless asked
+    assert "'tinker://" in err["message"] and "exists" in err["message"]
+
+
+@slow
+@needs_sdk
+def test_a_named_sampler_checkpoint_samples_what_the_training_client_had(saved):
+    p = len(saved["prompt"])
+    assert saved["sampler_base_model"] == MODEL
+    assert "/sampler_weights/two-steps" in saved["paths"]["sampler"]
+    for q, forced in zip(saved["drawn"]["sequences"], saved["teacher_forced"], strict=True):
+        np.testing.assert_allclose(q["logprobs"], forced[p - 1 :], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(saved["drawn"]["prompt_logprobs"][1:], forced[: p - 1], atol=1e-5, rtol=0)
+
+
+@slow
+@needs_sdk
+def test_another_key_cannot_load_or_sample_a_checkpoint(service, saved):
+    """OTHER_KEY is told KEY's checkpoints do not exist (the path named), whichever route it takes."""
+    paths = saved["paths"]
+    seen = run_client("foreign", service, OTHER_KEY, paths["weights"], paths["sampler"])
+    for route, path in (
+        ("load", paths["weights"]),
+        ("load_onto", paths["weights"]),
+        ("sample", paths["sampler"]),
+    ):
+        assert f"checkpoint {path!r} does not exist" in seen[route]["message"], (route, seen[route])
 
 
 def _call(url: str, path: str, body: dict | bytes | None = None, key: str | None = KEY, **headers):

@@ -1,7 +1,7 @@
 """A client of `cluster.serve` written with the real `tinker` SDK, run in `.venv-tinker` by
 tests/test_tinker_service.py (the SDK is not installed in the project's venv).
 
-    .venv-tinker/bin/python tests/tinker_client.py SCENARIO BASE_URL API_KEY MODEL
+    .venv-tinker/bin/python tests/tinker_client.py SCENARIO BASE_URL API_KEY MODEL [ARGS...]
 
 prints one JSON object: what the scenario observed (logprobs, losses, errors by type and message).
 Nothing here computes an expectation: the test compares against the project's own code.
@@ -161,7 +161,79 @@ def sample(client, model: str) -> dict:
     }
 
 
+def _step(tc) -> None:
+    fb = tc.forward_backward(sft_data(), "cross_entropy")
+    opt = tc.optim_step(types.AdamParams(learning_rate=0.05))
+    fb.result()
+    opt.result()
+
+
+def checkpoints(client, model: str) -> dict:
+    """Train 2 steps, save_state and a named sampler checkpoint; load the state into new clients with
+    and without the optimizer (and onto an existing client); one more identical step on each; sample
+    the sampler checkpoint and score its samples teacher-forced with the saved client."""
+    tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
+    for _ in range(2):
+        _step(tc)
+    saved = tc.save_state("two-steps").result().path
+    sampler = tc.save_weights_for_sampler("two-steps").result().path
+    with_opt = client.create_training_client_from_state_with_optimizer(saved).result()
+    without = client.create_training_client_from_state(saved).result()
+    onto = client.create_lora_training_client(base_model=model, rank=4, seed=7).result()
+    onto_before = logprobs(onto.forward(sft_data(), "cross_entropy").result())
+    onto.load_state_with_optimizer(saved).result()
+    clients = {"saved": tc, "with_opt": with_opt, "without": without, "onto": onto}
+    loaded = {k: logprobs(c.forward(sft_data(), "cross_entropy").result()) for k, c in clients.items()}
+    sc = client.create_sampling_client(model_path=sampler).result()
+    prompt = [1, 4, 5]
+    drawn = _draw(sc, prompt)
+    full = [prompt + q["tokens"] for q in drawn["sequences"]]
+    scored = tc.forward([datum(f[:-1], f[1:]) for f in full], "cross_entropy").result()
+    for c in clients.values():
+        _step(c)
+    stepped = {k: logprobs(c.forward(sft_data(), "cross_entropy").result()) for k, c in clients.items()}
+    seen = {}
+    try:
+        tc.save_state("two-steps").result()
+    except Exception as e:  # noqa: BLE001 - the scenario reports whatever the SDK raised
+        seen["exists"] = error(e)
+    return {
+        "paths": {"weights": saved, "sampler": sampler},
+        "onto_before": onto_before,
+        "loaded": loaded,
+        "stepped": stepped,
+        "prompt": prompt,
+        "drawn": drawn,
+        "teacher_forced": logprobs(scored),
+        "sampler_base_model": sc.get_base_model(),
+        "errors": seen,
+    }
+
+
+def foreign(client, model: str, weights: str, sampler: str) -> dict:
+    """Another API key tries the first key's checkpoints."""
+    seen = {}
+    try:
+        client.create_training_client_from_state(weights).result()
+    except Exception as e:  # noqa: BLE001
+        seen["load"] = error(e)
+    tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
+    try:
+        tc.load_state(weights).result()
+    except Exception as e:  # noqa: BLE001
+        seen["load_onto"] = error(e)
+    try:
+        client.create_sampling_client(model_path=sampler).sample(
+            types.ModelInput.from_ints([1, 4]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    except Exception as e:  # noqa: BLE001
+        seen["sample"] = error(e)
+    return seen
+
+
 SCENARIOS = {
+    "checkpoints": checkpoints,
+    "foreign": foreign,
     "sample": sample,
     "train": train,
     "refusals": refusals,
@@ -171,9 +243,9 @@ SCENARIOS = {
 
 
 def main() -> None:
-    scenario, base_url, api_key, model = sys.argv[1:5]
+    scenario, base_url, api_key, model, *extra = sys.argv[1:]
     client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    out = SCENARIOS[scenario](client, model)
+    out = SCENARIOS[scenario](client, model, *extra)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -15,6 +15,8 @@
     start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this
     call_timeout_s: 600        # one forward_backward / optim_step / sample must finish within this
     order_wait_s: 300          # a call waits this long for its seq_id predecessor, then fails
+    checkpoint_dir: null       # a folder for named checkpoints (save_state, save_weights_for_sampler(name)),
+                               # one subfolder per API key; null: they are refused
 
 A wrong field is an error naming it and what it allows.
 """
@@ -49,6 +51,7 @@ class ServeConfig(Strict):
     start_timeout_s: float = Field(300.0, gt=0.0)
     call_timeout_s: float = Field(600.0, gt=0.0)
     order_wait_s: float = Field(300.0, gt=0.0)
+    checkpoint_dir: str | None = None
 
     @field_validator("api_keys")
     @classmethod

@@ -98,6 +98,7 @@ class SamplerSession:
     checksum: str  # the snapshot's checksum, which the engine acknowledged
     vocab_size: int
     max_len: int | None
+    model_path: str | None = None  # the sampler checkpoint it was made from (create_sampling_session)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,17 @@ class Samplers:
         self, tenant_actor, base_model: str, path: str, owner: str, session_id: str
     ) -> Done:
         bundle_ref = tenant_actor.adapter_bundle.remote()
+        sid = await self.open_session(bundle_ref, base_model, path, owner, session_id)
+        return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+    async def open_session(
+        self, bundle_ref: Any, base_model: str, path: str, owner: str, session_id: str,
+        model_path: str | None = None,
+    ) -> str:  # fmt: skip
+        """A sampling session on `bundle_ref` (an adapter bundle, or its ObjectRef) in the training
+        session's engine for `base_model`; it exists only once the engine acknowledged the bundle."""
+        if not isinstance(bundle_ref, ray.ObjectRef):
+            bundle_ref = ray.put(bundle_ref)
         expected = state_checksum(await bundle_ref, ENGINE_DTYPE)
         slot = await self._slot(session_id, base_model, path)
         async with slot.lock:
@@ -197,9 +209,17 @@ class Samplers:
         max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         sid = str(uuid.uuid4())
         self.sessions[sid] = SamplerSession(
-            owner, session_id, base_model, slot, bundle_ref, expected, int(cfg.vocab_size), max_len
+            owner,
+            session_id,
+            base_model,
+            slot,
+            bundle_ref,
+            expected,
+            int(cfg.vocab_size),
+            max_len,
+            model_path,
         )
-        return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        return sid
 
     def release(self, session_id: str) -> None:
         for sid in [k for k, v in self.sessions.items() if v.session_id == session_id]:

@@ -8,6 +8,8 @@ Served (docs/service.md has the full table of what the SDK calls and what is ref
     POST /api/v1/forward_backward (protobuf), /api/v1/optim_step
     POST /api/v1/save_weights_for_sampler, /api/v1/asample (cluster.serve.sampling)
     POST /api/v1/retrieve_future
+    POST /api/v1/save_weights, /api/v1/load_weights, /api/v1/create_sampling_session, GET /api/v1/samplers/{id}
+        (named checkpoints, per API key: cluster.serve.checkpoints)
 Every /api/v1 route but healthz needs a configured key in `X-API-Key` (else 401). A session, its models
 and their futures belong to the key that made them: another key is told they do not exist (404).
 Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Service.release`). Any
@@ -27,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.serve.checkpoints import CheckpointPath, CheckpointStore, checkpoint_name
 from cluster.serve.config import ServeConfig
 from cluster.serve.futures import Done, Failed, FutureBook, UserError
 from cluster.serve.sampling import SampleBody, Samplers, sample_call
@@ -41,6 +44,8 @@ SERVED = [
     "POST /api/v1/session_heartbeat", "POST /api/v1/sessions/{id}/finish", "POST /api/v1/create_model",
     "POST /api/v1/get_info", "POST /api/v1/forward_backward", "POST /api/v1/optim_step",
     "POST /api/v1/save_weights_for_sampler", "POST /api/v1/asample", "POST /api/v1/retrieve_future",
+    "POST /api/v1/save_weights", "POST /api/v1/load_weights", "POST /api/v1/create_sampling_session",
+    "GET /api/v1/samplers/{id}",
 ]  # fmt: skip
 
 
@@ -87,6 +92,31 @@ class _SaveForSampler(_Body):
     kind: str = "snapshot"
 
 
+class _SaveWeights(_Body):
+    model_id: str
+    seq_id: int | None = None
+    path: str | None = None
+    overwrite: bool = False
+
+
+class _LoadWeights(_Body):
+    path: str
+    optimizer: bool
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    optimizer_config: dict[str, Any] | None = None
+
+
+class _CreateSampling(_Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
 class _Retrieve(_Body):
     request_id: str
 
@@ -120,6 +150,7 @@ class Service:
         self.book = FutureBook(config.order_wait_s, config.call_timeout_s)
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
         self.samplers = Samplers(config.tenant_cpus, config.torch_threads, config.start_timeout_s)
+        self.checkpoints = CheckpointStore(config.checkpoint_dir)
 
     def release(self, session_id: str) -> None:
         """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, their pending
@@ -138,7 +169,7 @@ class Service:
         session = self.sessions.get(req.session_id)
         if session is None or session.owner != owner:
             raise UserError(f"unknown session_id {req.session_id!r}")
-        entry = self.config.base_model(req.base_model)
+        self.config.base_model(req.base_model)  # an unknown name raises, naming the served ones
         if req.lora_config is None:
             raise UserError("create_model without lora_config (full fine-tuning) is not served; LoRA only")
         lora = req.lora_config
@@ -147,12 +178,23 @@ class Service:
             raise UserError(f"lora_config {off}=False is not served: adapters go on lora_target_modules")
         if req.optimizer_config.get("type") != "adamw":
             raise UserError(f"optimizer_config {req.optimizer_config!r}: only adamw is served")
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        cfg = LoRAConfig(
-            rank=lora.rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
-        )
         seed = self.config.seed if lora.seed is None else lora.seed
-        actor = self.actor_class.remote(entry.path, cfg, seed, self.config.torch_threads)
+        model_id = await self.start_tenant(
+            owner, req.session_id, req.model_seq_id, req.base_model, lora.rank, seed
+        )
+        return Done({"model_id": model_id, "type": "create_model"})
+
+    async def start_tenant(
+        self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int
+    ) -> str:
+        """A tenant's actor, loaded (or its load error raised); its model_id."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        cfg = LoRAConfig(
+            rank=rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
+        )
+        actor = self.actor_class.remote(
+            self.config.base_model(base_model).path, cfg, seed, self.config.torch_threads
+        )
         try:  # the model is loaded (or its load error raises here)
             await asyncio.wait_for(actor.adapter_digest.remote(), self.config.start_timeout_s)
         except TimeoutError:
@@ -162,8 +204,38 @@ class Service:
                 f"does the cluster have {self.config.tenant_cpus:g} free CPUs (tenant_cpus)? "
                 f"{len(self.tenants)} tenants are held now"
             ) from None
-        self.tenants[model_id] = Tenant(owner, req.session_id, req.base_model, lora.rank, actor)
-        return Done({"model_id": model_id, "type": "create_model"})
+        self.tenants[model_id] = Tenant(owner, session_id, base_model, rank, actor)
+        return model_id
+
+    async def load_weights(self, req: _LoadWeights, owner: str) -> Done:
+        """`load_state(_with_optimizer)` onto an existing model (model_id), or create-via-load (session_id
+        + model_seq_id: a new tenant with the checkpoint's base model and rank, as
+        `create_training_client_from_state(_with_optimizer)` sends)."""
+        saved = await asyncio.to_thread(self.checkpoints.read, owner, req.path, "weights", "load_weights")
+        if req.model_id is not None:
+            tenant = self.tenant(req.model_id, owner)
+            model_id = req.model_id
+            if (tenant.base_model, tenant.rank) != (saved["base_model"], saved["rank"]):
+                raise UserError(
+                    f"checkpoint {req.path!r} is a rank-{saved['rank']} adapter on {saved['base_model']!r}; "
+                    f"model {model_id!r} is rank {tenant.rank} on {tenant.base_model!r}"
+                )
+        else:
+            session = self.sessions.get(req.session_id or "")
+            if session is None or session.owner != owner or req.model_seq_id is None:
+                raise UserError(f"load_weights: unknown session_id {req.session_id!r} (or no model_seq_id)")
+            if req.base_model not in (None, saved["base_model"]):
+                raise UserError(
+                    f"load_weights: base_model {req.base_model!r} is not the checkpoint's {saved['base_model']!r}"
+                )
+            if (req.optimizer_config or {}).get("type", "adamw") != "adamw":
+                raise UserError(f"optimizer_config {req.optimizer_config!r}: only adamw is served")
+            model_id = await self.start_tenant(
+                owner, req.session_id, req.model_seq_id, saved["base_model"], saved["rank"], self.config.seed
+            )
+            tenant = self.tenants[model_id]
+        await tenant.actor.load_training_state.remote(saved["state"], req.optimizer)
+        return Done({"path": req.path, "model_id": model_id, "type": "load_weights"})
 
 
 def build_app(service: Service) -> FastAPI:
@@ -298,12 +370,25 @@ def build_app(service: Service) -> FastAPI:
             tenant = service.tenant(body.model_id, who)
         except UserError as e:
             return _error(404, str(e))
-        if body.path is not None or body.kind != "snapshot":
-            return _error(
-                400,
-                "save_weights_for_sampler: only an unnamed snapshot (save_weights_and_get_sampling_client)",
-            )
+        if body.kind != "snapshot":
+            return _error(400, f"save_weights_for_sampler: kind {body.kind!r} is not served; snapshot only")
         path = cfg.base_model(tenant.base_model).path
+        if body.path is not None:  # a named sampler checkpoint: the adapter bundle, on disk
+            try:
+                where = CheckpointPath(
+                    body.model_id, "sampler_weights", checkpoint_name(body.path, "save_weights_for_sampler")
+                )
+                service.checkpoints.require()
+            except UserError as e:
+                return _error(400, str(e))
+
+            async def named() -> Done:
+                bundle = await tenant.actor.adapter_bundle.remote()
+                payload = {"base_model": tenant.base_model, "rank": tenant.rank, "bundle": bundle}
+                uri = await asyncio.to_thread(service.checkpoints.write, who, where, payload, True)
+                return Done({"path": uri, "type": "save_weights_for_sampler"})
+
+            return future(request, named, body.model_id, body.seq_id)
 
         def work():
             return service.samplers.save_for_sampler(
@@ -311,6 +396,66 @@ def build_app(service: Service) -> FastAPI:
             )
 
         return future(request, work, body.model_id, body.seq_id)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(body: _SaveWeights, request: Request):
+        who = owner(request)
+        try:
+            tenant = service.tenant(body.model_id, who)
+        except UserError as e:
+            return _error(404, str(e))
+        try:
+            where = CheckpointPath(body.model_id, "weights", checkpoint_name(body.path, "save_weights"))
+            service.checkpoints.require()
+        except UserError as e:
+            return _error(400, str(e))
+
+        async def work() -> Done:
+            state = await tenant.actor.training_state.remote()
+            payload = {"base_model": tenant.base_model, "rank": tenant.rank, "state": state}
+            uri = await asyncio.to_thread(service.checkpoints.write, who, where, payload, body.overwrite)
+            return Done({"path": uri, "type": "save_weights"})
+
+        return future(request, work, body.model_id, body.seq_id)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(body: _LoadWeights, request: Request):
+        who = owner(request)
+        if (body.model_id is None) == (body.session_id is None):
+            return _error(
+                400, "load_weights: give model_id (+ seq_id) or session_id + model_seq_id, one of them"
+            )
+        return future(request, lambda: service.load_weights(body, who), body.model_id, body.seq_id)
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(body: _CreateSampling, request: Request):
+        who = owner(request)
+        s = _session(request, body.session_id)
+        if isinstance(s, JSONResponse):
+            return s
+        if body.model_path is None:
+            return _error(
+                400, "create_sampling_session: sampling the bare base model is not served; give model_path"
+            )
+        try:
+            saved = await asyncio.to_thread(
+                service.checkpoints.read, who, body.model_path, "sampler_weights", "create_sampling_session"
+            )
+        except UserError as e:
+            return _error(404, str(e))
+        path = cfg.base_model(saved["base_model"]).path
+        sid = await service.samplers.open_session(
+            saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path
+        )
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @app.get("/api/v1/samplers/{sid}")
+    async def get_sampler(sid: str, request: Request):
+        try:
+            s = service.samplers.session(sid, owner(request))
+        except UserError as e:
+            return _error(404, str(e))
+        return {"sampler_id": sid, "base_model": s.base_model, "model_path": s.model_path}
 
     @app.post("/api/v1/asample")
     async def asample(body: SampleBody, request: Request):

@@ -133,6 +133,37 @@ class TenantModel:
         self.steps += 1
         return {"grad_norm:mean": float(norm), "step:max": float(self.steps)}
 
+    def training_state(self) -> dict:
+        """What `save_state` keeps: the trainable (adapter) tensors by name, the AdamW state (None before
+        the first step: a fresh AdamW is that state) and the step count; CPU copies."""
+        adapter = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        optimizer = None if self.optimizer is None else self.optimizer.state_dict()
+        return {"adapter": adapter, "optimizer": optimizer, "steps": self.steps}
+
+    def load_training_state(self, state: dict, with_optimizer: bool) -> float:
+        """Set the adapter to a `training_state` (bit for bit); with_optimizer: its AdamW state and step
+        count too, else a fresh AdamW (Tinker's `load_state`: the optimizer resets). Pending gradients are
+        dropped. The adapter digest after."""
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(state["adapter"]) != set(named):
+            missing, extra = (
+                sorted(set(named) - set(state["adapter"])),
+                sorted(set(state["adapter"]) - set(named)),
+            )
+            raise ValueError(
+                f"the checkpoint's adapter does not fit this model: missing {missing}, extra {extra}"
+            )
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(state["adapter"][n])
+                p.grad = None
+        self.optimizer, self.steps = None, 0
+        if with_optimizer and state["optimizer"] is not None:
+            self.optimizer = torch.optim.AdamW(self.params)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = int(state["steps"])
+        return self.adapter_digest()
+
     def adapter_bundle(self) -> dict[str, torch.Tensor]:
         """The adapter as a rollout engine applies it (`learner.lora.adapter_bundle`: alpha/r folded into
         B, the base model's module names), float32 CPU copies."""
