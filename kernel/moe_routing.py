@@ -13,7 +13,8 @@ indices and recomputes the gate values from the live logits at those experts,
 renormalised where the router renormalises its own top-k (Mixtral always, Qwen3-MoE where
 `norm_topk_prob`), un-normalised p otherwise, and cast to the dtype the router returns: so the router's
 weight still gets a gradient through w, and replaying a forward's own choices gives that forward
-exactly. A leaf module (imports nothing of the project); the engine and the learner share it.
+exactly. A token whose replayed row holds an entry outside [0, E) (`NOT_RECORDED`, 255 in uint8: the
+positions no engine routed, padding and a sample's last token) keeps the router's own choice. A leaf module (imports nothing of the project); the engine and the learner share it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+NOT_RECORDED = 255  # a token's replayed row of this value: no recorded routing, the router's own choice
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -50,7 +53,7 @@ def replayed_gate_weights(
 
 @contextlib.contextmanager
 def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
-    """Inside, every forward of `model` appends each MoE layer's `top_k_index` [N, k] (uint8 where E <= 256,
+    """Inside, every forward of `model` appends each MoE layer's `top_k_index` [N, k] (uint8 where E < 256,
     else int16) to the yielded list of per-layer lists."""
     routers = moe_routers(model)
     if not routers:
@@ -61,7 +64,7 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
 
     def keep(i: int):
         def hook(module, args, out):
-            small = torch.uint8 if out[0].shape[-1] <= 256 else torch.int16
+            small = torch.uint8 if out[0].shape[-1] < NOT_RECORDED else torch.int16
             taken[i].append(out[2].detach().to(small))
 
         return hook
@@ -78,7 +81,8 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
 def replay_routing(model: nn.Module, indices: list[torch.Tensor]) -> Iterator[None]:
     """Inside, each MoE layer i of `model` routes its N tokens to `indices[i]` [N, k] (any integer dtype)
     instead of its own top-k, with the gate values recomputed from its live logits
-    (`replayed_gate_weights`). One entry per MoE layer, laid out as the forward's flattened tokens."""
+    (`replayed_gate_weights`). One entry per MoE layer, laid out as the forward's flattened tokens; a
+    token whose row holds an entry outside [0, E) (`NOT_RECORDED`) keeps its own top-k."""
     routers = moe_routers(model)
     if len(indices) != len(routers):
         raise ValueError(f"{len(indices)} layers of routing for a model with {len(routers)} MoE layers")
@@ -86,11 +90,13 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]) -> Iterator[No
     def replace(i: int):
         def hook(module, args, out):
             logits, weights, own = out
-            index = indices[i].to(device=own.device, dtype=own.dtype)
+            index = indices[i].to(device=own.device).long()
             if index.shape != own.shape:
                 raise ValueError(
                     f"MoE layer {i}: replayed routing {tuple(index.shape)}, tokens {tuple(own.shape)}"
                 )
+            unrecorded = ((index < 0) | (index >= logits.shape[-1])).any(-1, keepdim=True)
+            index = torch.where(unrecorded, own.long(), index).to(own.dtype)
             renorm = bool(getattr(module, "norm_topk_prob", True))
             return logits, replayed_gate_weights(logits, index, renorm, weights.dtype), index
 

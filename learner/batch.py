@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from kernel.moe_routing import NOT_RECORDED
 from kernel.sequences import pack_sequences
 from learner.trajectory import Trajectory
 
@@ -60,6 +61,9 @@ class Batch:
     # (equal ids = samples of one prompt) and whether it was cut at max_new_tokens.
     groups: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    # The engine's routing of an MoE policy (Trajectory.routing), aligned with `input_ids`:
+    # [B, L, layers, k], NOT_RECORDED where nothing was recorded (padding, each row's last token).
+    routing: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -68,6 +72,14 @@ class Batch:
     def response_lens(self) -> torch.Tensor:
         """[B] response tokens of each row (model and observation tokens alike)."""
         return self.attention_mask.sum(1).long() - self.prompt_lens
+
+    def padded_routing(self) -> list[torch.Tensor]:
+        """`routing` laid out as the padded forward of `input_ids` flattens its tokens: one [B*L, k]
+        tensor per MoE layer (what `kernel.moe_routing.replay_routing` takes)."""
+        if self.routing is None:
+            raise ValueError("this batch carries no recorded routing")
+        B, L, layers, k = self.routing.shape
+        return [self.routing[:, :, i].reshape(B * L, k) for i in range(layers)]
 
     def take(self, idx: torch.Tensor) -> Batch:
         """Rows `idx`, trimmed to their own longest sequence and response."""
@@ -82,6 +94,7 @@ class Batch:
             mask[:, :R],
             self.scores[idx],
             self.tokens.map(lambda v: v[idx, :R]),
+            routing=None if self.routing is None else self.routing[idx, :L],
         )
 
     def to(self, device) -> Batch:
@@ -92,6 +105,7 @@ class Batch:
             self.mask.to(device),
             self.scores.to(device),
             self.tokens.map(lambda v: v.to(device)),
+            routing=None if self.routing is None else self.routing.to(device),
         )
 
 
@@ -164,7 +178,34 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Batch:
     # A trajectory without a group (-1) is a group of its own: a distinct negative id.
     groups = torch.tensor([t.group if t.group >= 0 else -1 - i for i, t in enumerate(trajectories)])
     truncated = torch.tensor([bool(t.truncated) for t in trajectories])
-    return Batch(ids, attn, p_lens, mask, scores, tokens, groups, truncated)
+    routing = _pad_routing(trajectories, ids.shape[1])
+    return Batch(ids, attn, p_lens, mask, scores, tokens, groups, truncated, routing)
+
+
+def _pad_routing(trajectories: Sequence[Trajectory], L: int) -> torch.Tensor | None:
+    """The trajectories' recorded routing right-padded to [B, L, layers, k] with NOT_RECORDED (None when
+    none carries any); a shard's routing comes from one place: all or none."""
+    have = [t.routing is not None for t in trajectories]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(
+            f"trajectories {[i for i, h in enumerate(have) if not h]} carry no routing but {sum(have)} others "
+            "do: a shard's routing comes from one engine configuration (rollout.record_routing)"
+        )
+    shapes = {t.routing.shape[1:] for t in trajectories}
+    if len(shapes) != 1:
+        raise ValueError(f"trajectories' routing has differing [layers, k]: {sorted(shapes)}")
+    out = torch.full((len(trajectories), L, *shapes.pop()), NOT_RECORDED, dtype=torch.uint8)
+    for i, t in enumerate(trajectories):
+        n = len(t.prompt_ids) + len(t.response_ids) - 1
+        if t.routing.shape[0] != n or t.routing.dtype != np.uint8:
+            raise ValueError(
+                f"trajectory {i}: routing {t.routing.dtype} {tuple(t.routing.shape)}, expected uint8 with "
+                f"{n} tokens (prompt + response but the last)"
+            )
+        out[i, :n] = torch.from_numpy(np.array(t.routing))  # copy: Ray arrays are read-only
+    return out
 
 
 def dummy_batch(pad_id: int) -> Batch:

@@ -30,3 +30,6 @@ class Trajectory:
     # Rewards on tokens besides the score (an episode's earlier turns, each on its turn's last token, when
     # its environment's rewards are the reward); None: the score is the whole reward.
     token_rewards: np.ndarray | None = None  # float32 [r]
+    # An MoE policy's routing as the engine recorded it (rollout.record_routing): uint8 [p + r - 1, layers, k],
+    # the experts of every token of prompt + response but the last; None: not recorded.
+    routing: np.ndarray | None = None

@@ -12,7 +12,13 @@ import torch
 from tiny_models import MOE_FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
-from kernel.moe_routing import moe_routers, record_routing, replay_routing, replayed_gate_weights
+from kernel.moe_routing import (
+    NOT_RECORDED,
+    moe_routers,
+    record_routing,
+    replay_routing,
+    replayed_gate_weights,
+)
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 0, 0, 0]])
 MASK = (IDS != 0).long()
@@ -97,3 +103,22 @@ def test_refusals(moe_dir, tmp_path):
     dense = _model(build_causal_lm(tmp_path / "llama", "llama"))
     with pytest.raises(ValueError, match="has no MoE layers"), record_routing(dense):
         pass
+
+
+def test_unrecorded_tokens_keep_their_own_routing(moe_dir):
+    model = _model(moe_dir)
+    with record_routing(model) as taken:
+        plain = model(input_ids=IDS, attention_mask=MASK).logits.detach()
+    own = [t[0] for t in taken]
+    experts = moe_routers(model)[0].weight.shape[0]
+    other = [((t.long() + 1) % experts).to(torch.uint8) for t in own]
+    half = IDS.shape[1] // 2  # row 0's first half is NOT_RECORDED, the rest replays other experts
+    for o in other:
+        o[:half] = NOT_RECORDED
+    with replay_routing(model, other), record_routing(model) as seen:
+        moved = model(input_ids=IDS, attention_mask=MASK).logits.detach()
+    for s, o, m in zip(seen, other, own, strict=True):
+        assert torch.equal(s[0][:half], m[:half]) and torch.equal(s[0][half:], o[half:])
+    # causal: row 0's first half sees only its own, unreplayed routing
+    torch.testing.assert_close(moved[0, :half], plain[0, :half], atol=0, rtol=0)
+    assert (moved[0, half:] - plain[0, half:]).abs().max() > 1e-3

@@ -120,3 +120,37 @@ def test_the_router_learns_under_the_engines_routing(tmp_path, family):
         logits = model(input_ids=ids[None, :-1]).logits[0]
     torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).sum().backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_routing_travels_into_a_padded_learner_batch(tmp_path, family):
+    """Sample -> Trajectory -> the learner's padded Batch (a subset taken, as a micro-batch is): replaying
+    `Batch.padded_routing` in one padded forward routes every recorded token as the engine did and gives
+    the per-sample replayed logprobs; the padding and each row's last token keep the learner's own."""
+    from cluster.records.trajectories import to_trajectory
+    from learner.batch import pack_trajectories
+
+    path = str(build_causal_lm(tmp_path / "m", family, seed=2))
+    worker = RolloutWorker(path, RolloutConfig(engine="hf", record_routing=True), initial_version=0)
+    samples = worker.generate(INDICES, PROMPTS, seed=5, sampling=SAMPLING)
+    batch = pack_trajectories([to_trajectory(s, None, 1.0) for s in samples], pad_id=0)
+    idx = torch.tensor([5, 0, 3])
+    b = batch.take(idx)
+    assert b.routing.dtype == torch.uint8 and b.routing.shape[:2] == b.input_ids.shape
+    model = _model(path)
+    with torch.no_grad(), replay_routing(model, b.padded_routing()), record_routing(model) as seen:
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    L = b.input_ids.shape[1]
+    for row, j in enumerate(idx.tolist()):
+        s = samples[j]
+        n, p = len(s.prompt_ids) + len(s.response_ids) - 1, len(s.prompt_ids)
+        for i in range(2):
+            assert torch.equal(seen[i][0].view(len(idx), L, 2)[row, :n], torch.from_numpy(s.routing[:, i]))
+        want, _ = _learner_view(model, s, s.routing)
+        ids = b.input_ids[row, p : n + 1]
+        got = torch.log_softmax(logits[row, p - 1 : n].float(), -1).gather(-1, ids[:, None])[:, 0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="carry no routing"):
+        traj = [to_trajectory(s, None, 1.0) for s in samples[:2]]
+        traj[0].routing = None
+        pack_trajectories(traj, pad_id=0)

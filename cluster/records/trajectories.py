@@ -30,6 +30,7 @@ def to_trajectory(
         truncated=sample.finish_reason == "length",
         action_mask=None if episode is None else episode.loss_mask,
         token_rewards=episode.token_rewards() if episode is not None and turn_rewards else None,
+        routing=sample.routing,
     )
 
 
