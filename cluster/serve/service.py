@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.serve.checkpoint_routes import add_routes, save_named_sampler
 from cluster.serve.checkpoints import CheckpointPath, CheckpointStore, checkpoint_name
 from cluster.serve.config import ServeConfig
 from cluster.serve.futures import Done, Failed, FutureBook, UserError
@@ -90,31 +91,6 @@ class _SaveForSampler(_Body):
     seq_id: int | None = None
     path: str | None = None
     kind: str = "snapshot"
-
-
-class _SaveWeights(_Body):
-    model_id: str
-    seq_id: int | None = None
-    path: str | None = None
-    overwrite: bool = False
-
-
-class _LoadWeights(_Body):
-    path: str
-    optimizer: bool
-    model_id: str | None = None
-    seq_id: int | None = None
-    session_id: str | None = None
-    model_seq_id: int | None = None
-    base_model: str | None = None
-    optimizer_config: dict[str, Any] | None = None
-
-
-class _CreateSampling(_Body):
-    session_id: str
-    sampling_session_seq_id: int
-    base_model: str | None = None
-    model_path: str | None = None
 
 
 class _Retrieve(_Body):
@@ -206,36 +182,6 @@ class Service:
             ) from None
         self.tenants[model_id] = Tenant(owner, session_id, base_model, rank, actor)
         return model_id
-
-    async def load_weights(self, req: _LoadWeights, owner: str) -> Done:
-        """`load_state(_with_optimizer)` onto an existing model (model_id), or create-via-load (session_id
-        + model_seq_id: a new tenant with the checkpoint's base model and rank, as
-        `create_training_client_from_state(_with_optimizer)` sends)."""
-        saved = await asyncio.to_thread(self.checkpoints.read, owner, req.path, "weights", "load_weights")
-        if req.model_id is not None:
-            tenant = self.tenant(req.model_id, owner)
-            model_id = req.model_id
-            if (tenant.base_model, tenant.rank) != (saved["base_model"], saved["rank"]):
-                raise UserError(
-                    f"checkpoint {req.path!r} is a rank-{saved['rank']} adapter on {saved['base_model']!r}; "
-                    f"model {model_id!r} is rank {tenant.rank} on {tenant.base_model!r}"
-                )
-        else:
-            session = self.sessions.get(req.session_id or "")
-            if session is None or session.owner != owner or req.model_seq_id is None:
-                raise UserError(f"load_weights: unknown session_id {req.session_id!r} (or no model_seq_id)")
-            if req.base_model not in (None, saved["base_model"]):
-                raise UserError(
-                    f"load_weights: base_model {req.base_model!r} is not the checkpoint's {saved['base_model']!r}"
-                )
-            if (req.optimizer_config or {}).get("type", "adamw") != "adamw":
-                raise UserError(f"optimizer_config {req.optimizer_config!r}: only adamw is served")
-            model_id = await self.start_tenant(
-                owner, req.session_id, req.model_seq_id, saved["base_model"], saved["rank"], self.config.seed
-            )
-            tenant = self.tenants[model_id]
-        await tenant.actor.load_training_state.remote(saved["state"], req.optimizer)
-        return Done({"path": req.path, "model_id": model_id, "type": "load_weights"})
 
 
 def build_app(service: Service) -> FastAPI:
@@ -382,11 +328,8 @@ def build_app(service: Service) -> FastAPI:
             except UserError as e:
                 return _error(400, str(e))
 
-            async def named() -> Done:
-                bundle = await tenant.actor.adapter_bundle.remote()
-                payload = {"base_model": tenant.base_model, "rank": tenant.rank, "bundle": bundle}
-                uri = await asyncio.to_thread(service.checkpoints.write, who, where, payload, True)
-                return Done({"path": uri, "type": "save_weights_for_sampler"})
+            def named():
+                return save_named_sampler(service, tenant, body.model_id, who, where)
 
             return future(request, named, body.model_id, body.seq_id)
 
@@ -397,65 +340,7 @@ def build_app(service: Service) -> FastAPI:
 
         return future(request, work, body.model_id, body.seq_id)
 
-    @app.post("/api/v1/save_weights")
-    async def save_weights(body: _SaveWeights, request: Request):
-        who = owner(request)
-        try:
-            tenant = service.tenant(body.model_id, who)
-        except UserError as e:
-            return _error(404, str(e))
-        try:
-            where = CheckpointPath(body.model_id, "weights", checkpoint_name(body.path, "save_weights"))
-            service.checkpoints.require()
-        except UserError as e:
-            return _error(400, str(e))
-
-        async def work() -> Done:
-            state = await tenant.actor.training_state.remote()
-            payload = {"base_model": tenant.base_model, "rank": tenant.rank, "state": state}
-            uri = await asyncio.to_thread(service.checkpoints.write, who, where, payload, body.overwrite)
-            return Done({"path": uri, "type": "save_weights"})
-
-        return future(request, work, body.model_id, body.seq_id)
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights(body: _LoadWeights, request: Request):
-        who = owner(request)
-        if (body.model_id is None) == (body.session_id is None):
-            return _error(
-                400, "load_weights: give model_id (+ seq_id) or session_id + model_seq_id, one of them"
-            )
-        return future(request, lambda: service.load_weights(body, who), body.model_id, body.seq_id)
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(body: _CreateSampling, request: Request):
-        who = owner(request)
-        s = _session(request, body.session_id)
-        if isinstance(s, JSONResponse):
-            return s
-        if body.model_path is None:
-            return _error(
-                400, "create_sampling_session: sampling the bare base model is not served; give model_path"
-            )
-        try:
-            saved = await asyncio.to_thread(
-                service.checkpoints.read, who, body.model_path, "sampler_weights", "create_sampling_session"
-            )
-        except UserError as e:
-            return _error(404, str(e))
-        path = cfg.base_model(saved["base_model"]).path
-        sid = await service.samplers.open_session(
-            saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path
-        )
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-    @app.get("/api/v1/samplers/{sid}")
-    async def get_sampler(sid: str, request: Request):
-        try:
-            s = service.samplers.session(sid, owner(request))
-        except UserError as e:
-            return _error(404, str(e))
-        return {"sampler_id": sid, "base_model": s.base_model, "model_path": s.model_path}
+    add_routes(app, service, owner, future, _session)
 
     @app.post("/api/v1/asample")
     async def asample(body: SampleBody, request: Request):
