@@ -81,6 +81,14 @@ class Batch:
         B, L, layers, k = self.routing.shape
         return [self.routing[:, :, i].reshape(B * L, k) for i in range(layers)]
 
+    def packed_routing(self) -> list[torch.Tensor]:
+        """`routing` laid out as the packed forward (`kernel.sequences.pack_rows`: the real tokens of the
+        rows end to end) flattens its tokens: one [T, k] tensor per MoE layer."""
+        if self.routing is None:
+            raise ValueError("this batch carries no recorded routing")
+        real = self.routing[self.attention_mask.bool()]  # [T, layers, k], row by row
+        return [real[:, i] for i in range(real.shape[1])]
+
     def take(self, idx: torch.Tensor) -> Batch:
         """Rows `idx`, trimmed to their own longest sequence and response."""
         attn = self.attention_mask[idx]

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from tiny_models import MOE_FAMILIES, build_causal_lm
 from transformers import AutoModelForCausalLM
 
-from kernel.moe_routing import moe_routers, record_routing, replay_routing
+from kernel.moe_routing import NOT_RECORDED, moe_routers, record_routing, replay_routing
 from rollout_workers.config import EnvironmentConfig, RolloutConfig, SamplingConfig
 from rollout_workers.worker import RolloutWorker
 
@@ -154,3 +154,38 @@ def test_the_routing_travels_into_a_padded_learner_batch(tmp_path, family):
         traj = [to_trajectory(s, None, 1.0) for s in samples[:2]]
         traj[0].routing = None
         pack_trajectories(traj, pad_id=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_packed_and_padded_replay_agree(tmp_path, family):
+    """The packed forward (`pack_rows`, one padding-free row) replaying `Batch.packed_routing` routes every
+    token as the padded forward replaying `Batch.padded_routing`, and scores the responses alike."""
+    from cluster.records.trajectories import to_trajectory
+    from kernel.sequences import pack_rows, packed_response_logits, response_tokens
+    from learner.batch import pack_trajectories
+
+    path = str(build_causal_lm(tmp_path / "m", family, seed=2))
+    worker = RolloutWorker(path, RolloutConfig(engine="hf", record_routing=True), initial_version=0)
+    samples = worker.generate(INDICES, PROMPTS, seed=5, sampling=SAMPLING)
+    b = pack_trajectories([to_trajectory(s, None, 1.0) for s in samples], pad_id=0)
+    model = _model(path)
+    R = b.mask.shape[1]
+    with torch.no_grad(), replay_routing(model, b.padded_routing()), record_routing(model) as padded_seen:
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    tokens = response_tokens(b.input_ids, b.prompt_lens, R)
+    rows = pack_rows(b.input_ids, b.attention_mask, b.prompt_lens, b.response_lens, R)
+    with torch.no_grad(), replay_routing(model, b.packed_routing()), record_routing(model) as packed_seen:
+        packed, _ = packed_response_logits(model, rows)
+    real = b.attention_mask.bool().flatten()
+    recorded = (b.routing[..., 0, 0] != NOT_RECORDED).flatten()[real]
+    engine = b.routing[b.attention_mask.bool()]
+    for i in range(2):  # the engine's experts where recorded, the same own choice on each last token
+        assert torch.equal(packed_seen[i][0], padded_seen[i][0][real])
+        assert torch.equal(packed_seen[i][0][recorded], engine[recorded, i])
+    packed_lp = rows.unpack(torch.log_softmax(packed, -1).gather(-1, rows.targets[:, None])[:, 0])
+    padded_lp = torch.zeros_like(packed_lp)
+    for r in range(len(b)):
+        p, n = int(b.prompt_lens[r]), int(b.response_lens[r])
+        lg = logits[r, p - 1 : p - 1 + n]
+        padded_lp[r, :n] = torch.log_softmax(lg, -1).gather(-1, tokens[r, :n, None])[:, 0]
+    torch.testing.assert_close(packed_lp * b.mask, padded_lp * b.mask, atol=1e-5, rtol=1e-5)
