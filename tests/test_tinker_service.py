@@ -216,6 +216,10 @@ def test_the_optimizer_state_travels_with_the_checkpoint(saved):
     np.testing.assert_array_equal(np.concatenate(saved["stepped"]["onto"]), ref)
     assert not np.allclose(np.concatenate(saved["stepped"]["without"]), ref, atol=1e-4)
     assert not np.array_equal(ref, np.concatenate(saved["loaded"]["saved"]))  # the step moved it
+    assert sorted(saved["listed"]) == [
+        ["sampler_weights/two-steps", "sampler", saved["paths"]["sampler"]],
+        ["weights/two-steps", "training", saved["paths"]["weights"]],
+    ]  # RestClient.list_checkpoints of the run
     err = saved["errors"]["exists"]  # a name is not overwritten unless asked
     assert "'tinker://" in err["message"] and "exists" in err["message"]
 
@@ -234,7 +238,8 @@ def test_a_named_sampler_checkpoint_samples_what_the_training_client_had(saved):
 @slow
 @needs_sdk
 def test_another_key_cannot_load_or_sample_a_checkpoint(service, saved):
-    """OTHER_KEY is told KEY's checkpoints do not exist (the path named), whichever route it takes."""
+    """OTHER_KEY is told KEY's checkpoints do not exist (the path named), whichever route it takes, and
+    lists none of them."""
     paths = saved["paths"]
     seen = run_client("foreign", service, OTHER_KEY, paths["weights"], paths["sampler"])
     for route, path in (

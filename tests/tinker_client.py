@@ -197,7 +197,9 @@ def checkpoints(client, model: str) -> dict:
         tc.save_state("two-steps").result()
     except Exception as e:  # noqa: BLE001 - the scenario reports whatever the SDK raised
         seen["exists"] = error(e)
+    listed = client.create_rest_client().list_checkpoints(tc.get_info().model_id).result()
     return {
+        "listed": [[c.checkpoint_id, c.checkpoint_type, c.tinker_path] for c in listed.checkpoints],
         "paths": {"weights": saved, "sampler": sampler},
         "onto_before": onto_before,
         "loaded": loaded,
@@ -222,6 +224,10 @@ def foreign(client, model: str, weights: str, sampler: str) -> dict:
         tc.load_state(weights).result()
     except Exception as e:  # noqa: BLE001
         seen["load_onto"] = error(e)
+    run = weights.split("/")[2]
+    seen["listed"] = [
+        c.tinker_path for c in client.create_rest_client().list_checkpoints(run).result().checkpoints
+    ]
     try:
         client.create_sampling_client(model_path=sampler).sample(
             types.ModelInput.from_ints([1, 4]), 1, types.SamplingParams(max_tokens=2)

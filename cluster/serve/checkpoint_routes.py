@@ -2,7 +2,7 @@
 folder per API key): `save_weights` (`save_state`), `load_weights` (`load_state(_with_optimizer)` onto a
 model, or `create_training_client_from_state(_with_optimizer)`: a new tenant with the checkpoint's base
 model and rank), `create_sampling_session(model_path=tinker://.../sampler_weights/<name>)` and
-`GET samplers/{id}`. A named `save_weights_for_sampler` is `save_named_sampler`. Every path is read in
+`GET samplers/{id}`, `GET training_runs/{id}/checkpoints` (`RestClient.list_checkpoints`). A named `save_weights_for_sampler` is `save_named_sampler`. Every path is read in
 the caller's own folder: another key's checkpoint "does not exist", the path named.
 """
 
@@ -147,6 +147,14 @@ def add_routes(app: FastAPI, service, owner, future, caller_session) -> None:
             saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path
         )
         return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @app.get("/api/v1/training_runs/{run}/checkpoints")
+    async def list_checkpoints(run: str, request: Request):
+        try:
+            found = await asyncio.to_thread(service.checkpoints.listing, owner(request), run)
+        except UserError as e:
+            return _error(400, str(e))
+        return {"checkpoints": found, "cursor": None}
 
     @app.get("/api/v1/samplers/{sid}")
     async def get_sampler(sid: str, request: Request):

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,23 @@ class CheckpointStore:
         finally:
             tmp.unlink(missing_ok=True)
         return path.uri
+
+    def listing(self, owner: str, run: str) -> list[dict[str, Any]]:
+        """This owner's checkpoints of one training run (the SDK's `Checkpoint`: id, type, time, path,
+        size), oldest first; a run of another key, or none, lists nothing."""
+        if not _RUN.fullmatch(run):
+            raise UserError(f"training run id {run!r} is not a model_id")
+        self.require()
+        out = []
+        for kind, ckpt_type in zip(KINDS, ("training", "sampler"), strict=True):
+            for file in sorted(self._file(owner, CheckpointPath(run, kind, "x")).parent.glob("*.pt")):
+                stat = file.stat()
+                out.append({
+                    "checkpoint_id": f"{kind}/{file.stem}", "checkpoint_type": ckpt_type,
+                    "time": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat(),
+                    "tinker_path": CheckpointPath(run, kind, file.stem).uri, "size_bytes": stat.st_size,
+                })  # fmt: skip
+        return sorted(out, key=lambda c: c["time"])
 
     def read(self, owner: str, uri: str, kind: str, what: str) -> dict[str, Any]:
         """The payload saved at `uri` by this owner; a UserError naming the path if it is not theirs,
