@@ -30,14 +30,26 @@ NOT_RECORDED = 255  # a token's replayed row of this value: no recorded routing,
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The routers of `model`'s MoE layers in layer order: the `gate` of every module that holds both a
-    `gate` and an `experts` module with a 3-D (fused) parameter."""
+    `gate` and an `experts` module with a 3-D (fused) parameter. Through PEFT's wrappers (LoRA on the
+    expert stacks or on the router: `base_layer`, nested) the innermost modules count: the router is the
+    wrapped one, whose forward the wrapper calls with the adapted weight."""
     out = []
     for module in model.modules():
-        gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+        gate, experts = (
+            _innermost(getattr(module, "gate", None)),
+            _innermost(getattr(module, "experts", None)),
+        )
         fused = isinstance(experts, nn.Module) and any(p.ndim == 3 for p in experts.parameters(recurse=False))
-        if isinstance(gate, nn.Module) and fused:
+        if isinstance(gate, nn.Module) and fused and gate not in out:
             out.append(gate)
     return out
+
+
+def _innermost(module):
+    """`module` with PEFT's wrappers peeled off (`base_layer`, nested)."""
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
 
 
 def replayed_gate_weights(

@@ -122,3 +122,28 @@ def test_unrecorded_tokens_keep_their_own_routing(moe_dir):
     # causal: row 0's first half sees only its own, unreplayed routing
     torch.testing.assert_close(moved[0, :half], plain[0, :half], atol=0, rtol=0)
     assert (moved[0, half:] - plain[0, half:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lora", ["experts", "all-linear"])
+def test_routing_is_found_through_peft_wrappers(moe_dir, lora):
+    """LoRA on the expert stacks (or everywhere, the router too) wraps the modules; the routers are still
+    found, recorded and replayed, and replaying the own routing is the same forward."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = (
+        {"target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}
+        if lora == "experts"
+        else {"target_modules": "all-linear"}
+    )
+    model = get_peft_model(_model(moe_dir), LoraConfig(r=2, init_lora_weights=False, **targets)).eval()
+    assert len(moe_routers(model)) == 2
+    with record_routing(model) as taken:
+        plain = model(input_ids=IDS, attention_mask=MASK).logits
+    with replay_routing(model, [t[0] for t in taken]):
+        replayed = model(input_ids=IDS, attention_mask=MASK).logits
+    assert torch.equal(replayed, plain)
+    other = [((t[0].long() + 1) % 4).to(torch.uint8) for t in taken]
+    with replay_routing(model, other), record_routing(model) as seen:
+        moved = model(input_ids=IDS, attention_mask=MASK).logits
+    assert all(torch.equal(s[0], o) for s, o in zip(seen, other, strict=True))
+    assert (moved - plain).abs().max() > 1e-3
