@@ -513,3 +513,14 @@ def test_checkpoint_store_is_per_key_atomic_and_checks_paths(tmp_path):
             CheckpointPath.parse(bad)
     with pytest.raises(UserError, match="no checkpoint_dir"):
         CheckpointStore(None).read("tml-a", where.uri, "weights", "load")
+
+
+@slow
+@needs_sdk
+def test_loading_a_checkpoint_of_another_rank_is_refused_naming_both(service, saved):
+    model_id = _tenant(service)  # rank 2; the saved checkpoint is rank 4
+    body = {"model_id": model_id, "seq_id": 1, "path": saved["paths"]["weights"], "optimizer": True}
+    rid = json.loads(_call(service, "/api/v1/load_weights", body)[1])["request_id"]
+    err = json.loads(_result(service, rid))
+    assert err["category"] == "user" and "rank-4 adapter on 'tiny-gpt2'" in err["error"]
+    assert f"model {model_id!r} is rank 2" in err["error"]
