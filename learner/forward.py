@@ -4,6 +4,7 @@ all_reduce through which the ranks agree on counts and sums."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kernel.moe_routing import replay_routing
 from kernel.sequences import pack_rows, response_tokens
 from learner.batch import Batch
 from learner.config import LearnerConfig
@@ -73,8 +75,27 @@ class Scored(NamedTuple):
         return self.logprobs.sum() + (self.entropy.sum() if self.entropy is not None else 0.0)
 
 
+def replays_routing(config: LearnerConfig, batch: Batch) -> bool:
+    """Whether the forwards on `batch` replay its recorded routing (learner.router_replay 'R3'); R3 on a
+    shard whose trajectories carry no routing is a ValueError naming the fields."""
+    if config.router_replay != "R3":
+        return False
+    if len(batch) and batch.routing is None:
+        raise ValueError(
+            "learner.router_replay='R3' replays the engine's recorded routing, but the trajectories carry none: "
+            "set rollout.record_routing: true (rollout.engine 'hf', a mixture-of-experts policy)"
+        )
+    return True
+
+
 def forward_scores(
-    model, b: Batch, temperature: float, extra: int = 0, packed: bool = False, entropy: bool = False
+    model,
+    b: Batch,
+    temperature: float,
+    extra: int = 0,
+    packed: bool = False,
+    entropy: bool = False,
+    replay: bool = False,
 ) -> Scored:
     """Log-probabilities and values (and entropies with `entropy`) of the response tokens of `b`.
 
@@ -82,7 +103,17 @@ def forward_scores(
     state after its last token gives (the value a truncated response bootstraps from). `packed`: one
     padding-free row (`kernel.sequences.pack_rows`), outputs only at real response positions. The
     model scores the tokens itself (`PolicyWithValueHead.forward` with `targets`: from full logits, or
-    chunked from the hidden states)."""
+    chunked from the hidden states). `replay` (learner.router_replay 'R3'): the MoE layers route as
+    `b.routing` says (`kernel.moe_routing.replay_routing`, laid out padded or packed); a batch without
+    routing (the dummy batch of a rank with no data) routes itself."""
+    routing = None
+    if replay and b.routing is not None:
+        routing = b.packed_routing() if packed else b.padded_routing()
+    with replay_routing(model, routing) if routing is not None else contextlib.nullcontext():
+        return _forward_scores(model, b, temperature, extra, packed, entropy)
+
+
+def _forward_scores(model, b: Batch, temperature: float, extra: int, packed: bool, entropy: bool) -> Scored:
     R = b.mask.shape[1] + extra
     if packed:
         counts = b.response_lens + extra

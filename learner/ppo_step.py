@@ -30,7 +30,14 @@ from learner.advantages import kl_loss, needs_critic
 from learner.algorithms import count_sequences
 from learner.batch import Batch, Trajectory, dummy_batch, pack_trajectories
 from learner.context import LearnerContext
-from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, world_size
+from learner.forward import (
+    RankSums,
+    all_reduce,
+    forward_scores,
+    micro_batch_rows,
+    replays_routing,
+    world_size,
+)
 from learner.losses import aggregate_loss, policy_loss, value_loss
 from learner.lr_schedule import advance_unapplied
 from learner.prepare import prepare
@@ -71,7 +78,8 @@ def micro_batch_loss(ctx: LearnerContext, mb: Batch, g_tokens: float, g_seqs: fl
     """The PPO loss of one micro-batch, normalised by the minibatch's global counts, and its local sums."""
     engine, config, temperature = ctx.engine, ctx.config, ctx.temperature
     with_entropy = config.entropy_coef > 0  # else the sampled tokens' -log pi estimates it, for free
-    scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, entropy=with_entropy)
+    replay = config.router_replay == "R3"
+    scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, with_entropy, replay)
     logprobs, values = scored.logprobs, scored.values
     t, agg, horizon = mb.tokens, config.loss_agg, config.loss_norm_tokens
     reduce = functools.partial(
@@ -126,6 +134,7 @@ def ppo_update(ctx: LearnerContext, batch: Batch):
     """PPO epochs x minibatches x micro-batches on this rank; one optimizer step per minibatch on all ranks.
 
     Each minibatch is one slot of the LR schedule's clock, stepped or not (learner.lr_schedule)."""
+    replays_routing(ctx.config, batch)  # refuses R3 without routing (bypass mode has no proximal pass)
     engine, config, temperature, pad_id, device = (
         ctx.engine,
         ctx.config,
@@ -175,7 +184,10 @@ def ppo_update(ctx: LearnerContext, batch: Batch):
                     scale = float("nan")
                 else:
                     entropy = config.entropy_coef > 0  # the outputs a real micro-batch's loss reads
-                    scored = forward_scores(engine, zero_w, temperature, 0, config.pack_sequences, entropy)
+                    replay = config.router_replay == "R3"
+                    scored = forward_scores(
+                        engine, zero_w, temperature, 0, config.pack_sequences, entropy, replay
+                    )
                     scale = 0.0
                 # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
                 # through the same modules as a real micro-batch: the (frozen) value head only with a

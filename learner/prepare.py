@@ -34,7 +34,7 @@ from learner.critic import (
     normalized_rewards,
     value_clip_radius,
 )
-from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows
+from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, replays_routing
 from learner.lora import adapters_off
 
 
@@ -47,6 +47,7 @@ def proximal_pass(ctx: LearnerContext, batch: Batch):
     output position) with truncation='bootstrap'. With learner.reference_from_base each micro-batch
     also gets a second forward with the LoRA adapters off: the reference logprobs, filled into
     `batch.tokens.ref_logprobs` (the frozen initial policy is the base weights the adapters sit on)."""
+    replays_routing(ctx.config, batch)  # refuses R3 without routing before anything runs
     engine, config, temperature, pad_id, device = (
         ctx.engine,
         ctx.config,
@@ -62,16 +63,21 @@ def proximal_pass(ctx: LearnerContext, batch: Batch):
     old_lp = torch.zeros((B, R), dtype=torch.float32)
     values = torch.zeros((B, R + extra), dtype=torch.float32)
     from_base = config.reference_from_base
+    replay = replays_routing(config, batch)
     ref_lp = torch.zeros((B, R), dtype=torch.float32) if from_base else None
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
-            lp, v, _ = forward_scores(engine, mb.to(device), temperature, extra, config.pack_sequences)
+            lp, v, _ = forward_scores(
+                engine, mb.to(device), temperature, extra, config.pack_sequences, replay=replay
+            )
             r = mb.mask.shape[1]
             old_lp[micro[i], :r] = lp[:, :r].cpu()
             if from_base:
                 with adapters_off(engine.module):
-                    base, _, _ = forward_scores(engine, mb.to(device), temperature, 0, config.pack_sequences)
+                    base, _, _ = forward_scores(
+                        engine, mb.to(device), temperature, 0, config.pack_sequences, replay=replay
+                    )
                 ref_lp[micro[i], :r] = base[:, :r].cpu()
             if critic:
                 values[micro[i], : r + extra] = v.cpu()

@@ -7,6 +7,8 @@ makes every choice the engine's and brings the logprobs closer to the engine's."
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,133 @@ def test_packed_and_padded_replay_agree(tmp_path, family):
         lg = logits[r, p - 1 : p - 1 + n]
         padded_lp[r, :n] = torch.log_softmax(lg, -1).gather(-1, tokens[r, :n, None])[:, 0]
     torch.testing.assert_close(packed_lp * b.mask, padded_lp * b.mask, atol=1e-5, rtol=1e-5)
+
+
+@contextlib.contextmanager
+def _experts_used(model):
+    """Each MoE layer's `top_k_index` as its experts module receives it (forward_scores enters its replay
+    inside, so a hook on the router registered here would run before the replay's)."""
+    blocks = [m for m in model.modules() if getattr(m, "gate", None) in moe_routers(model)]
+    taken = [[] for _ in blocks]
+
+    def keep(i):
+        def hook(module, args, kwargs):
+            taken[i].append((args[1] if len(args) > 1 else kwargs["top_k_index"]).detach())
+
+        return hook
+
+    handles = [b.experts.register_forward_pre_hook(keep(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        yield taken
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _noisy_engine_samples(tmp_path, family):
+    """The learner's model dir and samples (with routing) from an engine whose routers got noise."""
+    learner_dir = build_causal_lm(tmp_path / "learner", family, seed=2)
+    engine_dir = build_causal_lm(tmp_path / "engine", family, seed=2)
+    noisy = _model(engine_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in moe_routers(noisy):
+            router.weight.add_(0.15 * router.weight.std() * torch.randn(router.weight.shape, generator=gen))
+    noisy.save_pretrained(engine_dir)
+    worker = RolloutWorker(
+        str(engine_dir), RolloutConfig(engine="hf", record_routing=True), initial_version=0
+    )
+    return learner_dir, worker.generate(list(range(6)), PROMPTS * 2, seed=7, sampling=SAMPLING)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_learner_forward_replays_r3(tmp_path, family):
+    """learner.forward_scores with replay (learner.router_replay 'R3'), padded and packed: every recorded
+    token routed as the engine did, the logprobs closer to the engine's than without replay, packed equal
+    to padded, and the routers' weights get gradients; R3 on a batch without routing is refused by name."""
+    from cluster.records.trajectories import to_trajectory
+    from learner.batch import pack_trajectories
+    from learner.config import LearnerConfig
+    from learner.context import LearnerContext
+    from learner.forward import forward_scores
+    from learner.model import PolicyWithValueHead
+    from learner.prepare import proximal_pass
+
+    learner_dir, samples = _noisy_engine_samples(tmp_path, family)
+    b = pack_trajectories([to_trajectory(s, None, 1.0) for s in samples], pad_id=0)
+    model = PolicyWithValueHead.from_pretrained(str(learner_dir), value_head_std=0.1)
+    valid = b.mask.bool()
+    recorded = (b.routing[..., 0, 0] != NOT_RECORDED).flatten()
+    gaps, scores = {}, {}
+    for packed in (False, True):
+        for replay in (False, True):
+            model.zero_grad()
+            with _experts_used(model) as seen:  # what the experts get, after every router hook
+                s = forward_scores(model, b, 1.0, packed=packed, replay=replay)
+            gaps[packed, replay] = (s.logprobs - b.tokens.behaviour_logprobs)[valid].abs().mean().item()
+            scores[packed, replay] = s.logprobs[valid].detach()
+            if replay:
+                routed = [t[0].to(torch.uint8) for t in seen]
+                real = b.attention_mask.bool().flatten()
+                want = b.routing.flatten(0, 1)[real] if packed else b.routing.flatten(0, 1)
+                rec = recorded[real] if packed else recorded
+                assert all(torch.equal(routed[i][rec], want[rec, i]) for i in range(2))
+                s.logprobs[valid].sum().backward()
+                assert all(r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
+    print(
+        f"{family}: mean |learner - engine logprob| no replay {gaps[False, False]:.4f}, R3 {gaps[False, True]:.4f}"
+    )
+    assert gaps[False, True] < gaps[False, False]
+    torch.testing.assert_close(scores[True, True], scores[False, True], atol=1e-5, rtol=0)
+    without = pack_trajectories([to_trajectory(s, None, 1.0) for s in samples], pad_id=0)
+    without.routing = None
+    ctx = LearnerContext(engine=None, config=LearnerConfig(router_replay="R3"), temperature=1.0, pad_id=0)
+    with pytest.raises(ValueError, match=r"learner.router_replay='R3'.*rollout.record_routing"):
+        proximal_pass(ctx, without)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_prepare_and_ppo_update_replay_r3(tmp_path, family):
+    """The learner's step under learner.router_replay 'R3' (prepare's proximal pass, the PPO passes) on a
+    noisy engine's samples: the proximal logprobs are the replayed ones (closer to the engine's), the
+    routers get gradients, and packed and padded micro-batches give the same minibatch gradients."""
+    from test_learner_packing import GradientTap
+
+    class Tap(GradientTap):  # a DeepSpeed engine is a module holding the model: its routers are found
+        def modules(self):
+            return self.model.modules()
+
+    from cluster.records.trajectories import to_trajectory
+    from learner.batch import pack_trajectories
+    from learner.config import LearnerConfig
+    from learner.context import LearnerContext
+    from learner.model import PolicyWithValueHead
+    from learner.ppo_step import ppo_update
+    from learner.prepare import prepare
+
+    learner_dir, samples = _noisy_engine_samples(tmp_path, family)
+    routers_grads, old = {}, {}
+    for replay, packed in (("none", False), ("R3", False), ("R3", True)):
+        torch.manual_seed(0)
+        tap = Tap(PolicyWithValueHead.from_pretrained(str(learner_dir), value_head_std=0.1))
+        config = LearnerConfig(
+            ppo_epochs=1, num_minibatches=2, micro_batch_size=3, router_replay=replay, pack_sequences=packed
+        )
+        batch = pack_trajectories(
+            [to_trajectory(s, s.logprobs, float(i % 2)) for i, s in enumerate(samples)], 0
+        )
+        prepare(LearnerContext(tap, config, 1.0, 0), batch, 0.0)
+        ppo_update(LearnerContext(tap, config, 1.0, 0, torch.Generator().manual_seed(3)), batch)
+        valid = batch.mask.bool()
+        old[replay, packed] = (
+            (batch.tokens.old_logprobs - batch.tokens.behaviour_logprobs)[valid].abs().mean()
+        )
+        names = [n for n in tap.grads[0] if n.endswith("mlp.gate.weight")]
+        assert len(names) == 2 and all(g[n].abs().sum() > 0 for g in tap.grads for n in names)
+        routers_grads[replay, packed] = tap.grads
+    assert old["R3", False] < old["none", False]
+    torch.testing.assert_close(old["R3", True], old["R3", False], atol=1e-6, rtol=0)
+    for a, c in zip(routers_grads["R3", True], routers_grads["R3", False], strict=True):
+        for n in c:
+            scale = max(1.0, float(c[n].abs().max()))
+            torch.testing.assert_close(a[n], c[n], atol=1e-5 * scale, rtol=0)
