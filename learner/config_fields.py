@@ -137,14 +137,16 @@ class LearnerFields(_Strict):
             "an architecture whose packed logits differ from the padded ones is refused."
         ),
     )
-    router_replay: Literal["none", "R3"] = Field(
+    router_replay: Literal["none", "R2", "R3"] = Field(
         "none",
         description=(
             "Rollout routing replay for a mixture-of-experts policy (docs/moe.md; R3, arXiv 2510.11370). "
             "'R3': every forward of the policy on a batch (the proximal pass, the reference_from_base pass, "
             "the PPO passes) routes each token to the experts the engine chose for it (rollout.record_routing), "
             "with the gate values recomputed from the live router logits so the router still learns; padding "
-            "and each sequence's last token keep the learner's own routing. 'none': the learner routes itself."
+            "and each sequence's last token keep the learner's own routing. 'R2': the PPO passes route as the "
+            "learner's own proximal pass did (recorded there, no engine recording needed). 'none': the learner "
+            "routes itself."
         ),
     )
     logits_chunk_tokens: int | Literal["auto"] | None = Field(

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernel.moe_routing import replay_routing
+from kernel.moe_routing import NOT_RECORDED, replay_routing
 from kernel.sequences import pack_rows, response_tokens
 from learner.batch import Batch
 from learner.config import LearnerConfig
@@ -75,9 +75,17 @@ class Scored(NamedTuple):
         return self.logprobs.sum() + (self.entropy.sum() if self.entropy is not None else 0.0)
 
 
-def replays_routing(config: LearnerConfig, batch: Batch) -> bool:
-    """Whether the forwards on `batch` replay its recorded routing (learner.router_replay 'R3'); R3 on a
-    shard whose trajectories carry no routing is a ValueError naming the fields."""
+def replays_routing(config: LearnerConfig, batch: Batch, proximal: bool = False) -> bool:
+    """Whether the forwards on `batch` replay its routing: learner.router_replay 'R3' (the engine's) in every
+    pass, 'R2' (the proximal pass's own, `keep_routing`) in the passes after the proximal one. R3 on a shard
+    whose trajectories carry no routing is a ValueError naming the fields."""
+    if config.router_replay == "R2":
+        if not proximal and len(batch) and batch.routing is None:
+            raise ValueError(
+                "learner.router_replay='R2' replays the proximal pass's routing, but this shard has none (no "
+                "proximal pass ran: learner.bypass skips it); use 'R3' or 'none'"
+            )
+        return not proximal
     if config.router_replay != "R3":
         return False
     if len(batch) and batch.routing is None:
@@ -86,6 +94,22 @@ def replays_routing(config: LearnerConfig, batch: Batch) -> bool:
             "set rollout.record_routing: true (rollout.engine 'hf', a mixture-of-experts policy)"
         )
     return True
+
+
+def keep_routing(
+    shard: torch.Tensor, rows: torch.Tensor, mb: Batch, taken: list[list[torch.Tensor]], packed: bool
+) -> torch.Tensor:
+    """learner.router_replay 'R2': the routing one forward of micro-batch `mb` (rows `rows` of the shard)
+    recorded (`kernel.moe_routing.record_routing`, padded or packed layout) written into the shard's
+    `[B, L, layers, k]` routing (NOT_RECORDED where nothing real was routed)."""
+    layers = torch.stack([t[0] for t in taken], dim=1).cpu()  # [N, layers, k]
+    if layers.dtype != torch.uint8:
+        raise ValueError("learner.router_replay='R2' keeps routing in uint8: at most 254 experts per layer")
+    real = mb.attention_mask.bool().cpu()
+    block = torch.full((*real.shape, *layers.shape[1:]), NOT_RECORDED, dtype=torch.uint8)
+    block[real] = layers if packed else layers.view(*real.shape, *layers.shape[1:])[real]
+    shard[rows, : block.shape[1]] = block
+    return shard
 
 
 def forward_scores(

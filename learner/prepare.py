@@ -8,12 +8,14 @@ own shard; the counts, sums and moments are all_reduced, so every returned stati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 
 import torch
 
+from kernel.moe_routing import NOT_RECORDED, moe_routers, record_routing
 from learner.advantages import (
     AdvantageInputs,
     AdvantageParams,
@@ -34,7 +36,14 @@ from learner.critic import (
     normalized_rewards,
     value_clip_radius,
 )
-from learner.forward import RankSums, all_reduce, forward_scores, micro_batch_rows, replays_routing
+from learner.forward import (
+    RankSums,
+    all_reduce,
+    forward_scores,
+    keep_routing,
+    micro_batch_rows,
+    replays_routing,
+)
 from learner.lora import adapters_off
 
 
@@ -47,7 +56,7 @@ def proximal_pass(ctx: LearnerContext, batch: Batch):
     output position) with truncation='bootstrap'. With learner.reference_from_base each micro-batch
     also gets a second forward with the LoRA adapters off: the reference logprobs, filled into
     `batch.tokens.ref_logprobs` (the frozen initial policy is the base weights the adapters sit on)."""
-    replays_routing(ctx.config, batch)  # refuses R3 without routing before anything runs
+    replays_routing(ctx.config, batch, proximal=True)  # refuses R3 without routing before anything runs
     engine, config, temperature, pad_id, device = (
         ctx.engine,
         ctx.config,
@@ -63,14 +72,28 @@ def proximal_pass(ctx: LearnerContext, batch: Batch):
     old_lp = torch.zeros((B, R), dtype=torch.float32)
     values = torch.zeros((B, R + extra), dtype=torch.float32)
     from_base = config.reference_from_base
-    replay = replays_routing(config, batch)
+    replay = replays_routing(config, batch, proximal=True)
+    own = config.router_replay == "R2"  # keep this pass's routing for the PPO passes
+    if own and not moe_routers(engine):
+        raise ValueError(
+            "learner.router_replay='R2' needs a mixture-of-experts policy; this one has no MoE layer"
+        )
+    routes = None
     ref_lp = torch.zeros((B, R), dtype=torch.float32) if from_base else None
     for i in range(n):
         if i < len(micro):
             mb = batch.take(micro[i])
-            lp, v, _ = forward_scores(
-                engine, mb.to(device), temperature, extra, config.pack_sequences, replay=replay
-            )
+            with record_routing(engine) if own else contextlib.nullcontext() as taken:
+                lp, v, _ = forward_scores(
+                    engine, mb.to(device), temperature, extra, config.pack_sequences, replay=replay
+                )
+            if own:
+                if routes is None:
+                    k = taken[0][0].shape[-1]
+                    routes = torch.full(
+                        (B, batch.input_ids.shape[1], len(taken), k), NOT_RECORDED, dtype=torch.uint8
+                    )
+                keep_routing(routes, micro[i], mb, taken, config.pack_sequences)
             r = mb.mask.shape[1]
             old_lp[micro[i], :r] = lp[:, :r].cpu()
             if from_base:
@@ -88,6 +111,8 @@ def proximal_pass(ctx: LearnerContext, batch: Batch):
                     forward_scores(
                         engine, dummy_batch(pad_id).to(device), temperature, 0, config.pack_sequences
                     )
+    if own and routes is not None:
+        batch.routing = routes
     if from_base:
         if len(batch) and batch.tokens.ref_logprobs is not None:
             raise ValueError(

@@ -321,3 +321,63 @@ def test_prepare_and_ppo_update_replay_r3(tmp_path, family):
         for n in c:
             scale = max(1.0, float(c[n].abs().max()))
             torch.testing.assert_close(a[n], c[n], atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_r2_replays_the_proximal_pass(tmp_path, family):
+    """learner.router_replay 'R2': the proximal pass (padded or packed) keeps its own routing in the batch,
+    equal to a plain forward's at every real token; after the routers move (noise, as an optimizer step
+    between minibatches would), the PPO passes' forwards still route as the proximal pass did; the
+    routers get gradients; R2 without a proximal pass (bypass) is refused by name."""
+    from test_learner_packing import GradientTap
+
+    from cluster.records.trajectories import to_trajectory
+    from learner.batch import pack_trajectories
+    from learner.config import LearnerConfig
+    from learner.context import LearnerContext
+    from learner.forward import forward_scores
+    from learner.model import PolicyWithValueHead
+    from learner.ppo_step import ppo_update
+    from learner.prepare import proximal_pass
+
+    class Tap(GradientTap):
+        def modules(self):
+            return self.model.modules()
+
+    learner_dir, samples = _noisy_engine_samples(tmp_path, family)
+    kept = {}
+    for packed in (False, True):
+        model = PolicyWithValueHead.from_pretrained(str(learner_dir), value_head_std=0.1)
+        config = LearnerConfig(router_replay="R2", pack_sequences=packed, micro_batch_size=5)
+        batch = pack_trajectories(
+            [to_trajectory(s, s.logprobs, 1.0) for s in samples], 0
+        )  # no engine routing
+        batch.routing = None
+        proximal_pass(LearnerContext(Tap(model), config, 1.0, 0), batch)
+        real = batch.attention_mask.bool()
+        with torch.no_grad(), record_routing(model) as own:
+            forward_scores(model, batch, 1.0)
+        own = torch.stack([t[0] for t in own], dim=1).view(*real.shape, 2, 2)
+        assert torch.equal(batch.routing[real], own[real])
+        assert (batch.routing[~real] == NOT_RECORDED).all()
+        kept[packed] = batch.routing
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for r in moe_routers(model):
+                r.weight.add_(0.3 * r.weight.std() * torch.randn(r.weight.shape, generator=gen))
+        with torch.no_grad(), record_routing(model) as drifted:
+            forward_scores(model, batch, 1.0)
+        drifted = torch.stack([t[0] for t in drifted], dim=1).view(*real.shape, 2, 2)
+        assert not torch.equal(drifted[real], own[real])  # the moved routers alone would route elsewhere
+        with _experts_used(model) as used:
+            s = forward_scores(model, batch, 1.0, packed=packed, replay=True)
+        used = torch.stack([t[0] for t in used], dim=1).to(torch.uint8)
+        assert torch.equal(used if packed else used.view(*real.shape, 2, 2)[real], own[real])
+        s.logprobs[batch.mask.bool()].sum().backward()
+        assert all(r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
+    assert torch.equal(kept[True], kept[False])
+    bypassed = pack_trajectories([to_trajectory(s, s.logprobs, 1.0) for s in samples], 0)
+    bypassed.routing = None
+    ctx = LearnerContext(None, LearnerConfig(router_replay="R2"), 1.0, 0)
+    with pytest.raises(ValueError, match=r"learner.router_replay='R2'.*learner.bypass"):
+        ppo_update(ctx, bypassed)
