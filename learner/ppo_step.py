@@ -78,7 +78,7 @@ def micro_batch_loss(ctx: LearnerContext, mb: Batch, g_tokens: float, g_seqs: fl
     """The PPO loss of one micro-batch, normalised by the minibatch's global counts, and its local sums."""
     engine, config, temperature = ctx.engine, ctx.config, ctx.temperature
     with_entropy = config.entropy_coef > 0  # else the sampled tokens' -log pi estimates it, for free
-    replay = config.router_replay == "R3"
+    replay = config.router_replay != "none"  # R2 and R3 alike: the batch holds the routing
     scored = forward_scores(engine, mb, temperature, 0, config.pack_sequences, with_entropy, replay)
     logprobs, values = scored.logprobs, scored.values
     t, agg, horizon = mb.tokens, config.loss_agg, config.loss_norm_tokens
@@ -184,7 +184,7 @@ def ppo_update(ctx: LearnerContext, batch: Batch):
                     scale = float("nan")
                 else:
                     entropy = config.entropy_coef > 0  # the outputs a real micro-batch's loss reads
-                    replay = config.router_replay == "R3"
+                    replay = config.router_replay != "none"  # R2 and R3 alike: the batch holds the routing
                     scored = forward_scores(
                         engine, zero_w, temperature, 0, config.pack_sequences, entropy, replay
                     )

@@ -375,6 +375,23 @@ def test_r2_replays_the_proximal_pass(tmp_path, family):
         assert torch.equal(used if packed else used.view(*real.shape, 2, 2)[real], own[real])
         s.logprobs[batch.mask.bool()].sum().backward()
         assert all(r.weight.grad.abs().sum() > 0 for r in moe_routers(model))
+        if packed:  # through ppo_update (one minibatch, one packed micro-batch of shuffled rows): the
+            # tokens' expert choices are, as a multiset, the proximal pass's, not the drifted routers'
+            batch.tokens.old_logprobs = batch.tokens.behaviour_logprobs.clone()
+            batch.tokens.advantages = torch.ones_like(batch.mask)
+            batch.tokens.returns = torch.zeros_like(batch.mask)
+            batch.tokens.old_values = torch.zeros_like(batch.mask)
+            config = config.model_copy(update={"num_minibatches": 1, "micro_batch_size": 64})
+            with _experts_used(model) as used:
+                ppo_update(
+                    LearnerContext(Tap(model), config, 1.0, 0, torch.Generator().manual_seed(3)), batch
+                )
+            used = torch.stack([t[0] for t in used], dim=1).to(torch.uint8).flatten(1)
+
+            def multiset(x):
+                return sorted(map(tuple, x.flatten(1).tolist()))
+
+            assert multiset(used) == multiset(own[real]) != multiset(drifted[real])
     assert torch.equal(kept[True], kept[False])
     bypassed = pack_trajectories([to_trajectory(s, s.logprobs, 1.0) for s in samples], 0)
     bypassed.routing = None
