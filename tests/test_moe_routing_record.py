@@ -398,3 +398,15 @@ def test_r2_replays_the_proximal_pass(tmp_path, family):
     ctx = LearnerContext(None, LearnerConfig(router_replay="R2"), 1.0, 0)
     with pytest.raises(ValueError, match=r"learner.router_replay='R2'.*learner.bypass"):
         ppo_update(ctx, bypassed)
+
+
+def test_r3_without_engine_recording_is_a_config_error():
+    from test_config import tree
+
+    from cluster.config.schema import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=r"learner.router_replay='R3'.*rollout.record_routing=true"):
+        build_config(tree(learner={"router_replay": "R3"}))
+    cfg = build_config(tree(learner={"router_replay": "R3"}, rollout={"record_routing": True}))
+    assert cfg.learner.router_replay == "R3" and cfg.rollout.record_routing
+    assert build_config(tree(learner={"router_replay": "R2"})).learner.router_replay == "R2"

@@ -120,6 +120,12 @@ class RunConfig(_Strict):
         self._lr_schedule()
         self._reference_source()
         self._lora_sync()
+        if self.learner.router_replay == "R3" and not self.rollout.record_routing:
+            raise ValueError(
+                "learner.router_replay='R3' replays the experts the engine chose: set rollout.record_routing=true "
+                "(hf engine, a mixture-of-experts policy), or learner.router_replay='R2' (the learner's own "
+                "proximal routing)"
+            )
         corrects = ADVANTAGES[self.learner.advantage].corrects_off_policy
         if stale(self) and off_policy(self) == "none" and not corrects:  # 'auto' is 'tis' there
             corrections = ", ".join(repr(n) for n in OFF_POLICY.names() if n != "none")
