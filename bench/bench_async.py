@@ -93,7 +93,6 @@ def run_side(config: str, overrides: list[str], steps: int) -> dict:
     init_ray(cfg)
     trainer = Run(cfg, Path(tempfile.mkdtemp(prefix=f"bench-{cfg.pipeline.mode}-")))
     try:
-        trainer.setup()
         trainer.iteration()  # warm-up step (first forward passes, allocator), not measured
         t0 = time.perf_counter()
         rows, t_hit = [], None

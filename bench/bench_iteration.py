@@ -52,7 +52,6 @@ def main() -> int:
     init_ray(cfg)
     trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="bench-")))
     try:
-        trainer.setup()
         t_ready = time.perf_counter() - t_start
         while trainer.step < cfg.run.steps:
             trainer.iteration()

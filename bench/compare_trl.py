@@ -187,7 +187,6 @@ def run_ours_inprocess(config: str, overrides: list[str], steps: int, out: Path)
     trainer = Run(cfg, Path(tempfile.mkdtemp(prefix="compare-trl-ours-")), clock=clock)
     rows = []
     try:
-        trainer.setup()
         marks["actors_ready"] = time.time()
         for step in range(1, steps + 1):
             t0 = time.perf_counter()

@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)
     run_dir = run_dir_for(cfg, args.run_dir)
     print(f"run folder: {run_dir}", flush=True)
-    trainer = Run(cfg, run_dir, data=prompts)
+    trainer = None  # None until set-up completes (a failed set-up stops what it started)
     try:
-        trainer.setup()
+        trainer = Run(cfg, run_dir, data=prompts)
         metrics, batch = trainer.evaluator.evaluate()
         print_eval(f"held-out prompts, policy {args.policy}", metrics, batch, trainer.tokenizer, cfg)
     except Exception as err:  # noqa: BLE001 - any failure ends the evaluation with its message
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {err}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         if own_ray:
             ray.shutdown()
     out = Path(args.out) if args.out else run_dir / "eval.json"

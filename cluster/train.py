@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None, learner_gate: Callable[[], bool] | None 
     from cluster.pipeline.failures import EnvironmentFailureError, RewardFailureError
     from cluster.pipeline.learner_calls import LearnerStepError
     from cluster.pipeline.run import Run
+    from cluster.pipeline.stopping import StopRequest
     from cluster.placement.pools import ActorStartError
     from cluster.records.deadlines import WaitTimeout
     from cluster.reporting.folder import SharedStorageError
@@ -282,23 +283,27 @@ def main(argv: list[str] | None = None, learner_gate: Callable[[], bool] | None 
     run_dir = resume_dir or run_dir_for(cfg, args.run_dir)
     print(f"ray dashboard: http://{dashboard}" if dashboard else "ray: connected (no dashboard)", flush=True)
     print(f"run folder: {run_dir}" + (f" (resuming from {ckpt.name})" if ckpt else ""), flush=True)
-    trainer = Run(cfg, run_dir, resume_from=ckpt, data=prompts, clock=clock, learner_gate=learner_gate)
-    trainer.stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
+    stop = StopRequest(cfg.checkpoint.stop_grace_s)
+    stop.install()  # after ray.init, which replaces SIGTERM handlers (see cluster/pipeline/stopping.py)
+    trainer: Run | None = None  # None until set-up completes (a failed set-up stops what it started)
     summary, curves = None, None
     try:
-        trainer.setup()
+        trainer = Run(
+            cfg, run_dir, resume_from=ckpt, data=prompts, clock=clock, learner_gate=learner_gate, stop=stop
+        )
         if cfg.cluster.placement == "separate":
             print(
                 f"scale rollout workers: python -m cluster.scale --run {trainer.run_id} rollout=K", flush=True
             )
         summary = trainer.train()
     except KeyboardInterrupt:  # forced during set-up or the final save: no new checkpoint
-        summary = trainer.summary(interrupted=True)
+        if trainer is not None:  # set-up done: the summary of the steps run
+            summary = trainer.summary(interrupted=True)
     except Exception as err:  # noqa: BLE001 - any failure ends the run with its message and a summary
         if not isinstance(err, RUN_ERRORS):
             traceback.print_exc()
         print(f"\nerror: {err}", file=sys.stderr)
-        if trainer.step:
+        if trainer is not None and trainer.step:
             print("\n=== run summary (failed) ===")
             failed = trainer.summary()
             for line in failed.lines():
@@ -306,20 +311,25 @@ def main(argv: list[str] | None = None, learner_gate: Callable[[], bool] | None 
             trainer.publish(failed, curves=False)
         return EXIT_FAILED
     finally:
-        if summary is not None:  # finished or interrupted: the summary and curves.png to every logger
-            curves = trainer.publish(summary)
-        trainer.close()
-        trainer.stop.uninstall()
+        if trainer is not None:
+            if summary is not None:  # finished or interrupted: the summary and curves.png to every logger
+                curves = trainer.publish(summary)
+            trainer.close()
+        stop.uninstall()
         if own_ray:
             ray.shutdown()
-    title = f"stopped by {trainer.stop.name}" if trainer.stop.requested else "interrupted"
+    if summary is None:  # forced during set-up: the run stopped what it had started, no step ran
+        by = f" by {stop.name}" if stop.requested else ""
+        print(f"\n=== interrupted{by} during set-up: no step ran, no new checkpoint ===", flush=True)
+        return stop.exit_code or EXIT_INTERRUPTED
+    title = f"stopped by {stop.name}" if stop.requested else "interrupted"
     print(f"\n=== run summary{f' ({title})' if summary.interrupted else ''} ===")
     for line in summary.lines():
         print(line, flush=True)
     if curves is not None:
         print(f"curves       {curves}", flush=True)
     if summary.interrupted:
-        return trainer.stop.exit_code or EXIT_INTERRUPTED
+        return stop.exit_code or EXIT_INTERRUPTED
     return 0
 
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     dashboard = f"http://127.0.0.1:{dash_port}"
     run_dir = work / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    trainer = Run(cfg, run_dir)
+    trainer: Run | None = None  # None until set-up completes (a failed set-up stops what it started)
     failure: list[BaseException] = []
 
     def train() -> None:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with watching(temp_dir, work / "prometheus", prom_port, scrape_interval_s=2.0) as prom:
-            trainer.setup()
+            trainer = Run(cfg, run_dir)
             worker = threading.Thread(target=train, daemon=True)
             worker.start()
             deadline = time.monotonic() + 1800
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 "1600,2190",
             )
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)

@@ -39,7 +39,6 @@ def train_rows(cfg, run_dir: Path, steps: int) -> list[dict]:
 
     trainer = Run(cfg, run_dir)
     try:
-        trainer.setup()
         return [trainer.iteration() for _ in range(steps)]
     finally:
         trainer.close()

@@ -45,7 +45,6 @@ def test_agent_sessions_train_through_the_pipeline(ray_local, calculator_assets,
     cfg = load_config(CONFIG, sets)
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         assert len(trainer.roles.agent_runners) == 1
         ray_local.get(trainer.control.set_target.remote("agent", 2))  # `cluster.scale agent=2`
         trainer.train()
@@ -95,7 +94,6 @@ def test_an_agent_outside_the_cluster_plays_a_runs_episodes_over_http(ray_local,
     )  # fmt: skip
     trainer = Run(cfg, run_dir)
     try:
-        trainer.setup()
         trainer.train()
         assert trainer.roles.agent_runners == []
     finally:

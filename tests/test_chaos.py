@@ -151,7 +151,6 @@ def test_chaos_every_prompt_once_versions_monotone_nothing_left(ray_local, demo_
     seen: dict[str, list[int]] = {}
     rows = []
     try:
-        trainer.setup()
         for step in range(1, STEPS + 1):
             chaos.step_starts(step)
             rows.append(trainer.iteration())

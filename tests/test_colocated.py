@@ -40,7 +40,6 @@ NOT_ARITHMETIC = (
 def _run(cfg, folder: Path, steps: int):
     trainer = Run(cfg, folder)
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(steps)]
         layout = {
             "hosts": len(trainer.roles.hosts),
@@ -108,7 +107,6 @@ def test_colocated_two_ranks_share_the_bundle_with_the_second_host(ray_local, de
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **extra))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(2)]
         versions = ray.get([h.version.remote() for h in trainer.roles.workers.handles], timeout=60)
         assert len(trainer.roles.hosts) == 2
@@ -188,7 +186,6 @@ def test_colocated_engine_sleeps_while_the_learner_trains(ray_local, demo_assets
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 3, **extra))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         for _ in range(3):
             trainer.iteration()
         stats = ray.get(trainer.roles.workers.handles[0].stats.remote(), timeout=60)

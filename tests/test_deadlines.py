@@ -118,7 +118,6 @@ def test_a_stuck_async_step_ends_in_its_deadline_naming_what_it_waited_for(ray_l
     extra = {**SMALL_STEPS, "pipeline.mode": "async", "pipeline.max_staleness": 0, "timeouts.generate_s": 5}
     trainer = Run(load_config(CONFIG, demo_overrides(demo_assets, 2, **extra)), tmp_path / "run")
     try:
-        trainer.setup()
         trainer.pipeline.buffer.admitted = 8  # step 1's slots all used, no prompt ever handed out
         with pytest.raises(
             WaitTimeout,

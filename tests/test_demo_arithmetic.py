@@ -190,7 +190,6 @@ def test_a_few_sync_steps_evaluate_on_held_out_prompts_only(ray_local, arithmeti
     cfg = load_config(CONFIG, _overrides(arithmetic_assets, 2))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         summary = trainer.train()
         metrics, batch = trainer.evaluator.evaluate()
         samples = [s for c in batch.chunks for s in ray_local.get(c.samples_ref)]  # the driver needs none
@@ -236,7 +235,6 @@ def test_streaming_mode_evaluates_between_steps(ray_local, arithmetic_assets, tm
     )
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(4)]
     finally:
         trainer.close()

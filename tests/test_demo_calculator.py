@@ -52,7 +52,6 @@ def test_a_few_steps_on_tool_using_episodes(ray_local, calculator_assets, tmp_pa
     cfg = load_config(CONFIG, _overrides(calculator_assets, 2))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         summary = trainer.train()
         _metrics, batch = trainer.evaluator.evaluate()
         samples = [s for c in batch.chunks for s in ray_local.get(c.samples_ref)]

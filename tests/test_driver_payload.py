@@ -134,7 +134,6 @@ def _run(cfg, run_dir, steps, monkeypatch) -> Fetched:
 
     trainer = Run(cfg, run_dir)
     try:
-        trainer.setup()
         trainer.iteration()  # warm-up: imports, first allocations
         monkeypatch.setattr(ray, "get", measured_get)
         rest = PeakRSS()

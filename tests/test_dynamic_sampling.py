@@ -304,7 +304,6 @@ def test_sync_trains_full_batches_of_informative_groups_across_a_resume(ray_loca
 
     def run(trainer, steps):
         try:
-            trainer.setup()
             learn = trainer.learner.learn
 
             def spy(batch, *args):
@@ -362,7 +361,6 @@ def test_async_filters_groups_as_they_enter_the_buffer(ray_local, demo_assets, t
     trainer = Run(cfg, tmp_path / "run")
     batches = []
     try:
-        trainer.setup()
         start_train = trainer.pipeline.start_train
 
         def spy(taken):
@@ -433,7 +431,6 @@ def test_async_short_batch_given_back_at_zero_staleness_is_trained(ray_local, de
     trainer = Run(cfg, tmp_path / "run")
     lost, batches = [], []
     try:
-        trainer.setup()
         real = trainer.learner.train_calls
 
         def lose_first_chunk_once(parts):

@@ -62,7 +62,6 @@ def test_two_ranks_train_and_sync(ray_local, demo_assets, tmp_path, zero_stage, 
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         workers = trainer.roles.workers.handles
         for step in range(1, steps + 1):
             m = trainer.iteration()

@@ -60,7 +60,6 @@ def test_estimator_trains_the_demo(ray_local, demo_assets, tmp_path, estimator):
     assert cfg.learner.advantage == estimator
     trainer = Run(cfg, tmp_path / estimator)
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(STEPS)]
     finally:
         trainer.close()

@@ -76,7 +76,6 @@ def test_evaluate_scores_the_initial_policy_as_a_run_scores_it_before_training(
     cfg = load_config(CONFIG, demo_overrides(demo_assets, 2, **extra))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         before, _ = trainer.evaluator.evaluate()
     finally:
         trainer.close()

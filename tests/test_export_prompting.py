@@ -81,7 +81,6 @@ def test_final_and_export_render_as_training_did_and_record_it(ray_local, tmp_pa
     run_dir = tmp_path / "run"
     trainer = Run(cfg, run_dir)
     try:
-        trainer.setup()
         trainer.train()
         trained = {p.index: p.text for p in trainer.prompts}
     finally:

@@ -182,7 +182,6 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     run_dir = tmp_path / "run"
     trainer = Run(cfg, run_dir)
     try:
-        trainer.setup()
         trainer.iteration()  # step 1; the signal arrives while it runs
         trainer.stop.request(signal.SIGTERM)
         summary = trainer.train()
@@ -196,7 +195,6 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     cfg.checkpoint.every_steps = 1
     resumed = Run(cfg, run_dir, resume_from=ckpt)
     try:
-        resumed.setup()
         done = resumed.train()
         last = resumed.checkpoints.last
         stamp = (last / "state.json").stat().st_mtime_ns
@@ -208,6 +206,74 @@ def test_a_stop_ends_at_the_step_boundary_and_the_resumed_run_trains_every_promp
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002", "step-000003"]  # keep_last 2
     assert set(resumed.progress.trained_prompts.values()) == {1}
     assert set(resumed.progress.trained_prompts) == {p.index for p in resumed.prompts}
+
+
+HELD_RULE = """
+import os
+import time
+from pathlib import Path
+
+from reward_service.rules import register_reward
+
+if os.getpid() != {driver}:  # the scorer actor's start (the driver's preflight imports it too)
+    Path({started!r}).touch()
+    time.sleep(600)  # set-up waits on this actor while the test interrupts it; the run kills it
+
+@register_reward("held")
+def held(prompt, response, meta):
+    return 0.0
+"""
+
+
+def test_a_forced_stop_during_set_up_exits_with_its_code_and_leaves_no_actor(
+    ray_local, demo_assets, tmp_path, capsys
+):
+    """Ctrl-C then SIGTERM (a forced stop) while the run's set-up waits on its reward actor: `Run`'s
+    constructor stops what it started, and `cluster.train` says so and exits with the first signal's
+    code, without a summary (no step ran). Synchronised on the actor's start, not on time."""
+    import threading
+
+    from ray._private.state import actors
+
+    from cluster.pipeline.control import control_name
+    from cluster.train import main
+
+    started = tmp_path / "scorer-started"
+    module = tmp_path / "held_rule.py"
+    module.write_text(HELD_RULE.format(driver=os.getpid(), started=str(started)))
+    run_id = f"held-{tmp_path.name}"  # the run folder's name: its actors' names start with it
+    over = demo_overrides(demo_assets, 2, **SMALL_STEPS, **{"cluster.placement": "separate"})
+    rule = ["reward.kind=rule", "reward.rule=held", f"reward.rule_module={module}"]
+    sets = sum((["--set", s] for s in [*over, *rule]), [])
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + STEP_WAIT_S
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # a stop at the next safe point...
+        os.kill(os.getpid(), signal.SIGTERM)  # ...then forced: KeyboardInterrupt inside set-up
+
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    rc = main([str(CONFIG), *sets, "--run-dir", str(tmp_path / run_id)])
+    sender.join(timeout=60)
+    out = capsys.readouterr().out
+    assert started.exists()
+    assert rc == EXIT_CODES[signal.SIGINT], out[-3000:]
+    assert "interrupted by SIGINT during set-up" in out and "run summary" not in out, out[-3000:]
+    names = [a for a in actors().values() if a["Name"].startswith(f"{run_id}/")]
+    assert names  # the roles had started
+    deadline = time.monotonic() + 120  # ray.kill returns before GCS records the death
+    while (
+        alive := [
+            a["Name"]
+            for a in actors().values()
+            if a["State"] != "DEAD"
+            and (a["Name"].startswith(f"{run_id}/") or a["Name"] == control_name(run_id))
+        ]
+    ) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not alive, f"actors of the interrupted set-up still alive: {alive}"
 
 
 FAILING_RULE = """

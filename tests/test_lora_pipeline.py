@@ -27,7 +27,6 @@ PIPELINES = {
 def _run(cfg, folder, steps: int):
     trainer = Run(cfg, folder)
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(steps)]
         pools = sorted(trainer.roles.by_role)
         names = [n for p in trainer.roles.pools() for n in p.names]

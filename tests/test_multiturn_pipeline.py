@@ -45,7 +45,6 @@ def test_sync_trains_on_episodes_and_drops_failed_ones(ray_local, demo_assets, t
     cfg = env_cfg(demo_assets, tmp_path, 3, **extra)
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(3)]
     finally:
         trainer.close()
@@ -68,7 +67,6 @@ def test_too_many_environment_failures_stop_the_run(ray_local, demo_assets, tmp_
     }
     trainer = Run(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
     try:
-        trainer.setup()
         with pytest.raises(EnvironmentFailureError, match="rollout.environment.max_failure_frac"):
             trainer.iteration()
     finally:
@@ -85,7 +83,6 @@ def test_async_episodes_resume_mid_stream_exactly_once(ray_local, demo_assets, t
     }
     trainer = Run(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run")
     try:
-        trainer.setup()
         first = [trainer.iteration() for _ in range(3)]
     finally:
         trainer.close()
@@ -95,7 +92,6 @@ def test_async_episodes_resume_mid_stream_exactly_once(ray_local, demo_assets, t
     assert json.loads((ckpt / "state.json").read_text())["outstanding"]
     resumed = Run(env_cfg(demo_assets, tmp_path, 4, **extra), tmp_path / "run", resume_from=ckpt)
     try:
-        resumed.setup()
         assert resumed.step == 2
         for _ in range(2):
             resumed.iteration()
@@ -118,7 +114,6 @@ def test_environment_actors_restart_a_hung_sandbox_and_the_run_goes_on(ray_local
     }
     trainer = Run(env_cfg(demo_assets, tmp_path, 2, **sets), tmp_path / "run")
     try:
-        trainer.setup()
         hosts = trainer.roles.environments
         assert len(hosts) == 2
         rows = [trainer.iteration() for _ in range(2)]

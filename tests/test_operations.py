@@ -14,7 +14,8 @@ import ray
 from demo_run import CONFIG, SMALL_STEPS, demo_overrides
 
 from cluster.config.schema import load_config
-from cluster.pipeline.checkpoint import latest_checkpoint, list_checkpoints
+from cluster.pipeline.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
+from cluster.pipeline.control import control_name
 from cluster.pipeline.failures import RewardFailureError
 from cluster.pipeline.learner_calls import LearnerStepError
 from cluster.pipeline.run import Run
@@ -44,12 +45,40 @@ def run_steps(trainer: Run, n: int) -> list[dict]:
 EVERY_2 = {"checkpoint.every_steps": 2}
 
 
+def test_a_set_up_that_fails_part_way_stops_what_it_started(ray_local, demo_assets, tmp_path):
+    """`Run` is complete after its constructor or not at all: a set-up that fails once its actors are up
+    (resuming from a folder that is no checkpoint, read after the roles, the learner ranks and the control
+    actor started) stops every actor it started before the error reaches the caller."""
+    from ray._private.state import actors
+
+    not_a_checkpoint = tmp_path / "not-a-checkpoint"
+    not_a_checkpoint.mkdir()
+    run_id = f"half-{tmp_path.name}"  # the run folder's name: its actors' names start with it
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        Run(small(demo_assets, 2), tmp_path / run_id, resume_from=not_a_checkpoint)
+
+    def of_the_run() -> dict[str, str]:
+        return {
+            a["Name"]: a["State"]
+            for a in actors().values()
+            if a["Name"].startswith(f"{run_id}/") or a["Name"] == control_name(run_id)
+        }
+
+    started = of_the_run()
+    assert control_name(run_id) in started and any(n.startswith(f"{run_id}/") for n in started), started
+    deadline = time.monotonic() + 120  # ray.kill returns before GCS records the death
+    while (
+        alive := [n for n, state in of_the_run().items() if state != "DEAD"]
+    ) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not alive, f"actors of the half-started run still alive: {alive}"
+
+
 @pytest.fixture(scope="module")
 def straight(ray_local, demo_assets, tmp_path_factory) -> list[dict]:
     """4 steps of a run that loses nothing: what the faulted runs below must reproduce."""
     reference = Run(small(demo_assets, 4, **EVERY_2), tmp_path_factory.mktemp("straight") / "run")
     try:
-        reference.setup()
         return run_steps(reference, 4)
     finally:
         reference.close()
@@ -59,7 +88,6 @@ def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_asset
     # A run that checkpoints at step 2, then loses its learner rank in step 3.
     crashed = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed")
     try:
-        crashed.setup()
         run_steps(crashed, 2)
         ray.kill(crashed.roles.ranks[0], no_restart=True)
         with pytest.raises(LearnerStepError, match=r"learner-rank-0 died during step 3.*--resume"):
@@ -71,7 +99,6 @@ def test_resume_after_learner_death_continues_the_same_run(ray_local, demo_asset
 
     resumed = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "crashed", resume_from=ckpt)
     try:
-        resumed.setup()
         assert resumed.step == 2 and resumed.version == 2
         versions = ray.get([w.version.remote() for w in resumed.roles.workers.handles], timeout=60)
         assert versions == [2]
@@ -110,7 +137,6 @@ def test_dead_and_stuck_actors_are_replaced_and_every_prompt_trained_once(ray_lo
 
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         # Step 1: a rollout worker dies inside the push of v1 (its process exits as it loads the
         # bundle): the push names it lost and the run replaces it; the replacement loads v1 before it
         # samples. By construction, not by timing: the worker dies in that call whatever the speed.
@@ -156,7 +182,6 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
     trainer = Run(small(demo_assets, 4, **EVERY_2), tmp_path / "lossy")
     lost = []
     try:
-        trainer.setup()
         real = trainer.learner.train_calls
 
         def lose_first_chunk_once(parts, engines_hold):
@@ -182,7 +207,6 @@ def test_a_lost_learner_input_is_generated_again_with_the_same_seed(
 def test_scale_rollout_workers_of_a_live_run(ray_local, demo_assets, tmp_path):
     trainer = Run(small(demo_assets, 5), tmp_path / "run")
     try:
-        trainer.setup()
         trainer.iteration()
         # Scaled from outside while step 2 runs: applied at the next step boundary.
         request = threading.Thread(target=scale_main, args=(["--run", trainer.run_id, "rollout=3"],))
@@ -231,7 +255,6 @@ def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_lo
     }
     trainer = Run(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.95}), tmp_path / "ok")
     try:
-        trainer.setup()
         m = trainer.iteration()
     finally:
         trainer.close()
@@ -241,7 +264,6 @@ def test_failing_rewards_are_dropped_counted_and_abort_past_the_threshold(ray_lo
 
     strict = Run(small(demo_assets, 2, **{**extra, "reward.max_failure_frac": 0.0}), tmp_path / "strict")
     try:
-        strict.setup()
         with pytest.raises(RewardFailureError, match="judge crashed|not finite|NaN"):
             strict.iteration()
         assert strict.version == 0  # nothing was trained on a step that aborted

@@ -46,7 +46,6 @@ def _run(assets, tmp_path, **extra):
     }
     trainer = Run(load_config(CONFIG, demo_overrides(assets, STEPS, **sets)), tmp_path / "run")
     try:
-        trainer.setup()
         rows = [trainer.iteration() for _ in range(STEPS)]
     finally:
         trainer.close()

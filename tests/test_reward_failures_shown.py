@@ -117,7 +117,6 @@ def test_a_hanging_reward_function_is_named_with_its_row_and_timeout(ray_local, 
     sets = _sets(tmp_path, tiny_policy_dir, ["stall"], **{"reward.function_timeout_s": 3})
     trainer = Run(load_config(CONFIG, sets), tmp_path / "run")
     try:
-        trainer.setup()
         with pytest.raises(RolloutError) as err:
             trainer.iteration()
     finally:

@@ -181,7 +181,6 @@ def test_a_run_trains_on_the_judges_verdicts_and_drops_what_it_cannot_judge(
     cfg = judge_run_config(demo_assets, judge_dir, tmp_path, placement, steps=2)
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         assert "judge" in trainer.roles.by_role and "reward" not in trainer.roles.by_role
         metrics = [trainer.iteration()]
         if placement == "separate":

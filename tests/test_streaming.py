@@ -92,7 +92,6 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
             seen_versions.setdefault(name, []).append(ray.get(h.version.remote(), timeout=60))
 
     try:
-        trainer.setup()
         trainer.iteration()
         # Scale 1 -> 3 while step 2 runs (applied at the next step boundary).
         assert scale_main(["--run", trainer.run_id, "rollout=3"]) == 0
@@ -124,7 +123,6 @@ def test_faults_scaling_and_resume_mid_stream(ray_local, demo_assets, tmp_path):
     assert state["outstanding"]  # prompts in flight or buffered at the checkpoint were recorded
     resumed = Run(cfg_for(demo_assets, 8, **extra), tmp_path / "run", resume_from=ckpt)
     try:
-        resumed.setup()
         assert resumed.step == 4 and resumed.version == 4
         for _ in range(4):
             resumed.iteration()
@@ -162,7 +160,6 @@ def test_queued_chunks_do_not_use_up_their_deadline(ray_local, demo_assets, tmp_
     }
     trainer = Run(cfg_for(demo_assets, 2, **extra), tmp_path / mode)
     try:
-        trainer.setup()
         first = trainer.iteration()
         # One worker runs a step's chunks one after another, all handed out at the step's start: the
         # mean chunk time is the wall time of that queue over the chunks. Measured by clocks the
@@ -205,7 +202,6 @@ def test_a_stuck_worker_in_async_mode_trains_every_prompt_once(ray_local, demo_a
     }
     trainer = Run(cfg_for(demo_assets, 3, **extra), tmp_path / "run")
     try:
-        trainer.setup()
         # Queued ahead of every chunk (calls of one caller run in order): the first chunk handed to
         # this worker waits behind it, past its deadline.
         trainer.roles.workers.handles[1].__ray_call__.remote(lambda self: __import__("time").sleep(120))
@@ -268,7 +264,6 @@ def test_async_collective_broadcasts_between_chunks_through_faults_and_scaling(
 
     rows = []
     try:
-        trainer.setup()
         rows.append(trainer.iteration())
         assert record() == {1} and trainer.weights.bundle is None
         ray.get(trainer.control.set_target.remote("rollout", 3), timeout=60)

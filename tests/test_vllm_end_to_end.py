@@ -34,7 +34,6 @@ def test_demo_trains_with_the_vllm_engine(ray_local, demo_assets, tmp_path, weig
     cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         workers, names = trainer.roles.workers.handles, trainer.roles.workers.names
         if placement == "separate":
             assert all("(vllm)" in p for p in ray.get([w.ping.remote() for w in workers], timeout=60))
@@ -90,7 +89,6 @@ def test_two_colocated_ranks_train_on_the_whole_batch_beside_vllm(ray_local, dem
         cfg = load_config(CONFIG, demo_overrides(demo_assets, steps, **sets))
         trainer = Run(cfg, tmp_path / f"{engine}-{placement}")
         try:
-            trainer.setup()
             ranks = trainer.roles.ranks  # a colocated rank's view runs __ray_call__ in its host
             worlds = ray.get([r.__ray_call__.remote(learner_world) for r in ranks], timeout=60)
             runs[engine, placement] = [trainer.iteration() for _ in range(steps)]
@@ -129,7 +127,6 @@ def test_a_lora_run_reaches_vllm_as_merged_weights(ray_local, demo_assets, tmp_p
     assert cfg.resolved.reference_source == "policy_base"
     trainer = Run(cfg, tmp_path / "run")
     try:
-        trainer.setup()
         assert sorted(trainer.roles.by_role) == ["reward", "rollout"]
         ranks, workers = trainer.roles.ranks, trainer.roles.workers.handles
         export = [r.export_weights.remote(bundle_facts("float32"), "float32") for r in ranks]

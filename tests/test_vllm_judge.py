@@ -77,7 +77,6 @@ def test_a_run_trains_on_the_vllm_judges_verdicts(ray_local, demo_assets, judge_
     )
     run = Run(cfg, tmp_path / "run")
     try:
-        run.setup()
         assert "judge" in run.roles.by_role and "reward" not in run.roles.by_role
         m = run.iteration()
     finally:

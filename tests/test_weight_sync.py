@@ -307,7 +307,6 @@ def test_demo_trains_with_collective_weight_sync_and_a_new_worker_catches_up(
     trainer = Run(load_config(CONFIG, demo_overrides(demo_assets, 3, **sets)), tmp_path / "run")
     versions = lambda: ray.get([w.version.remote() for w in trainer.roles.workers.handles], timeout=60)  # noqa: E731
     try:
-        trainer.setup()
         for step in (1, 2):
             m = trainer.iteration()
             assert versions() == [step, step] and m["policy_version"] == step

@@ -40,7 +40,7 @@ LearnerGate = Callable[[], bool]
 
 @dataclass
 class RunParts:
-    """What a run shares with its pipeline; built by `Run.setup`."""
+    """What a run shares with its pipeline; built at the end of `Run`'s set-up (its constructor)."""
 
     cfg: RunConfig
     roles: Roles

@@ -1,6 +1,6 @@
 """One training run, whichever pipeline moves its data (`pipeline.mode`): set-up (roles, learner
-ranks, prompts, loggers, the control actor), checkpoints and resume, the step loop with its progress
-bar, the final export and evaluation, and the summary.
+ranks, prompts, loggers, the control actor; all in the constructor), checkpoints and resume, the step
+loop with its progress bar, the final export and evaluation, and the summary.
 
 The run owns no model and no pipeline machinery: it builds the pipeline `PIPELINES` names for the
 mode and drives it through `cluster.pipeline.pipelines.Pipeline` (one call per step, its checkpoint
@@ -11,6 +11,7 @@ version, data position, and the pipeline's own.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from cluster.reporting.startup_clock import StartupClock
 from cluster.reporting.summary import RunSummary
 from cluster.reporting.trackers.base import EVAL_AFTER, RUN, STARTUP, RunInfo, StepRow
 from cluster.reporting.trackers.run_logger import RunLogger
+from cluster.weights.publisher import WeightPublisher
 from kernel.metric_names import merge_metrics
 
 FIXED_COUNTS = (
@@ -58,11 +60,23 @@ FIXED_COUNTS = (
 )
 
 
+def pipeline_of(cfg: RunConfig) -> tuple[type[Pipeline], WeightPublisher]:
+    """The pipeline class of `pipeline.mode` and its weight publisher, built before set-up (starting a
+    worker brings it up to date); the pipeline itself is built at the end of set-up, from `RunParts`."""
+    pipeline_class: type[Pipeline] = PIPELINES.function(cfg.pipeline.mode)
+    return pipeline_class, pipeline_class.publisher(cfg)
+
+
 class Run:
     """One run: set-up, checkpoints, the step loop, the final export and evaluation, the summary. Its
     collaborators: the pipeline of `pipeline.mode` (`pipeline`, built at the end of set-up), the weight
     publisher (`weights`, the pipeline's kind), the learner ranks (`learner`), the held-out evaluator
-    (`evaluator`), the checkpointer (`checkpoints`) and the run's progress (`progress`)."""
+    (`evaluator`), the checkpointer (`checkpoints`) and the run's progress (`progress`).
+
+    Complete once constructed: the constructor starts every actor, and a constructor that fails or is
+    interrupted part-way (KeyboardInterrupt included) stops what it started before it re-raises, so no
+    caller holds a half-built run. The caller owns the rest: `run = Run(...)`, then `try: ... finally:
+    run.close()`."""
 
     def __init__(
         self,
@@ -73,17 +87,19 @@ class Run:
         data: RunPrompts | None = None,
         clock: StartupClock | None = None,
         learner_gate: LearnerGate | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
-        """`data`: the prompts a preflight already read (`cluster.train`), else read in `setup`; `clock`:
-        the start-up clock started before `ray.init`; `learner_gate`: see `RunParts.learner_gate`."""
+        """`data`: the prompts a preflight already read (`cluster.train`), else read here; `clock`: the
+        start-up clock started before `ray.init`; `learner_gate`: see `RunParts.learner_gate`; `stop`: the
+        stop request whose signal handlers the caller installed before set-up (`cluster.train`), else one
+        of the run's own, not installed (`stop.request` asks it)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # the same folder for every actor, whatever its cwd
         self.resume_from = resume_from
         self.run_id = current_run_id(self.run_dir)
         self.progress = RunProgress()
-        self.pipeline_class: type[Pipeline] = PIPELINES.function(cfg.pipeline.mode)
-        self.weights = self.pipeline_class.publisher(cfg)
-        self.pipeline: Pipeline | None = None  # built at the end of `setup`
+        self.pipeline_class, self.weights = pipeline_of(cfg)
+        self.pipeline: Pipeline | None = None  # built at the end of set-up
         self.checkpoints = Checkpointer(self.run_dir, cfg)
         self.roles: Roles | None = None
         self.log = RunLogger(cfg.run.loggers)  # opened at the end of set-up; the driver's only logger
@@ -93,8 +109,8 @@ class Run:
         self.resume_state: dict | None = None  # the checkpoint's run state when resuming
         self.t_start = time.perf_counter()
         self.clock = clock or StartupClock()
-        self.stop = StopRequest(cfg.checkpoint.stop_grace_s)  # `train.main` installs its signal handlers
-        self.data = data  # None: read in `setup`
+        self.stop = stop if stop is not None else StopRequest(cfg.checkpoint.stop_grace_s)
+        self.data = data  # None: read in set-up
         self.learner_gate = learner_gate
         self.failures = RewardFailureLog(self.run_dir)  # reward failures: the first shown and kept
         self.flat_groups = FlatGroupWatch(cfg.learner.advantage)  # warns once when no group trains
@@ -103,6 +119,14 @@ class Run:
             if cfg.agent.runners == "external"
             else None
         )
+        try:
+            self._start()
+        except BaseException:  # failed or interrupted part-way: stop what started, then re-raise
+            try:
+                self.close()
+            except Exception as err:  # noqa: BLE001 - the set-up's own error is the one to raise
+                print(f"warning: stopping a run whose set-up failed: {err}", file=sys.stderr, flush=True)
+            raise
 
     @property
     def version(self) -> int:
@@ -115,7 +139,9 @@ class Run:
 
     # ------------------------------------------------------------------ set-up
 
-    def setup(self) -> None:
+    def _start(self) -> None:
+        """Set-up, run by the constructor: the run folder and its config, the roles and learner ranks,
+        the prompts, the control actor, the evaluator, the checkpoint resumed, the pipeline, the loggers."""
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(
@@ -201,6 +227,7 @@ class Run:
         return {name: len(pool) for name, pool in self.roles.by_role.items()} | self.roles.group_counts()
 
     def close(self) -> None:
+        """Stop what the run started (also what a set-up stopped part-way had started); twice is harmless."""
         if self.gateways is not None:
             self.gateways.close()
         self.log.close()
