@@ -92,17 +92,16 @@ async def load_checkpoint(service, req: _LoadWeights, owner: str) -> Done:
     return Done({"path": req.path, "model_id": model_id, "type": "load_weights"})
 
 
-def add_routes(app: FastAPI, service, owner, future, caller_session) -> None:
-    """The routes on `app`; owner/future/caller_session are `build_app`'s helpers (the caller's key, a
-    future's submission, a session of the caller's or the error to answer)."""
+def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tenant) -> None:
+    """The routes on `app`; owner/future/caller_session/caller_tenant are `build_app`'s helpers (the
+    caller's key, a future's submission, a session or a tenant of the caller's or the error to answer)."""
 
     @app.post("/api/v1/save_weights")
     async def save_weights(body: _SaveWeights, request: Request):
         who = owner(request)
-        try:
-            tenant = service.tenant(body.model_id, who)
-        except UserError as e:
-            return _error(404, str(e))
+        tenant = caller_tenant(request, body.model_id)
+        if isinstance(tenant, JSONResponse):
+            return tenant
         try:
             where = CheckpointPath(body.model_id, "weights", checkpoint_name(body.path, "save_weights"))
             service.checkpoints.require()

@@ -234,6 +234,13 @@ def build_app(service: Service) -> FastAPI:
         service.sessions[sid] = Session(owner(request))
         return {"type": "create_session", "session_id": sid}
 
+    def _tenant(request: Request, model_id: str) -> Tenant | JSONResponse:
+        """The caller's tenant `model_id`, or the 404 to answer."""
+        try:
+            return service.tenant(model_id, owner(request))
+        except UserError as e:
+            return _error(404, str(e))
+
     def _session(request: Request, sid: str) -> Session | JSONResponse:
         s = service.sessions.get(sid)
         if s is None or s.owner != owner(request):
@@ -262,10 +269,9 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         model_id = (await request.json()).get("model_id", "")
-        try:
-            t = service.tenant(model_id, owner(request))
-        except UserError as e:
-            return _error(404, str(e))
+        t = _tenant(request, model_id)
+        if isinstance(t, JSONResponse):
+            return t
         path = cfg.base_model(t.base_model).path
         data = {"arch": "lora", "model_name": t.base_model, "tokenizer_id": path}
         return {"type": "get_info", "model_data": data, "model_id": model_id, "is_lora": True,
@@ -295,10 +301,9 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(body: _OptimStep, request: Request):
-        try:
-            tenant = service.tenant(body.model_id, owner(request))
-        except UserError as e:
-            return _error(404, str(e))
+        tenant = _tenant(request, body.model_id)
+        if isinstance(tenant, JSONResponse):
+            return tenant
         if body.adam_params is None:
             return _error(400, f"optim_step: only adam_params are served (got {body.optimizer_params!r})")
         step = AdamStep(**body.adam_params.model_dump())
@@ -312,10 +317,9 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(body: _SaveForSampler, request: Request):
         who = owner(request)
-        try:
-            tenant = service.tenant(body.model_id, who)
-        except UserError as e:
-            return _error(404, str(e))
+        tenant = _tenant(request, body.model_id)
+        if isinstance(tenant, JSONResponse):
+            return tenant
         if body.kind != "snapshot":
             return _error(400, f"save_weights_for_sampler: kind {body.kind!r} is not served; snapshot only")
         path = cfg.base_model(tenant.base_model).path
@@ -340,7 +344,7 @@ def build_app(service: Service) -> FastAPI:
 
         return future(request, work, body.model_id, body.seq_id)
 
-    add_routes(app, service, owner, future, _session)
+    add_routes(app, service, owner, future, _session, _tenant)
 
     @app.post("/api/v1/asample")
     async def asample(body: SampleBody, request: Request):
