@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from cluster.serve.answers import error
 from cluster.serve.checkpoints import CheckpointPath, checkpoint_name
 from cluster.serve.futures import Done, UserError
 
@@ -46,10 +47,6 @@ class _CreateSampling(_Body):
     sampling_session_seq_id: int
     base_model: str | None = None
     model_path: str | None = None
-
-
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
 
 
 async def save_named_sampler(service, tenant, model_id: str, owner: str, where: CheckpointPath) -> Done:
@@ -106,7 +103,7 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
             where = CheckpointPath(body.model_id, "weights", checkpoint_name(body.path, "save_weights"))
             service.checkpoints.require()
         except UserError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
 
         async def work() -> Done:
             state = await tenant.actor.training_state.remote()
@@ -120,7 +117,7 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
     async def load_weights(body: _LoadWeights, request: Request):
         who = owner(request)
         if (body.model_id is None) == (body.session_id is None):
-            return _error(
+            return error(
                 400, "load_weights: give model_id (+ seq_id) or session_id + model_seq_id, one of them"
             )
         return future(request, lambda: load_checkpoint(service, body, who), body.model_id, body.seq_id)
@@ -132,7 +129,7 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
         if isinstance(s, JSONResponse):
             return s
         if body.model_path is None:
-            return _error(
+            return error(
                 400, "create_sampling_session: sampling the bare base model is not served; give model_path"
             )
         try:
@@ -140,7 +137,7 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
                 service.checkpoints.read, who, body.model_path, "sampler_weights", "create_sampling_session"
             )
         except UserError as e:
-            return _error(404, str(e))
+            return error(404, str(e))
         path = service.config.base_model(saved["base_model"]).path
         sid = await service.samplers.open_session(
             saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path
@@ -152,7 +149,7 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
         try:
             found = await asyncio.to_thread(service.checkpoints.listing, owner(request), run)
         except UserError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         return {"checkpoints": found, "cursor": None}
 
     @app.get("/api/v1/samplers/{sid}")
@@ -160,5 +157,5 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
         try:
             s = service.samplers.session(sid, owner(request))
         except UserError as e:
-            return _error(404, str(e))
+            return error(404, str(e))
         return {"sampler_id": sid, "base_model": s.base_model, "model_path": s.model_path}

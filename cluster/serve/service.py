@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.serve.answers import error
 from cluster.serve.checkpoint_routes import add_routes, save_named_sampler
 from cluster.serve.checkpoints import CheckpointPath, CheckpointStore, checkpoint_name
 from cluster.serve.config import ServeConfig
@@ -112,10 +113,6 @@ class Tenant:
     actor: Any  # ray ActorHandle of TenantModel
 
 
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
-
-
 class Service:
     """What the routes share: the config, sessions, tenants and the futures."""
 
@@ -193,7 +190,7 @@ def build_app(service: Service) -> FastAPI:
         path = request.url.path
         guarded = path.startswith("/api/") and path != "/api/v1/healthz"
         if guarded and request.headers.get("x-api-key") not in cfg.api_keys:
-            return _error(401, "missing or unknown API key (X-API-Key)")
+            return error(401, "missing or unknown API key (X-API-Key)")
         return await call_next(request)
 
     def owner(request: Request) -> str:
@@ -239,13 +236,13 @@ def build_app(service: Service) -> FastAPI:
         try:
             return service.tenant(model_id, owner(request))
         except UserError as e:
-            return _error(404, str(e))
+            return error(404, str(e))
 
     def _session(request: Request, sid: str) -> Session | JSONResponse:
         s = service.sessions.get(sid)
         if s is None or s.owner != owner(request):
-            return _error(404, f"unknown session_id {sid!r}")
-        return _error(410, f"session {sid!r} is finished") if s.finished else s
+            return error(404, f"unknown session_id {sid!r}")
+        return error(410, f"session {sid!r} is finished") if s.finished else s
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
@@ -280,14 +277,14 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         if PROTOBUF not in request.headers.get("content-type", ""):
-            return _error(415, f"forward_backward takes {PROTOBUF} (the tinker SDK's wire format)")
+            return error(415, f"forward_backward takes {PROTOBUF} (the tinker SDK's wire format)")
         if request.headers.get("content-encoding"):
-            return _error(415, "compressed forward_backward bodies are not served (client/config says so)")
+            return error(415, "compressed forward_backward bodies are not served (client/config says so)")
         try:
             req = decode_forward_backward(await request.body())
             tenant = service.tenant(req.model_id, owner(request))
         except (WireError, UserError) as e:
-            return _error(400, str(e))
+            return error(400, str(e))
 
         async def work() -> Done:
             # submitted to the actor before the first await: Ray runs one caller's calls in order
@@ -305,7 +302,7 @@ def build_app(service: Service) -> FastAPI:
         if isinstance(tenant, JSONResponse):
             return tenant
         if body.adam_params is None:
-            return _error(400, f"optim_step: only adam_params are served (got {body.optimizer_params!r})")
+            return error(400, f"optim_step: only adam_params are served (got {body.optimizer_params!r})")
         step = AdamStep(**body.adam_params.model_dump())
 
         async def work() -> Done:
@@ -321,7 +318,7 @@ def build_app(service: Service) -> FastAPI:
         if isinstance(tenant, JSONResponse):
             return tenant
         if body.kind != "snapshot":
-            return _error(400, f"save_weights_for_sampler: kind {body.kind!r} is not served; snapshot only")
+            return error(400, f"save_weights_for_sampler: kind {body.kind!r} is not served; snapshot only")
         path = cfg.base_model(tenant.base_model).path
         if body.path is not None:  # a named sampler checkpoint: the adapter bundle, on disk
             try:
@@ -330,7 +327,7 @@ def build_app(service: Service) -> FastAPI:
                 )
                 service.checkpoints.require()
             except UserError as e:
-                return _error(400, str(e))
+                return error(400, str(e))
 
             def named():
                 return save_named_sampler(service, tenant, body.model_id, who, where)
@@ -351,17 +348,17 @@ def build_app(service: Service) -> FastAPI:
         try:
             session = service.samplers.session(body.sampling_session_id, owner(request))
         except UserError as e:
-            return _error(404, str(e))
+            return error(404, str(e))
         try:
             call = sample_call(body, session)
         except UserError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         return future(request, lambda: service.samplers.sample(session, call), samples=body.num_samples)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(body: _Retrieve, request: Request):
         if service.book.owner(body.request_id) != owner(request):
-            return _error(404, f"unknown request_id {body.request_id!r}")
+            return error(404, f"unknown request_id {body.request_id!r}")
         outcome = await service.book.result(body.request_id)
         if outcome is None:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
@@ -373,6 +370,6 @@ def build_app(service: Service) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def refused(path: str, request: Request):
-        return _error(404, f"{request.method} /{path} is not served by cluster.serve; served: {SERVED}")
+        return error(404, f"{request.method} /{path} is not served by cluster.serve; served: {SERVED}")
 
     return app
