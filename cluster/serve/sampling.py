@@ -14,8 +14,8 @@ snapshot`: later training steps do not reach it).
 `asample` draws `num_samples` responses with the engine's own contract (`RolloutEngine.generate`): each
 token's logprob is that of the distribution it was drawn from (temperature, top_k / top_p applied);
 `prompt_logprobs` are the engine's teacher-forced logprobs of the prompt (`probe_logprobs`, temperature
-1), NaN at position 0 as the SDK expects. A response ends at the model's EOS or a `stop` token id
-(finish 'stop') or after `max_tokens` ('length').
+1), NaN at position 0 as the SDK expects. A response ends at the model's EOS, a `stop` token id or a
+`stop` string (`cluster.serve.stop_strings`: finish 'stop'), or after `max_tokens` ('length').
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import numpy as np
 import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from cluster.serve.futures import Done, UserError
+from cluster.serve.stop_strings import stop_at_strings
 from cluster.serve.wire import encode_sample_response
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.hf_engine import HFEngine
@@ -98,6 +99,7 @@ class SamplerSession:
     checksum: str  # the snapshot's checksum, which the engine acknowledged
     vocab_size: int
     max_len: int | None
+    tokenizer: Any  # the base model's, for stop strings
     model_path: str | None = None  # the sampler checkpoint it was made from (create_sampling_session)
 
 
@@ -107,6 +109,7 @@ class SampleCall:
     sampling: SamplingConfig
     seed: int
     stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
     prompt_logprobs: bool
 
 
@@ -127,8 +130,12 @@ def sample_call(body: SampleBody, session: SamplerSession) -> SampleCall:
     p = body.sampling_params
     if p.max_tokens is None or p.max_tokens < 1:
         raise UserError(f"asample: sampling_params.max_tokens must be >= 1 (got {p.max_tokens})")
-    if isinstance(p.stop, str) or (p.stop and isinstance(p.stop[0], str)):
-        raise UserError("asample: sampling_params.stop strings are not served; stop token ids are")
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or ())
+    strings = tuple(s for s in stop if isinstance(s, str))
+    if strings and len(strings) != len(stop):
+        raise UserError("asample: sampling_params.stop mixes strings and token ids; send one kind")
+    if "" in strings:
+        raise UserError("asample: sampling_params.stop holds an empty string, which would stop at once")
     if p.stop == []:
         raise UserError("asample: sampling_params.stop=[] (never stop at EOS) is not served")
     if len(prompt) == 0 or prompt.min() < 0 or prompt.max() >= session.vocab_size:
@@ -142,7 +149,8 @@ def sample_call(body: SampleBody, session: SamplerSession) -> SampleCall:
         n=body.num_samples,
     )  # fmt: skip
     seed = secrets.randbits(31) if p.seed is None else int(p.seed) % (2**31)
-    return SampleCall(prompt, sampling, seed, frozenset(p.stop or ()), bool(body.prompt_logprobs))
+    ids = frozenset() if strings else frozenset(stop)
+    return SampleCall(prompt, sampling, seed, ids, strings, bool(body.prompt_logprobs))
 
 
 class Samplers:
@@ -152,6 +160,12 @@ class Samplers:
         self.start_timeout_s = start_timeout_s
         self.sessions: dict[str, SamplerSession] = {}
         self.slots: dict[tuple[str, str], EngineSlot] = {}  # (training session, base model) -> engine
+        self.tokenizers: dict[str, Any] = {}  # base model path -> its tokenizer
+
+    def _tokenizer(self, path: str) -> Any:
+        if path not in self.tokenizers:
+            self.tokenizers[path] = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return self.tokenizers[path]
 
     def session(self, sid: str | None, owner: str) -> SamplerSession:
         s = self.sessions.get(sid or "")
@@ -217,6 +231,7 @@ class Samplers:
             expected,
             int(cfg.vocab_size),
             max_len,
+            self._tokenizer(path),
             model_path,
         )
         return sid
@@ -238,5 +253,13 @@ class Samplers:
             if call.prompt_logprobs:
                 probe = (await slot.engine.probe_logprobs.remote([call.prompt]))[0]
                 prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
-        seqs = [(o.response_ids, o.logprobs, "stop" if o.finish_reason == "stop" else "length") for o in outs]
+        seqs = [_cut(o, call.stop_strings, session.tokenizer) for o in outs]
         return Done(body=encode_sample_response(seqs, prompt_lp))
+
+
+def _cut(out: Any, stops: tuple[str, ...], tokenizer: Any) -> tuple[np.ndarray, np.ndarray, str]:
+    """(tokens, logprobs, finish reason) of one engine output, ended at its first stop string."""
+    end = stop_at_strings(out.response_ids, stops, lambda t: tokenizer.decode(t, skip_special_tokens=False))
+    if end is not None:
+        return out.response_ids[:end], out.logprobs[:end], "stop"
+    return out.response_ids, out.logprobs, "stop" if out.finish_reason == "stop" else "length"
