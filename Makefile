@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-learner bench-memory bench-scale gpu-smoke gpu-wheels gpu-e2e clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-moe bench-learner bench-memory bench-scale gpu-smoke gpu-wheels gpu-e2e clean
 
 setup: $(STAMP)
 
@@ -112,6 +112,11 @@ bench-async: $(STAMP)
 bench-algos: $(STAMP)
 	$(BIN)/python bench/bench_algos.py --demo sentiment --out runs/bench-algos/sentiment $(ARGS)
 	$(BIN)/python bench/bench_algos.py --demo arithmetic --out runs/bench-algos/arithmetic $(ARGS)
+
+# Rollout routing replay on the tiny MoE families (bench/bench_moe.py): router_replay none / R2 / R3 on the
+# same noisy-engine samples, 3 seeds: expert sets that differ, logprob gap, behaviour KL, router gradients.
+bench-moe: $(STAMP)
+	$(BIN)/python bench/bench_moe.py --out runs/bench-moe $(ARGS)
 
 # Learner tokens/s and peak memory at long-tail lengths: padded by count vs token budget vs packed and
 # balanced, 2 ranks on a Qwen2-shaped model (bench/bench_learner.py).
