@@ -6,12 +6,12 @@ import functools
 import re
 import string
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from kernel.strict import Strict as _Strict
-from reward_service.backends import REWARD_KINDS
+from reward_service.backends import REWARD_KINDS, section_fields
 from reward_service.forms import FORMS
 
 # The allowed values of reward.kind: the registered reward kinds (reward_service.backends).
@@ -216,7 +216,9 @@ class FunctionEntry:
     style_field: str
 
 
-class RewardConfig(_Strict):
+class RewardFields(_Strict):
+    """The reward section's own fields; `RewardConfig` adds each kind's section (below)."""
+
     kind: RewardKindName = Field(
         "model",
         description=f"Reward source: {REWARD_KINDS.describe()}. With any kind but the environment's an "
@@ -244,9 +246,6 @@ class RewardConfig(_Strict):
         default_factory=list,
         description="kind='rule': the reward functions, each {name and/or module, weight, style}; a sample's score "
         "is the weighted sum of their scores, each logged as reward/<name> (docs/rewards.md).",
-    )
-    judge: JudgeConfig = Field(
-        default_factory=JudgeConfig, description="kind='judge': the judge model, its prompt and its verdict."
     )
     url: str | None = Field(None, description="Remote reward endpoint; kind='remote'.")
     token_env: str = Field(
@@ -289,7 +288,7 @@ class RewardConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _functions(self) -> RewardConfig:
+    def _functions(self) -> RewardFields:
         if not self.functions:
             return self
         if self.rule or self.rule_module:
@@ -314,9 +313,9 @@ class RewardConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _own_role_kinds_start_no_scorer(self) -> RewardConfig:
+    def _own_role_kinds_start_no_scorer(self) -> RewardFields:
         """A kind scored by a role of its own (its entry's `own_role`, e.g. kind='judge') starts that role's
-        actors (`reward.<role>.*`) and no scorer: the scorer's counts and resources set away from their
+        actors (counted in its section, `reward.<kind>.*`) and no scorer: the scorer's counts and resources set away from their
         defaults would be silently unused, so they are refused, naming the role's field."""
         role = REWARD_KINDS[self.kind].own_role
         if role is None:
@@ -330,7 +329,7 @@ class RewardConfig(_Strict):
         if scorer_only:
             raise ValueError(
                 f"reward.{scorer_only[0]}: with reward.kind={self.kind!r} no reward scorer runs (the {role} is a "
-                f"role of its own); set reward.{role}.{scorer_only[0]} instead"
+                f"role of its own); set reward.{self.kind}.{scorer_only[0]} instead"
             )
         return self
 
@@ -356,6 +355,22 @@ class RewardConfig(_Strict):
         # constructed unchecked: a rule's registered name need not be a metric name's shape
         spec = RewardFunctionConfig.model_construct(name=self.rule, module=self.rule_module)
         return [FunctionEntry(spec, "reward.rule", "reward.rule_module", "reward.rule")]
+
+
+def _kind_sections() -> dict[str, tuple[type, Any]]:
+    """`reward.<kind>` for each kind that declares a section (`RewardKind.section`), in registration order:
+    the reward section's schema (and the configuration reference) read them from the registry."""
+    fields = {}
+    for kind in REWARD_KINDS:
+        declared = section_fields(kind)
+        if declared is not None:
+            model, about = declared
+            fields[kind.name] = (model, Field(default_factory=model, description=about))
+    return fields
+
+
+# The reward section: its own fields and one section per kind that declares one (reward.judge, ...).
+RewardConfig = create_model("RewardConfig", __base__=RewardFields, __module__=__name__, **_kind_sections())
 
 
 class ReferenceConfig(_Strict):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kernel.registry import resolve
-from reward_service.backends import REWARD_KINDS, reward_to_prob
-from reward_service.config import RewardConfig
+from reward_service.backends import REWARD_KINDS, RewardKind, RoleSection, reward_to_prob, section_fields
+from reward_service.config import RewardConfig, RewardFields
 
 BUILT_IN = ("model", "rule", "remote", "judge", "environment")  # a kind added later needs no change here
 
@@ -50,6 +50,35 @@ def test_a_kind_without_its_needed_field_is_refused_naming_it(kind):
     assert message == (
         f"{' or '.join('reward.' + f for f in kind.needs)} is required when reward.kind={kind.name!r}"
     )
+
+
+def test_the_reward_section_holds_each_kinds_declared_section_described_by_its_model():
+    """`reward.<kind>` for every kind whose entry declares a section, read from the registry: the section's
+    model, its docstring the field's description (the configuration reference's text)."""
+    declared = {k.name: resolve(k.section) for k in REWARD_KINDS if k.section is not None}
+    assert declared["judge"].__name__ == "JudgeConfig"
+    fields = RewardConfig.model_fields
+    assert list(fields) == [*RewardFields.model_fields, *declared]
+    for name, model in declared.items():
+        assert fields[name].annotation is model
+        assert fields[name].description == " ".join(model.__doc__.split())
+        assert isinstance(RewardConfig().model_dump()[name], dict)  # built by default
+
+
+def test_a_kind_of_its_own_role_needs_a_section_with_the_roles_counts():
+    bare = RewardKind(name="pool", function="reward_service.kind_remote:RemoteBackend", own_role="pool")
+    with pytest.raises(ValueError, match=r"reward kind 'pool': own_role needs a section \(reward.pool\)"):
+        section_fields(bare)
+    wrong = RewardKind(
+        name="pool", function="m:C", own_role="pool", section="reward_service.config:RewardFunctionConfig"
+    )
+    with pytest.raises(ValueError, match="lacks num_replicas, num_cpus, num_gpus, resources"):
+        section_fields(wrong)
+    ok = RewardKind(
+        name="pool", function="m:C", own_role="pool", section="reward_service.backends:RoleSection"
+    )
+    assert section_fields(ok) == (RoleSection, " ".join(RoleSection.__doc__.split()))
+    assert section_fields(RewardKind(name="plain", function="m:C")) is None
 
 
 def test_the_kinds_needed_fields_are_those_the_config_had():

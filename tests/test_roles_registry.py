@@ -11,7 +11,16 @@ from test_config import tree
 from cluster.config.schema import build_config
 from cluster.pipeline.collector import RolloutCollector
 from cluster.placement.plan import role_shapes
-from cluster.roles.registry import ROLES, SCALABLE, WORK, Place, generate_kind, running, scoring_kinds
+from cluster.roles.registry import (
+    ROLES,
+    SCALABLE,
+    WORK,
+    Place,
+    Resources,
+    generate_kind,
+    running,
+    scoring_kinds,
+)
 
 
 def _cfg(**sections):
@@ -72,20 +81,75 @@ def test_the_collector_calls_only_the_roles_the_run_runs():
     assert collector.after_generate(train=False) == ("judge",)
 
 
+def _needed(kind) -> dict:
+    """The reward section of `kind` with its first needed field set ("judge.model_path" -> nested)."""
+    section: dict = {"kind": kind.name}
+    if kind.needs:
+        *parents, leaf = kind.needs[0].split(".")
+        node = section
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = "/x"
+    return section
+
+
 def test_a_reward_kind_of_its_own_role_names_a_role_of_the_registry_with_its_section():
-    """`RewardKind.own_role` names the role that scores the kind (its section `reward.<role>`): that role
+    """`RewardKind.own_role` names the role that scores the kind (its section `reward.<kind>`): that role
     runs and the reward scorers do not, for exactly the kinds that name it."""
     from cluster.roles.registry import BY_NAME, REWARD
     from reward_service.backends import REWARD_KINDS
 
-    roles = {REWARD_KINDS[k].own_role for k in REWARD_KINDS.names()} - {None}
-    assert roles == {"judge"}
-    for role in roles:
-        assert BY_NAME[role].config_section == f"reward.{role}"
-        cfg = _cfg(reward={"kind": role, role: {"model_path": "/j"}})
-        assert BY_NAME[role].runs(cfg) and not REWARD.runs(cfg)
+    own = [k for k in REWARD_KINDS if k.own_role is not None]
+    assert {k.own_role for k in own} >= {"judge"}  # a kind added later: no change here
+    for kind in own:
+        assert BY_NAME[kind.own_role].config_section == f"reward.{kind.name}"
+        cfg = _cfg(reward=_needed(kind))
+        assert BY_NAME[kind.own_role].runs(cfg) and not REWARD.runs(cfg)
+        others = [r for r in SCALABLE if r.name != kind.own_role and r.config_section.startswith("reward.")]
+        assert not any(r.runs(cfg) for r in others)
     cfg = _cfg()
-    assert REWARD.runs(cfg) and not any(BY_NAME[r].runs(cfg) for r in roles)
+    assert REWARD.runs(cfg) and not any(BY_NAME[k.own_role].runs(cfg) for k in own)
+
+
+def test_the_judge_is_its_kinds_standard_reward_role_but_for_its_actor_class():
+    """A kind whose role is described nowhere (`reward_role`): the scorer's actor with the kind's backend,
+    counted and sized by `reward.<kind>`, scalable, its call kind its name, filed as the chunk's scores.
+    The judge is that role with its own actor class (which builds its engine's model) and arguments."""
+    from cluster.roles.registry import JUDGE, reward_role
+    from cluster.roles.role import file_scores, send_scores
+    from reward_service.backends import REWARD_KINDS
+
+    standard = reward_role(REWARD_KINDS["judge"])
+    cfg = _cfg(
+        reward={
+            "kind": "judge",
+            "judge": {
+                "model_path": "/j",
+                "num_replicas": 3,
+                "num_cpus": 2,
+                "num_gpus": 1,
+                "resources": {"r": 1},
+            },
+        }
+    )
+    assert standard.function == "cluster.roles.actors:StreamingScorer"
+    assert (
+        (standard.count(cfg), standard.resources(cfg))
+        == (3, JUDGE.resources(cfg))
+        == (3, Resources(2, 1, {"r": 1}))
+    )
+    assert standard.args(cfg, Place(slot=0)) == (cfg.scorer_reward, cfg.tokenizer_path)
+    assert (standard.prefix, standard.scalable, standard.section) == ("reward-judge", True, "reward.judge")
+    assert (standard.work.kind, standard.work.send, standard.work.file) == ("judge", send_scores, file_scores)
+    assert standard.runs(cfg) and not standard.runs(_cfg())
+    assert JUDGE.function == "cluster.roles.actors:StreamingJudge"
+    assert JUDGE.args(cfg, Place(slot=0)) == (cfg.reward, cfg.tokenizer_path)
+    assert (JUDGE.count(cfg), JUDGE.prefix, JUDGE.work.kind, JUDGE.section) == (
+        3,
+        "reward-judge",
+        "judge",
+        "reward.judge",
+    )
 
 
 def test_the_stream_collectors_tracker_takes_the_registered_call_kinds_and_refuses_another():

@@ -1,5 +1,7 @@
 """The run's roles, each described once: the learner, the rollout workers, the reference, the reward
-scorers and the LLM judge; and the groups of actors started beside the plan (the agent runners).
+scorers and the LLM judge, and the standard reward role of each reward kind whose entry names a role of
+its own described nowhere else (`reward_role`: a kind's module and its line in `REWARD_KINDS` add it);
+and the groups of actors started beside the plan (the agent runners).
 
 A `Role` says what the rest of cluster/ needs to know of one role: its config section and the name
 `cluster.scale` takes (`name`), its actors' names, class and constructor arguments, how many the
@@ -19,6 +21,7 @@ driver, which reads this registry, never imports torch, transformers or DeepSpee
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +41,7 @@ from cluster.roles.role import (
     send_scores,
 )
 from kernel.registry import Registry
-from reward_service.backends import REWARD_KINDS
+from reward_service.backends import REWARD_KINDS, RewardKind
 
 __all__ = [
     "WEIGHTS_GROUP",
@@ -175,32 +178,62 @@ REWARD = Role(
     runs=lambda c: REWARD_KINDS[c.reward.kind].own_role is None,  # else a role of its own scores instead
 )
 
-JUDGE_NAME = "judge"
-JUDGE = Role(
-    name=JUDGE_NAME,
-    summary="the LLM judge replicas: the rewards of reward.kind='judge'",
-    prefix="reward-judge",
-    # the scorer's contract (a ScoreBatch per chunk; failed episodes failed, every sample counted) with
-    # the judge (reward_service/judge.py) as its only backend, served by reward.judge.engine
-    function="cluster.roles.actors:StreamingJudge",
-    count=lambda c: c.reward.judge.num_replicas,
-    resources=lambda c: Resources(c.reward.judge.num_cpus, c.reward.judge.num_gpus, c.reward.judge.resources),
-    args=lambda c, p: (c.reward, c.tokenizer_path),
-    host_threads=lambda c: c.learner.torch_threads,
-    work=Work(CallKind.JUDGE, "score_s", send_scores, file_scores, scores_filed),
-    scalable=True,
-    # its calls' time is the step's time/score, exported as the reward role's busy time
-    path_fields=("model_path",),
-    section="reward.judge",
-    runs=lambda c: REWARD_KINDS[c.reward.kind].own_role == JUDGE_NAME,  # the kinds whose entry names it
-)
 
-# Every role, in the plan's bundle order: those described above, then each role described in a module of
-# its own, listed by its `"module:Role"` (that module imports `cluster.roles.role`, never this one).
+def reward_role(kind: RewardKind, **described: Any) -> Role:
+    """The role that scores a reward kind whose entry names a role of its own (`own_role`): the scorer's
+    contract (a ScoreBatch per chunk, filed as the chunk's scores) with the kind's backend as its only
+    one, its actors counted and sized by the kind's section (`reward.<kind>`: `RoleSection`'s fields),
+    scalable (`cluster.scale <role>=K`), running when the run's kind names it. `described` replaces the
+    standard parts (the judge's actor class builds its engine's model)."""
+    name = kind.own_role
+    assert name is not None, kind.name
+
+    def section(c: RunConfig) -> Any:
+        return getattr(c.reward, kind.name)
+
+    standard = Role(
+        name=name,
+        summary=f"the rewards of reward.kind={kind.name!r}, by actors of their own",
+        prefix=f"reward-{name}",
+        function="cluster.roles.actors:StreamingScorer",
+        count=lambda c: section(c).num_replicas,
+        resources=lambda c: Resources(section(c).num_cpus, section(c).num_gpus, section(c).resources),
+        args=lambda c, p: (c.scorer_reward, c.tokenizer_path),  # function_timeout_s resolved
+        host_threads=lambda c: c.learner.torch_threads,
+        work=Work(name, "score_s", send_scores, file_scores, scores_filed),
+        scalable=True,
+        # its calls' time is the step's time/score, exported as the reward role's busy time
+        section=f"reward.{kind.name}",
+        runs=lambda c: REWARD_KINDS[c.reward.kind].own_role == name,  # the kinds whose entry names it
+    )
+    return dataclasses.replace(standard, **described)
+
+
+JUDGE = reward_role(
+    REWARD_KINDS["judge"],
+    summary="the LLM judge replicas: the rewards of reward.kind='judge'",
+    # the judge (reward_service/judge.py) as the scorer's only backend, served by reward.judge.engine
+    function="cluster.roles.actors:StreamingJudge",
+    args=lambda c, p: (c.reward, c.tokenizer_path),
+    work=Work(CallKind.JUDGE, "score_s", send_scores, file_scores, scores_filed),
+    path_fields=("model_path",),
+)
+DESCRIBED = (LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE)
+
+
+def _kinds_roles(described: tuple[Role, ...]) -> list[Role]:
+    """The standard reward role of each kind whose entry names a role described nowhere else."""
+    names = {r.name for r in described}
+    return [reward_role(k) for k in REWARD_KINDS if k.own_role is not None and k.own_role not in names]
+
+
+# Every role, in the plan's bundle order: those described above, the reward role of each kind with a role of
+# its own described nowhere else (`reward_role`), then each role described in a module of its own, listed
+# by its `"module:Role"` (that module imports `cluster.roles.role`, never this one).
 ROLES: Registry[Role] = Registry(
     "role",
     "cluster.scale",
-    [LEARNER, ROLLOUT, REFERENCE, REWARD, JUDGE],
+    [*DESCRIBED, *_kinds_roles(DESCRIBED)],
 )
 
 
