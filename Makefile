@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 CONFIG  ?= configs/sentiment_tiny.yaml
 ARGS    ?=
 
-.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-trl bench-guard bench-async bench-algos bench-moe bench-learner bench-memory bench-scale gpu-smoke gpu-wheels gpu-e2e clean
+.PHONY: setup test test-fast test-vllm lint train watch assets plot bench bench-gateway bench-serve bench-trl bench-guard bench-async bench-algos bench-moe bench-learner bench-memory bench-scale gpu-smoke gpu-wheels gpu-e2e clean
 
 setup: $(STAMP)
 
@@ -92,6 +92,12 @@ bench: $(STAMP)
 # concurrent sessions (bench/bench_gateway.py).
 bench-gateway: $(STAMP)
 	$(BIN)/python bench/bench_gateway.py $(ARGS)
+
+# The Tinker service warm against a cold `cluster.train` start on the same model: time to the first
+# forward_backward and sample, and forward_backward tokens/s through the service vs in process
+# (bench/bench_serve.py; the SDK side runs in .venv-tinker).
+bench-serve: $(STAMP) $(TINKER_STAMP)
+	$(BIN)/python bench/bench_serve.py $(ARGS)
 
 # This project against TRL's PPOTrainer on the demo (installs trl into .venv-trl on first use).
 bench-trl: $(STAMP)
