@@ -8,7 +8,8 @@ and moves the logprobs; importance_sampling on policy with advantages 1 is minus
 401; a sampling client samples the adapter it was saved with (sampled logprobs = teacher-forced ones);
 two tenants (the async SDK) stay apart: training one never moves the other; an unknown route a
 404 naming it; a forward_backward sent twice (same seq_id, another idempotency key) is applied once:
-the optimizer's gradient norm equals that of a tenant that got it once.
+the optimizer's gradient norm equals that of a tenant that got it once; a session whose heartbeats
+stop is ended (its tenant and sampler gone) while an SDK client's heartbeating session is kept.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -42,10 +44,9 @@ needs_sdk = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def service(tiny_policy_dir, tmp_path_factory):
+def _serve(tiny_policy_dir, folder: Path, **more):
     """The service in its own process with its own local Ray; its URL once it prints `serving <url>`."""
-    cfg = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    cfg = folder / "serve.yaml"
     cfg.write_text(
         json.dumps(
             {
@@ -55,7 +56,8 @@ def service(tiny_policy_dir, tmp_path_factory):
                 "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
                 "lora_alpha": 8.0,
                 "tenant_cpus": 0.1,  # tenants and samplers are never released (docs/service.md, Limits)
-            }  # fmt: skip
+            }
+            | more  # fmt: skip
         )
     )
     proc = subprocess.Popen(
@@ -74,6 +76,21 @@ def service(tiny_policy_dir, tmp_path_factory):
     yield url
     proc.terminate()  # uvicorn stops gracefully on SIGTERM, then Ray shuts down with the process
     proc.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_policy_dir, tmp_path_factory):
+    yield from _serve(tiny_policy_dir, tmp_path_factory.mktemp("serve"))
+
+
+HEARTBEAT_TIMEOUT_S = 30.0  # the SDK heartbeats every 10 s: a live session never comes near it
+
+
+@pytest.fixture(scope="module")
+def short_service(tiny_policy_dir, tmp_path_factory):
+    """A service whose sessions end after HEARTBEAT_TIMEOUT_S without a heartbeat."""
+    folder = tmp_path_factory.mktemp("serve-short")
+    yield from _serve(tiny_policy_dir, folder, session_timeout_s=HEARTBEAT_TIMEOUT_S)
 
 
 def run_client(scenario: str, url: str, key: str = KEY, *args: str) -> dict:
@@ -524,3 +541,97 @@ def test_loading_a_checkpoint_of_another_rank_is_refused_naming_both(service, sa
     err = json.loads(_result(service, rid))
     assert err["category"] == "user" and "rank-4 adapter on 'tiny-gpt2'" in err["error"]
     assert f"model {model_id!r} is rank 2" in err["error"]
+
+
+@slow
+@needs_sdk
+def test_a_session_whose_heartbeats_stop_is_ended_and_a_heartbeating_one_is_kept(short_service):
+    """An SDK client (its heartbeats running) and then a raw-HTTP session that never heartbeats, each
+    with a tenant (the raw one with a sampler too). Once the service ends the raw session (polled on its
+    own GET sessions/{id}, no sleep racing the timer), the SDK's session, older than it and so older
+    than session_timeout_s, is still listed with its tenant, and the client still trains; the raw
+    session's tenant and sampler are gone as a finished session's are."""
+    url = short_service
+    env = {**os.environ, "TINKER_TELEMETRY": "0"}
+    sdk = subprocess.Popen(
+        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), "idle", url, KEY, MODEL],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in sdk.stdout:
+            seen.append(line)
+            if line.startswith("MODEL "):
+                break
+        assert seen and seen[-1].startswith("MODEL "), "".join(seen)
+        sdk_model = seen[-1].split()[1]
+        sdk_sid = sdk_model.split(":train:")[0]
+        raw_model = _tenant(url)
+        raw_sid = raw_model.split(":train:")[0]
+        rid = json.loads(
+            _call(url, "/api/v1/save_weights_for_sampler", {"model_id": raw_model, "seq_id": 1})[1]
+        )
+        sampler = json.loads(_result(url, rid["request_id"]))["sampling_session_id"]
+        status, raw = _call(url, f"/api/v1/sessions/{raw_sid}")
+        assert status == 200 and json.loads(raw) == {
+            "training_run_ids": [raw_model],
+            "sampler_ids": [sampler],
+        }
+
+        deadline = time.monotonic() + 10 * HEARTBEAT_TIMEOUT_S  # generous: the machine may be loaded
+        while status == 200 and time.monotonic() < deadline:
+            status, raw = _call(url, f"/api/v1/sessions/{raw_sid}")
+            time.sleep(0.5)  # the poll's pace, not a synchronisation
+        assert status == 410, (status, raw)
+        assert (
+            f"no heartbeat for more than {HEARTBEAT_TIMEOUT_S:g}s (session_timeout_s)"
+            in json.loads(raw)["detail"]
+        )
+        assert _call(url, "/api/v1/session_heartbeat", {"session_id": raw_sid})[0] == 410
+        step = {"model_id": raw_model, "seq_id": 2, "adam_params": {}}
+        assert _call(url, "/api/v1/optim_step", step)[0] == 404
+        body = {"sampling_session_id": sampler, "prompt": {"chunks": [{"tokens": [1, 4]}]},
+                "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        assert _call(url, "/api/v1/asample", body)[0] == 404
+
+        status, raw = _call(url, f"/api/v1/sessions/{sdk_sid}")
+        assert status == 200 and json.loads(raw)["training_run_ids"] == [sdk_model]
+        listed = json.loads(_call(url, "/api/v1/sessions")[1])["sessions"]
+        assert sdk_sid in listed and raw_sid not in listed
+        out, _ = sdk.communicate("go\n", timeout=300)
+    finally:
+        if sdk.poll() is None:
+            sdk.kill()
+    assert sdk.returncode == 0, out
+    result = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
+    assert len(result["logprobs"]) == 2  # the kept client's forward ran
+
+
+def test_expire_ends_only_sessions_past_the_timeout(tiny_policy_dir):
+    """Service.expire at chosen clock readings (no Ray: no session here holds an actor): a session whose
+    latest heartbeat is 30 s old survives session_timeout_s = 30, one 30.5 s old ends, naming the
+    setting; an ended session is not ended again; finishing one names its client."""
+    from cluster.serve.config import ServeConfig
+    from cluster.serve.service import Service, Session
+
+    cfg = ServeConfig(
+        api_keys=[KEY], base_models=[{"name": MODEL, "path": str(tiny_policy_dir)}], session_timeout_s=30
+    )
+    svc = Service(cfg)
+    svc.sessions = {"a": Session(KEY, last_beat=100.0), "b": Session(KEY, last_beat=99.5)}
+    assert svc.expire(130.0) == ["b"]
+    assert svc.sessions["a"].ended is None
+    assert svc.sessions["b"].ended == "no heartbeat for more than 30s (session_timeout_s)"
+    assert svc.expire(130.0) == [] and svc.expire(130.5) == ["a"]
+    svc.sessions["c"] = Session(KEY, last_beat=0.0)
+    svc.end("c", "its client finished it")
+    assert svc.expire(1000.0) == [] and svc.sessions["c"].ended == "its client finished it"
+
+
+def test_session_timeout_s_below_two_sdk_heartbeats_is_refused_by_name():
+    from pydantic import ValidationError
+
+    from cluster.serve.config import ServeConfig
+
+    with pytest.raises(ValidationError, match=r"session_timeout_s must be >= 20 \(got 15\): the tinker SDK"):
+        ServeConfig(api_keys=[KEY], base_models=[{"name": MODEL, "path": "x"}], session_timeout_s=15)

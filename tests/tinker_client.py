@@ -237,7 +237,17 @@ def foreign(client, model: str, weights: str, sampler: str) -> dict:
     return seen
 
 
+def idle(client, model: str) -> dict:
+    """A training client, its model id printed (`MODEL <id>`), then idle (the SDK's heartbeats running)
+    until a line arrives on stdin; then a forward on it."""
+    tc = client.create_lora_training_client(base_model=model, rank=2, seed=0).result()
+    print(f"MODEL {tc.get_info().model_id}", flush=True)
+    sys.stdin.readline()
+    return {"logprobs": logprobs(tc.forward(sft_data(), "cross_entropy").result())}
+
+
 SCENARIOS = {
+    "idle": idle,
     "checkpoints": checkpoints,
     "foreign": foreign,
     "sample": sample,

@@ -15,6 +15,8 @@
     start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this
     call_timeout_s: 600        # one forward_backward / optim_step / sample must finish within this
     order_wait_s: 300          # a call waits this long for its seq_id predecessor, then fails
+    session_timeout_s: 300     # a session with no heartbeat for this long is ended (its tenants and samplers
+                               # released); the SDK heartbeats every 10 s, so at least 20 (two of them)
     checkpoint_dir: null       # a folder for named checkpoints (save_state, save_weights_for_sampler(name)),
                                # one subfolder per API key; null: they are refused
 
@@ -30,6 +32,9 @@ import yaml
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict
+
+SDK_HEARTBEAT_S = 10.0  # tinker/lib/internal_client_holder.py, SESSION_HEARTBEAT_PERIOD_SEC (tinker 0.38)
+MIN_SESSION_TIMEOUT_S = 2 * SDK_HEARTBEAT_S  # one late or lost heartbeat never ends a live session
 
 
 class BaseModelEntry(Strict):
@@ -51,6 +56,7 @@ class ServeConfig(Strict):
     start_timeout_s: float = Field(300.0, gt=0.0)
     call_timeout_s: float = Field(600.0, gt=0.0)
     order_wait_s: float = Field(300.0, gt=0.0)
+    session_timeout_s: float = 300.0
     checkpoint_dir: str | None = None
 
     @field_validator("api_keys")
@@ -60,6 +66,16 @@ class ServeConfig(Strict):
         if bad:
             raise ValueError(f"api_keys must start with 'tml-' (the tinker SDK sends no other): {bad}")
         return keys
+
+    @field_validator("session_timeout_s")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if not value >= MIN_SESSION_TIMEOUT_S:
+            raise ValueError(
+                f"session_timeout_s must be >= {MIN_SESSION_TIMEOUT_S:g} (got {value:g}): the tinker SDK sends a "
+                f"heartbeat every {SDK_HEARTBEAT_S:g} s, and a shorter timeout would end live sessions"
+            )
+        return value
 
     def base_model(self, name: str) -> BaseModelEntry:
         for entry in self.base_models:

@@ -4,6 +4,7 @@ Served (docs/service.md has the full table of what the SDK calls and what is ref
     GET  /api/v1/healthz, /api/v1/get_server_capabilities
     POST /api/v1/client/config, /api/v1/client/dynamic_config, /api/v1/telemetry
     POST /api/v1/create_session, /api/v1/session_heartbeat, /api/v1/sessions/{id}/finish
+    GET  /api/v1/sessions, /api/v1/sessions/{id} (RestClient.list_sessions / get_session)
     POST /api/v1/create_model, /api/v1/get_info
     POST /api/v1/forward_backward (protobuf), /api/v1/optim_step
     POST /api/v1/save_weights_for_sampler, /api/v1/asample (cluster.serve.sampling)
@@ -12,7 +13,9 @@ Served (docs/service.md has the full table of what the SDK calls and what is ref
         (named checkpoints, per API key: cluster.serve.checkpoints)
 Every /api/v1 route but healthz needs a configured key in `X-API-Key` (else 401). A session, its models
 and their futures belong to the key that made them: another key is told they do not exist (404).
-Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Service.release`). Any
+Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Service.release`); so does
+a session whose heartbeats (the SDK sends one every 10 s) stop for longer than `session_timeout_s`
+(`Service.expire`, run every quarter of it). Any
 other route is a 404 naming it. Each tenant (a LoRA training client) is a `TenantModel` in a Ray actor
 of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`.
 """
@@ -20,7 +23,9 @@ of its own; its calls are ordered and applied once by `cluster.serve.futures.Fut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 import uuid
 from typing import Any
 
@@ -43,7 +48,8 @@ PROTOBUF = "application/x-protobuf"
 SERVED = [
     "GET /api/v1/healthz", "GET /api/v1/get_server_capabilities", "POST /api/v1/client/config",
     "POST /api/v1/client/dynamic_config", "POST /api/v1/telemetry", "POST /api/v1/create_session",
-    "POST /api/v1/session_heartbeat", "POST /api/v1/sessions/{id}/finish", "POST /api/v1/create_model",
+    "POST /api/v1/session_heartbeat", "POST /api/v1/sessions/{id}/finish", "GET /api/v1/sessions",
+    "GET /api/v1/sessions/{id}", "POST /api/v1/create_model",
     "POST /api/v1/get_info", "POST /api/v1/forward_backward", "POST /api/v1/optim_step",
     "POST /api/v1/save_weights_for_sampler", "POST /api/v1/asample", "POST /api/v1/retrieve_future",
     "POST /api/v1/save_weights", "POST /api/v1/load_weights", "POST /api/v1/create_sampling_session",
@@ -101,7 +107,8 @@ class _Retrieve(_Body):
 @dataclasses.dataclass
 class Session:
     owner: str
-    finished: bool = False
+    last_beat: float  # time.monotonic() of its creation or its latest heartbeat
+    ended: str | None = None  # why it ended (its client finished it, or its heartbeats stopped)
 
 
 @dataclasses.dataclass
@@ -124,6 +131,27 @@ class Service:
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
         self.samplers = Samplers(config.tenant_cpus, config.torch_threads, config.start_timeout_s)
         self.checkpoints = CheckpointStore(config.checkpoint_dir)
+
+    def end(self, session_id: str, why: str) -> None:
+        """Mark a session ended (`why` is what its heartbeat and lookups answer from then on) and release
+        its tenants and samplers."""
+        self.sessions[session_id].ended = why
+        self.release(session_id)
+
+    def expire(self, now: float) -> list[str]:
+        """End every live session whose latest heartbeat (or creation) is more than `session_timeout_s`
+        before `now` (time.monotonic()); their ids."""
+        limit = self.config.session_timeout_s
+        late = [sid for sid, s in self.sessions.items() if s.ended is None and now - s.last_beat > limit]
+        for sid in late:
+            self.end(sid, f"no heartbeat for more than {limit:g}s (session_timeout_s)")
+        return late
+
+    async def watch_heartbeats(self) -> None:
+        """`expire` every quarter of `session_timeout_s`, for as long as the service runs."""
+        while True:
+            await asyncio.sleep(self.config.session_timeout_s / 4)
+            self.expire(time.monotonic())
 
     def release(self, session_id: str) -> None:
         """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, their pending
@@ -182,7 +210,13 @@ class Service:
 
 
 def build_app(service: Service) -> FastAPI:
-    app = FastAPI(title="rayppo Tinker service")
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        watcher = asyncio.create_task(service.watch_heartbeats())
+        yield
+        watcher.cancel()
+
+    app = FastAPI(title="rayppo Tinker service", lifespan=lifespan)
     cfg = service.config
 
     @app.middleware("http")
@@ -228,7 +262,7 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         sid = str(uuid.uuid4())
-        service.sessions[sid] = Session(owner(request))
+        service.sessions[sid] = Session(owner(request), time.monotonic())
         return {"type": "create_session", "session_id": sid}
 
     def _tenant(request: Request, model_id: str) -> Tenant | JSONResponse:
@@ -242,21 +276,38 @@ def build_app(service: Service) -> FastAPI:
         s = service.sessions.get(sid)
         if s is None or s.owner != owner(request):
             return error(404, f"unknown session_id {sid!r}")
-        return error(410, f"session {sid!r} is finished") if s.finished else s
+        return error(410, f"session {sid!r} has ended: {s.ended}") if s.ended else s
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         s = _session(request, (await request.json()).get("session_id", ""))
-        return s if isinstance(s, JSONResponse) else {"type": "session_heartbeat"}
+        if isinstance(s, JSONResponse):
+            return s
+        s.last_beat = time.monotonic()
+        return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{sid}/finish")
     async def finish(sid: str, request: Request):
         s = _session(request, sid)
         if isinstance(s, Session):
-            s.finished = True
-            service.release(sid)
+            service.end(sid, "its client finished it")
             return {}
         return s
+
+    @app.get("/api/v1/sessions")
+    async def list_sessions(request: Request, limit: int = 20, offset: int = 0):
+        who = owner(request)
+        live = [sid for sid, s in service.sessions.items() if s.owner == who and s.ended is None]
+        return {"sessions": live[offset : offset + limit]}
+
+    @app.get("/api/v1/sessions/{sid}")
+    async def get_session(sid: str, request: Request):
+        s = _session(request, sid)
+        if isinstance(s, JSONResponse):
+            return s
+        runs = [m for m, t in service.tenants.items() if t.session_id == sid]
+        samplers = [k for k, v in service.samplers.sessions.items() if v.session_id == sid]
+        return {"training_run_ids": runs, "sampler_ids": samplers}
 
     @app.post("/api/v1/create_model")
     async def create_model(body: _CreateModel, request: Request):
