@@ -474,3 +474,45 @@ def test_the_engine_check_sees_a_comparison_with_an_engine(tmp_path):
     )
     found = reward_kind_literals(tmp_path, {"hf", "vllm"}, mention="engine")
     assert found == ["cluster/x.py:1 'hf'", "cluster/x.py:1 'vllm'"]
+
+
+def kind_section_reads(root: Path, sections: set[str], skip: tuple[str, ...] = ()) -> list[str]:
+    """`file:line reward.<section>` for every read of a reward kind's section as an attribute of a
+    `reward` (`cfg.reward.judge.num_replicas`, `reward.judge.engine`) in a module of `root/cluster` but
+    those in `skip` (paths relative to `root`)."""
+    found = []
+    for f in sorted((root / "cluster").rglob("*.py")):
+        if str(f.relative_to(root)) in skip:
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if not (isinstance(node, ast.Attribute) and node.attr in sections):
+                continue
+            parent = node.value
+            if (isinstance(parent, ast.Attribute) and parent.attr == "reward") or (
+                isinstance(parent, ast.Name) and parent.id == "reward"
+            ):
+                found.append(f"{f.relative_to(root)}:{node.lineno} reward.{node.attr}")
+    return sorted(set(found))
+
+
+def test_no_module_of_cluster_but_the_judges_engines_reads_a_reward_kinds_section():
+    """A reward kind's section (`reward.<kind>`) is declared by its entry (`RewardKind.section`) and read
+    by the role that scores the kind, which `cluster.roles.registry.reward_role` builds from the entry
+    (by the kind's name, never spelled), so a kind scored by a role of its own is its module and its
+    line in `REWARD_KINDS`. `cluster/roles/judge_engines.py`, which builds the judge's model on its
+    engine, is the one module that reads one (the judge's)."""
+    from reward_service.backends import REWARD_KINDS
+
+    sections = {k.name for k in REWARD_KINDS if k.section is not None}
+    assert "judge" in sections
+    skip = ("cluster/roles/judge_engines.py",)
+    assert kind_section_reads(ROOT, sections, skip=skip) == []
+
+
+def test_the_section_check_sees_a_section_read_through_any_reward(tmp_path):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "x.py").write_text(
+        "n = c.reward.judge.num_replicas\nm = reward.judge.engine\nk = c.judge.x\nr = c.reward.url\n"
+    )
+    found = kind_section_reads(tmp_path, {"judge"})
+    assert found == ["cluster/x.py:1 reward.judge", "cluster/x.py:2 reward.judge"]
