@@ -260,3 +260,15 @@ def initialize_engine(model: torch.nn.Module, config: LearnerConfig):
     )
     install_safe_checkpoint_engine(engine)
     return engine
+
+
+def single_process_engine(model: torch.nn.Module, config: LearnerConfig):
+    """`initialize_engine` in a one-rank world: the world this process holds already (it must be rank 0
+    of 1, `check_world`), else one started here on a free local port. What a Tinker tenant trains with
+    (`cluster.serve.tenant`, one process per tenant): the learner's engine, optimizer and ZeRO stage."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_distributed(0, 1, "127.0.0.1", free_port(), resolve_backend(config), config.dist_timeout_s)
+    check_world(0, 1)
+    return initialize_engine(model, config)

@@ -169,3 +169,15 @@ def micro_batch_rows(batch: Batch, idx: torch.Tensor, config: LearnerConfig) -> 
         packed=config.pack_sequences,
     )
     return [idx[torch.tensor(members, dtype=torch.long)] for members in plan]
+
+
+def anchored_backward(engine, scored: Scored, scale: float, critic: bool) -> None:
+    """`engine.backward(scale x (the scored outputs' anchor, plus the values' sum with a critic))`:
+    every parameter a real micro-batch reaches gets a gradient of 0 (`scale` 0) or NaN (`scale` NaN),
+    through the same modules (the frozen value head only with a `critic`, or ZeRO-3 would gather it in
+    this backward alone and the ranks' collectives differ). 0 on a dummy micro-batch
+    (`learner.batch.dummy_batch`): a rank without data makes the same calls as the others, and an
+    accumulation window closes at its boundary with its sum unchanged; NaN: DeepSpeed's overflow path
+    skips the step on every rank and drops the accumulated gradients."""
+    out = scored.anchor + (scored.values.sum() if critic else 0.0)
+    engine.backward(out * scale, scale_wrt_gas=False)

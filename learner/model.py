@@ -20,7 +20,7 @@ from kernel.sequences import (
 )
 from learner.algorithms import entropy_from_logits, logprobs_from_logits
 from learner.chunked_logprobs import chunked_token_scores, linear_logits_reason
-from learner.config import LoRAConfig
+from learner.config import LearnerConfig, LoRAConfig
 from learner.lora import apply_lora
 
 DEFAULT_CHUNK_TOKENS = 512  # what `logits_chunk_tokens: auto` chunks by where the architecture allows
@@ -163,6 +163,22 @@ class PolicyWithValueHead(nn.Module):
         if saved_head.exists():
             model.value_head.load_state_dict(load_file(str(saved_head)))
         return model
+
+    @classmethod
+    def for_learner(cls, path: str | Path, config: LearnerConfig, seed: int = 0) -> PolicyWithValueHead:
+        """`from_pretrained` with every model field of a learner's `config` (dtype, value-head init,
+        gradient checkpointing, attention, LoRA, logits chunking): how a learner rank, and a Tinker
+        tenant (`cluster.serve.tenant`), load the model their DeepSpeed engine wraps."""
+        return cls.from_pretrained(
+            path,
+            dtype=config.dtype,
+            value_head_std=config.value_head_std,
+            gradient_checkpointing=config.gradient_checkpointing,
+            seed=seed,
+            attn_implementation=config.attn_implementation,
+            lora=config.lora,
+            logits_chunk_tokens=config.logits_chunk_tokens,
+        )
 
     def forward(
         self,

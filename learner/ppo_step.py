@@ -33,6 +33,7 @@ from learner.context import LearnerContext
 from learner.forward import (
     RankSums,
     all_reduce,
+    anchored_backward,
     forward_scores,
     micro_batch_rows,
     replays_routing,
@@ -189,11 +190,8 @@ def ppo_update(ctx: LearnerContext, batch: Batch):
                         engine, zero_w, temperature, 0, config.pack_sequences, entropy, replay
                     )
                     scale = 0.0
-                # Built from the outputs so every parameter gets a gradient (0, or NaN to force a skip),
-                # through the same modules as a real micro-batch: the (frozen) value head only with a
-                # critic, or ZeRO-3 would gather it in this backward alone and the ranks' collectives differ.
-                out = scored.anchor + (scored.values.sum() if needs_critic(config.advantage) else 0.0)
-                engine.backward(out * scale, scale_wrt_gas=False)
+                # a gradient (0, or NaN to force a skip) for every parameter a real micro-batch reaches
+                anchored_backward(engine, scored, scale, needs_critic(config.advantage))
             engine.step()
             if engine.was_step_applied():
                 if poisoned:

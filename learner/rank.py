@@ -117,16 +117,7 @@ class LearnerRank:
             resolve_backend(self.config),
             self.config.dist_timeout_s,
         )
-        model = PolicyWithValueHead.from_pretrained(
-            self.model_path,
-            dtype=self.config.dtype,
-            value_head_std=self.config.value_head_std,
-            gradient_checkpointing=self.config.gradient_checkpointing,
-            seed=self.seed,
-            attn_implementation=self.config.attn_implementation,
-            lora=self.config.lora,
-            logits_chunk_tokens=self.config.logits_chunk_tokens,
-        )
+        model = PolicyWithValueHead.for_learner(self.model_path, self.config, self.seed)
         if self.config.pack_sequences:  # on the full weights, before ZeRO-3 partitions them
             vocab = model.policy.config.get_text_config().vocab_size
             check_packing_exact(model.policy, vocab, "learner.pack_sequences")

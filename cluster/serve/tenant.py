@@ -1,8 +1,17 @@
-"""One tenant's training model: a LoRA adapter (PEFT, `learner.lora`) on the learner's own model class
-(`learner.model.PolicyWithValueHead`, loaded as a learner rank loads it), its AdamW state, and the
-Tinker calls on it: `forward_backward` (gradients accumulate until `optim_step`) and `optim_step`
-(AdamW with the request's hyperparameters). A plain class; `cluster.serve.service` hosts each tenant
-in a Ray actor of its own.
+"""One tenant's training model: a LoRA adapter (PEFT, `learner.lora`) on the learner's own model class,
+trained by the learner's own DeepSpeed engine (`learner.deepspeed_setup.single_process_engine`: the
+learner's `initialize_engine`, its AdamW and ZeRO-2, gloo on CPU, in a one-rank world of this
+process), and the Tinker calls on it. A plain class; `cluster.serve.service` hosts each tenant in a Ray
+actor (a process) of its own.
+
+- `forward_backward`: `engine.backward` of the loss, off the accumulation boundary, so gradients add up
+  over calls (Tinker's semantics: several calls then one step train on their sum).
+- `optim_step`: the window is closed the learner's way (a zero-weight dummy micro-batch at the
+  boundary, `learner.forward.anchored_backward`: the sum is unchanged), the request's `AdamParams` are
+  set on the optimizer's parameter groups (lr, betas, eps, weight decay) and on ZeRO's clip
+  (`grad_clip_norm`, 0 = off, DeepSpeed's clip formula), then `engine.step()`.
+- Dropping pending gradients (a load between a `forward_backward` and its step) goes through DeepSpeed's
+  overflow path: a NaN-weighted dummy at the boundary, and the skipped step clears them.
 
 Scoring follows Tinker's alignment: input position t scores `target_tokens[t]`, i.e. the learner's
 response layout with a prompt of length 1 and a response of N tokens (`kernel.sequences`), so
@@ -12,14 +21,19 @@ are masked out of every loss and never change a valid position (causal attention
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections import defaultdict
 
 import numpy as np
 import torch
 
 from cluster.serve.losses import LossBatch, lookup
 from cluster.serve.wire import WireDatum
-from learner.config_blocks import LoRAConfig
+from learner.batch import dummy_batch
+from learner.config import LearnerConfig, LoRAConfig
+from learner.deepspeed_setup import single_process_engine
+from learner.forward import anchored_backward, forward_scores
 from learner.lora import adapter_bundle
 from learner.model import PolicyWithValueHead
 
@@ -52,14 +66,24 @@ def _padded(rows: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def tenant_config(lora: LoRAConfig, torch_threads: int = 1) -> LearnerConfig:
+    """The learner config a tenant's engine is built from: the learner's defaults (float32, ZeRO-2,
+    AdamW: its lr, betas, eps, weight decay and clip are each `optim_step`'s) with the serve config's
+    LoRA and threads. ZeRO-3 is not served: `load_training_state` writes the adapter into ZeRO-2's
+    flat buffers and fp32 master copy (`refresh_fp32_params`); ZeRO-3 partitions them otherwise."""
+    return LearnerConfig(lora=lora, torch_threads=torch_threads)
+
+
 class TenantModel:
     def __init__(self, base_path: str, lora: LoRAConfig, seed: int, torch_threads: int = 1) -> None:
+        self.config = tenant_config(lora, torch_threads)
         torch.set_num_threads(torch_threads)
-        self.model = PolicyWithValueHead.from_pretrained(base_path, lora=lora, seed=seed)
+        self.model = PolicyWithValueHead.for_learner(base_path, self.config, seed)
         self.model.value_head.requires_grad_(False)  # no critic: Tinker trains the policy only
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.AdamW | None = None
+        self.engine = single_process_engine(self.model, self.config)
         self.steps = 0
+        self.pending = False  # gradients accumulated since the last step
 
     def _scores(self, data: list[WireDatum]) -> tuple[torch.Tensor, torch.Tensor]:
         """(lp [B, T] of each datum's target_tokens, mask [B, T])."""
@@ -75,9 +99,10 @@ class TenantModel:
         ids = _padded([d.tokens for d in data], torch.long)
         targets = _padded([d.inputs["target_tokens"] for d in data], torch.long)
         mask = (torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32)
-        scores = self.model(
-            ids, mask.to(torch.long), torch.ones(len(data), dtype=torch.long), ids.shape[1], targets=targets
-        )
+        device = self.engine.device
+        ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
+        ones = torch.ones(len(data), dtype=torch.long, device=device)
+        scores = self.engine(ids, mask.to(torch.long), ones, ids.shape[1], targets=targets)
         return scores.logprobs, mask
 
     def forward_backward(
@@ -102,48 +127,61 @@ class TenantModel:
         loss = lookup(loss_fn, names, config)
         with torch.set_grad_enabled(not forward_only):
             lp, mask = self._scores(data)
-            inputs = {k: _padded([d.inputs[k] for d in data], torch.float32) for k in names}
+            inputs = {k: _padded([d.inputs[k] for d in data], torch.float32).to(lp.device) for k in names}
             result = loss(LossBatch(lp, inputs, mask), config)
         if not forward_only:
-            result.loss.backward()
+            self.engine.set_gradient_accumulation_boundary(False)
+            self.engine.backward(result.loss, scale_wrt_gas=False)
+            self.pending = True
         outputs = []
         for i, d in enumerate(data):
             n = len(d.tokens)
-            row = {"logprobs": lp[i, :n].detach().float().numpy()}
-            row |= {k: v[i, :n].float().numpy() for k, v in result.extra.items()}
+            row = {"logprobs": lp[i, :n].detach().float().cpu().numpy()}
+            row |= {k: v[i, :n].float().cpu().numpy() for k, v in result.extra.items()}
             outputs.append(row)
         return StepOutput(outputs, {"loss:sum": float(result.loss.detach())})
 
+    def _close_window(self, scale: float) -> None:
+        """A dummy micro-batch weighted `scale` at the accumulation boundary (`anchored_backward`)."""
+        self.engine.set_gradient_accumulation_boundary(True)
+        scored = forward_scores(self.engine, dummy_batch(0).to(self.engine.device), 1.0)
+        anchored_backward(self.engine, scored, scale, critic=False)
+
     def optim_step(self, step: AdamStep) -> dict[str, float]:
-        """One AdamW step on the accumulated gradients, then zero them."""
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.params, lr=step.learning_rate)
-        for group in self.optimizer.param_groups:
+        """One step of the engine's AdamW on the gradients accumulated since the last, with `step`'s
+        hyperparameters."""
+        self._close_window(0.0)
+        for group in self.engine.optimizer.param_groups:
             group.update(
                 lr=step.learning_rate,
                 betas=(step.beta1, step.beta2),
                 eps=step.eps,
                 weight_decay=step.weight_decay,
             )
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.params, step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf")
-        )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.optimizer.clip_grad = step.grad_clip_norm  # ZeRO's clip; 0 = off
+        self.engine.step()
+        if not self.engine.was_step_applied():
+            raise RuntimeError("optim_step: the gradient norm is not finite; the step was skipped")
+        self.pending = False
         self.steps += 1
-        return {"grad_norm:mean": float(norm), "step:max": float(self.steps)}
+        norm = float(self.engine.get_global_grad_norm() or 0.0)
+        return {"grad_norm:mean": norm, "step:max": float(self.steps)}
+
+    def _adam(self) -> torch.optim.Optimizer:
+        """The torch AdamW the ZeRO optimizer steps (over its flat fp32 partitions)."""
+        return self.engine.optimizer.optimizer
 
     def training_state(self) -> dict:
         """What `save_state` keeps: the trainable (adapter) tensors by name, the AdamW state (None before
         the first step: a fresh AdamW is that state) and the step count; CPU copies."""
         adapter = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-        optimizer = None if self.optimizer is None else self.optimizer.state_dict()
+        optimizer = copy.deepcopy(self._adam().state_dict()) if self.steps else None
         return {"adapter": adapter, "optimizer": optimizer, "steps": self.steps}
 
     def load_training_state(self, state: dict, with_optimizer: bool) -> float:
-        """Set the adapter to a `training_state` (bit for bit); with_optimizer: its AdamW state and step
-        count too, else a fresh AdamW (Tinker's `load_state`: the optimizer resets). Pending gradients are
-        dropped. The adapter digest after."""
+        """Set the adapter to a `training_state` (bit for bit: the model's weights and ZeRO's fp32 master
+        copy); with_optimizer: its AdamW state and step count too, else a fresh AdamW (Tinker's
+        `load_state`: the optimizer resets). Pending gradients are dropped. The adapter digest after."""
         named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         if set(state["adapter"]) != set(named):
             missing, extra = (
@@ -153,14 +191,19 @@ class TenantModel:
             raise ValueError(
                 f"the checkpoint's adapter does not fit this model: missing {missing}, extra {extra}"
             )
+        if self.pending:
+            self._close_window(float("nan"))
+            self.engine.step()  # skipped (DeepSpeed's overflow path): the gradients are gone
+            self.pending = False
         with torch.no_grad():
             for n, p in named.items():
                 p.copy_(state["adapter"][n])
-                p.grad = None
-        self.optimizer, self.steps = None, 0
+        self.engine.optimizer.refresh_fp32_params()
+        adam = self._adam()
+        adam.state = defaultdict(dict)  # torch's AdamW starts a parameter's state at its first step
+        self.steps = 0
         if with_optimizer and state["optimizer"] is not None:
-            self.optimizer = torch.optim.AdamW(self.params)
-            self.optimizer.load_state_dict(state["optimizer"])
+            adam.load_state_dict(state["optimizer"])
             self.steps = int(state["steps"])
         return self.adapter_digest()
 
