@@ -3,7 +3,7 @@ stays in the process that makes it): one batch trained two steps by (a) the proj
 (`LearnerRank.train_step`) and (b) a Tinker tenant (`cluster.serve.tenant.TenantModel`:
 forward_backward, optim_step), both from the same base model and LoRA seed; prints a JSON report.
 
-    python -m tests.tinker_learner_step MODEL_DIR LOSS     # LOSS: importance_sampling | ppo
+    python -m tests.tinker_learner_step MODEL_DIR LOSS STAGE  # importance_sampling | ppo; ZeRO 2 | 3
 
 The learner's config is the Tinker loss's: policy_loss 'ppo' (importance_sampling: clip_eps 1e9, a
 clip no ratio reaches, the learner's log-ratio clamp at +-20 keeps it below 1 + 1e9), proximal_pass
@@ -13,6 +13,10 @@ hyperparameters and clip. Normalisation: the learner's 'seq-mean-token-sum' is t
 sequences); Tinker's loss is the token sum, so the tenant gets the learner's advantages / B (both
 losses are linear in A, so the gradients are the same numbers). Tinker's first step arrives as two
 forward_backward calls (two halves of the batch: DeepSpeed's accumulation), its second as one.
+
+Then a save/load witness on the same engines: a second tenant (another LoRA seed) with a
+forward_backward pending loads the first's state with its optimizer (the pending gradients must be
+dropped); one more identical step on both must give the same adapter, bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from learner.batch import pack_trajectories
 from learner.config import KLConfig, LearnerConfig, LoRAConfig
 from learner.context import LearnerContext
 from learner.deepspeed_setup import free_port
+from learner.gather import cpu_state_dict
 from learner.prepare import prepare
 from learner.rank import LearnerRank
 from learner.trajectory import Trajectory
@@ -38,9 +43,10 @@ ADAM = AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-12, weight_dec
 SEED, STEPS = 3, 2
 
 
-def learner_config(loss: str) -> LearnerConfig:
+def learner_config(loss: str, stage: int) -> LearnerConfig:
     return LearnerConfig(
         lora=LORA,
+        zero_stage=stage,
         advantage="grpo",
         policy_loss="ppo",
         clip_eps={"importance_sampling": 1e9, "ppo": 0.2}[loss],
@@ -100,11 +106,13 @@ def tinker_data(trajs: list[Trajectory], advantages: torch.Tensor) -> list[WireD
 
 
 def adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The trainable tensors, CPU copies (gathered under ZeRO-3)."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return cpu_state_dict(trainable, 1 << 26, keep=True)
 
 
-def main(model_dir: str, loss: str) -> dict:
-    config = learner_config(loss)
+def main(model_dir: str, loss: str, stage: int) -> dict:
+    config = learner_config(loss, stage)
     rank = LearnerRank(0, 1, model_dir, config, seed=SEED, pad_token_id=0, temperature=1.0)
     rank.setup("127.0.0.1", free_port())
     vocab = rank.engine.module.policy.config.get_text_config().vocab_size
@@ -114,7 +122,7 @@ def main(model_dir: str, loss: str) -> dict:
     advantages = batch.tokens.advantages * batch.mask
     start = adapter(rank.engine.module)
     learner = [rank.train_step(trajs) for _ in range(STEPS)]
-    tenant = TenantModel(model_dir, LORA, SEED)
+    tenant = TenantModel(model_dir, LORA, SEED, zero_stage=stage)
     same_start = max(float((adapter(tenant.model)[n] - w).abs().max()) for n, w in start.items())
     data = tinker_data(trajs, advantages)
     tinker = []
@@ -123,7 +131,18 @@ def main(model_dir: str, loss: str) -> dict:
             tenant.forward_backward(part, loss, {}, forward_only=False)
         tinker.append(tenant.optim_step(ADAM))
     a, b = adapter(rank.engine.module), adapter(tenant.model)
+    other = TenantModel(model_dir, LORA, SEED + 1, zero_stage=stage)
+    other.forward_backward(data, loss, {}, forward_only=False)  # pending: the load drops it
+    other.load_training_state(tenant.training_state(), with_optimizer=True)
+    for t in (tenant, other):
+        t.forward_backward(data, loss, {}, forward_only=False)
+        t.optim_step(ADAM)
+    c, d = adapter(tenant.model), adapter(other.model)
     return {
+        "resumed_diff": max(float((c[n] - d[n]).abs().max()) for n in c),
+        "resumed_moved": max(float((c[n] - b[n]).abs().max()) for n in c),
+        "resumed_steps": [tenant.steps, other.steps],
+        "optimizer": type(tenant.engine.optimizer).__name__,
         "same_start": same_start,
         "moved": max(float((a[n] - start[n]).abs().max()) for n in a),
         "max_diff": max(float((a[n] - b[n]).abs().max()) for n in a),
@@ -137,4 +156,4 @@ def main(model_dir: str, loss: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)

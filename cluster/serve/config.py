@@ -10,6 +10,7 @@
     lora_target_modules: all-linear
     seed: 0                    # a tenant's LoRA init seed when the request gives none
     torch_threads: 1           # per tenant actor
+    zero_stage: 2              # each tenant's DeepSpeed ZeRO stage (2 or 3; the learner's default)
     tenant_cpus: 1.0           # Ray CPUs per tenant actor
     ray_address: local         # 'local' starts a Ray here; an address joins that cluster
     start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this
@@ -32,6 +33,7 @@ import yaml
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict
+from learner.config import LearnerConfig
 
 SDK_HEARTBEAT_S = 10.0  # tinker/lib/internal_client_holder.py, SESSION_HEARTBEAT_PERIOD_SEC (tinker 0.38)
 MIN_SESSION_TIMEOUT_S = 2 * SDK_HEARTBEAT_S  # one late or lost heartbeat never ends a live session
@@ -51,6 +53,7 @@ class ServeConfig(Strict):
     lora_target_modules: list[str] | Literal["all-linear"] = "all-linear"
     seed: int = 0
     torch_threads: int = Field(1, ge=1)
+    zero_stage: Literal[2, 3] = LearnerConfig.model_fields["zero_stage"].default
     tenant_cpus: float = Field(1.0, gt=0.0)
     ray_address: str = "local"
     start_timeout_s: float = Field(300.0, gt=0.0)

@@ -194,7 +194,11 @@ class Service:
             rank=rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
         )
         actor = self.actor_class.remote(
-            self.config.base_model(base_model).path, cfg, seed, self.config.torch_threads
+            self.config.base_model(base_model).path,
+            cfg,
+            seed,
+            self.config.torch_threads,
+            self.config.zero_stage,
         )
         try:  # the model is loaded (or its load error raises here)
             await asyncio.wait_for(actor.adapter_digest.remote(), self.config.start_timeout_s)

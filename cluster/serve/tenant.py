@@ -1,6 +1,6 @@
 """One tenant's training model: a LoRA adapter (PEFT, `learner.lora`) on the learner's own model class,
 trained by the learner's own DeepSpeed engine (`learner.deepspeed_setup.single_process_engine`: the
-learner's `initialize_engine`, its AdamW and ZeRO-2, gloo on CPU, in a one-rank world of this
+learner's `initialize_engine`, its AdamW and ZeRO stage, gloo on CPU, in a one-rank world of this
 process), and the Tinker calls on it. A plain class; `cluster.serve.service` hosts each tenant in a Ray
 actor (a process) of its own.
 
@@ -21,6 +21,7 @@ are masked out of every loss and never change a valid position (causal attention
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections import defaultdict
@@ -34,10 +35,11 @@ from learner.batch import dummy_batch
 from learner.config import LearnerConfig, LoRAConfig
 from learner.deepspeed_setup import single_process_engine
 from learner.forward import anchored_backward, forward_scores
+from learner.gather import cpu_state_dict
 from learner.lora import adapter_bundle
 from learner.model import PolicyWithValueHead
 
-BUCKET_BYTES = 1 << 26  # the export's gather bucket (learner.gather; one process, so no ZeRO gathers)
+BUCKET_BYTES = 1 << 26  # the gather bucket of the adapter's copies (learner.gather: ZeRO-3 gathers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,21 +68,21 @@ def _padded(rows: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def tenant_config(lora: LoRAConfig, torch_threads: int = 1) -> LearnerConfig:
-    """The learner config a tenant's engine is built from: the learner's defaults (float32, ZeRO-2,
-    AdamW: its lr, betas, eps, weight decay and clip are each `optim_step`'s) with the serve config's
-    LoRA and threads. ZeRO-3 is not served: `load_training_state` writes the adapter into ZeRO-2's
-    flat buffers and fp32 master copy (`refresh_fp32_params`); ZeRO-3 partitions them otherwise."""
-    return LearnerConfig(lora=lora, torch_threads=torch_threads)
+def tenant_config(lora: LoRAConfig, torch_threads: int = 1, zero_stage: int = 2) -> LearnerConfig:
+    """The learner config a tenant's engine is built from: the learner's defaults (float32, AdamW: its
+    lr, betas, eps, weight decay and clip are each `optim_step`'s) with the serve config's LoRA, threads
+    and ZeRO stage (2 or 3, checked by `LearnerConfig`)."""
+    return LearnerConfig(lora=lora, torch_threads=torch_threads, zero_stage=zero_stage)
 
 
 class TenantModel:
-    def __init__(self, base_path: str, lora: LoRAConfig, seed: int, torch_threads: int = 1) -> None:
-        self.config = tenant_config(lora, torch_threads)
+    def __init__(
+        self, base_path: str, lora: LoRAConfig, seed: int, torch_threads: int = 1, zero_stage: int = 2
+    ) -> None:
+        self.config = tenant_config(lora, torch_threads, zero_stage)
         torch.set_num_threads(torch_threads)
         self.model = PolicyWithValueHead.for_learner(base_path, self.config, seed)
         self.model.value_head.requires_grad_(False)  # no critic: Tinker trains the policy only
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.engine = single_process_engine(self.model, self.config)
         self.steps = 0
         self.pending = False  # gradients accumulated since the last step
@@ -151,13 +153,14 @@ class TenantModel:
         """One step of the engine's AdamW on the gradients accumulated since the last, with `step`'s
         hyperparameters."""
         self._close_window(0.0)
-        for group in self.engine.optimizer.param_groups:
-            group.update(
-                lr=step.learning_rate,
-                betas=(step.beta1, step.beta2),
-                eps=step.eps,
-                weight_decay=step.weight_decay,
-            )
+        with self._adam() as adam:
+            for group in adam.param_groups:
+                group.update(
+                    lr=step.learning_rate,
+                    betas=(step.beta1, step.beta2),
+                    eps=step.eps,
+                    weight_decay=step.weight_decay,
+                )
         self.engine.optimizer.clip_grad = step.grad_clip_norm  # ZeRO's clip; 0 = off
         self.engine.step()
         if not self.engine.was_step_applied():
@@ -167,15 +170,29 @@ class TenantModel:
         norm = float(self.engine.get_global_grad_norm() or 0.0)
         return {"grad_norm:mean": norm, "step:max": float(self.steps)}
 
-    def _adam(self) -> torch.optim.Optimizer:
-        """The torch AdamW the ZeRO optimizer steps (over its flat fp32 partitions)."""
-        return self.engine.optimizer.optimizer
+    @contextlib.contextmanager
+    def _adam(self):
+        """The torch AdamW the ZeRO optimizer steps, over its flat fp32 partitions. ZeRO-3 hands it
+        those partitions only around a step; here too (`_set/_clear_fp32_optimizer_param_groups`, as
+        ZeRO-3's own `state_dict` does), so its state maps onto them."""
+        zero = self.engine.optimizer
+        lend = hasattr(zero, "_set_fp32_optimizer_param_groups")
+        if lend:
+            zero._set_fp32_optimizer_param_groups()
+        try:
+            yield zero.optimizer
+        finally:
+            if lend:
+                zero._clear_fp32_optimizer_param_groups()
 
     def training_state(self) -> dict:
         """What `save_state` keeps: the trainable (adapter) tensors by name, the AdamW state (None before
         the first step: a fresh AdamW is that state) and the step count; CPU copies."""
-        adapter = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-        optimizer = copy.deepcopy(self._adam().state_dict()) if self.steps else None
+        adapter = self._adapter()
+        optimizer = None
+        if self.steps:
+            with self._adam() as adam:
+                optimizer = copy.deepcopy(adam.state_dict())
         return {"adapter": adapter, "optimizer": optimizer, "steps": self.steps}
 
     def load_training_state(self, state: dict, with_optimizer: bool) -> float:
@@ -195,16 +212,16 @@ class TenantModel:
             self._close_window(float("nan"))
             self.engine.step()  # skipped (DeepSpeed's overflow path): the gradients are gone
             self.pending = False
-        with torch.no_grad():
+        with torch.no_grad(), _modifying(list(named.values())):
             for n, p in named.items():
                 p.copy_(state["adapter"][n])
-        self.engine.optimizer.refresh_fp32_params()
-        adam = self._adam()
-        adam.state = defaultdict(dict)  # torch's AdamW starts a parameter's state at its first step
+        self.engine.optimizer.refresh_fp32_params()  # ZeRO's fp32 master copy from the model's weights
         self.steps = 0
-        if with_optimizer and state["optimizer"] is not None:
-            adam.load_state_dict(state["optimizer"])
-            self.steps = int(state["steps"])
+        with self._adam() as adam:
+            adam.state = defaultdict(dict)  # torch's AdamW starts a parameter's state at its first step
+            if with_optimizer and state["optimizer"] is not None:
+                adam.load_state_dict(state["optimizer"])
+                self.steps = int(state["steps"])
         return self.adapter_digest()
 
     def adapter_bundle(self) -> dict[str, torch.Tensor]:
@@ -214,4 +231,20 @@ class TenantModel:
 
     def adapter_digest(self) -> float:
         """The sum of |w| over the trainable (adapter) weights: a cheap witness that a step moved them."""
-        return float(sum(p.detach().abs().sum() for p in self.params))
+        return float(sum(t.abs().sum() for t in self._adapter().values()))
+
+    def _adapter(self) -> dict[str, torch.Tensor]:
+        """The trainable (adapter) tensors by name: CPU copies, gathered under ZeRO-3."""
+        trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return cpu_state_dict(trainable, BUCKET_BYTES, keep=True)
+
+
+def _modifying(params: list[torch.nn.Parameter]):
+    """Under ZeRO-3, the full parameters for the block, their changes partitioned back at its end (rank 0's:
+    the only rank); anything else as it is."""
+    zero3 = [p for p in params if hasattr(p, "ds_id")]
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(zero3, modifier_rank=0)
