@@ -30,7 +30,7 @@ NOT_RECORDED = 255  # a token's replayed row of this value: no recorded routing,
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The routers of `model`'s MoE layers in layer order: the `gate` of every module that holds both a
-    `gate` and an `experts` module with a 3-D (fused) parameter. Through PEFT's wrappers (LoRA on the
+    `gate` and an `experts` module with a 3-D (fused) parameter (3-D in full: under ZeRO-3 too). Through PEFT's wrappers (LoRA on the
     expert stacks or on the router: `base_layer`, nested) the innermost modules count: the router is the
     wrapped one, whose forward the wrapper calls with the adapted weight."""
     out = []
@@ -39,10 +39,18 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
             _innermost(getattr(module, "gate", None)),
             _innermost(getattr(module, "experts", None)),
         )
-        fused = isinstance(experts, nn.Module) and any(p.ndim == 3 for p in experts.parameters(recurse=False))
+        fused = isinstance(experts, nn.Module) and any(
+            len(_full_shape(p)) == 3 for p in experts.parameters(recurse=False)
+        )
         if isinstance(gate, nn.Module) and fused and gate not in out:
             out.append(gate)
     return out
+
+
+def _full_shape(p: nn.Parameter) -> tuple[int, ...]:
+    """A parameter's own shape, also where DeepSpeed ZeRO-3 partitioned it (the local tensor is then empty,
+    1-D, and the full shape is its `ds_shape`)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
 
 
 def _innermost(module):
