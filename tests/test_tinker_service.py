@@ -55,7 +55,7 @@ def _serve(tiny_policy_dir, folder: Path, **more):
                 "checkpoint_dir": str(cfg.parent / "checkpoints"),
                 "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
                 "lora_alpha": 8.0,
-                "tenant_cpus": 0.1,  # tenants and samplers are never released (docs/service.md, Limits)
+                "tenant_cpus": 0.1,  # logical: the module's tenants and samplers stay until their sessions end
             }
             | more  # fmt: skip
         )
