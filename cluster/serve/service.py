@@ -209,6 +209,10 @@ class Service:
                 f"does the cluster have {self.config.tenant_cpus:g} free CPUs (tenant_cpus)? "
                 f"{len(self.tenants)} tenants are held now"
             ) from None
+        ended = self.sessions[session_id].ended
+        if ended:  # it ended while the actor loaded: nothing would release a tenant registered now
+            ray.kill(actor)
+            raise UserError(f"session {session_id!r} has ended: {ended}")
         self.tenants[model_id] = Tenant(owner, session_id, base_model, rank, actor)
         return model_id
 
