@@ -17,6 +17,8 @@ WAITS = {"wait", "wait_until", "sleep"}  # the calls a driver loop waits in
 # Loops that wait for ever on purpose, with the reason: nothing else may.
 FOREVER = {
     "cluster/watch.py:main": "serves Prometheus until the user's Ctrl-C (python -m cluster.watch)",
+    "cluster/serve/service.py:watch_heartbeats": "ends silent sessions for as long as the service runs; "
+    "cancelled when the app shuts down (build_app's lifespan)",
 }
 
 
