@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serve_process import serving
 
 from cluster.serve.futures import Done, Failed, FutureBook
 from cluster.serve.losses import LossBatch, lookup
@@ -45,37 +45,15 @@ needs_sdk = pytest.mark.skipif(
 
 
 def _serve(tiny_policy_dir, folder: Path, **more):
-    """The service in its own process with its own local Ray; its URL once it prints `serving <url>`."""
-    cfg = folder / "serve.yaml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "port": 0,
-                "api_keys": [KEY, OTHER_KEY],
-                "checkpoint_dir": str(cfg.parent / "checkpoints"),
-                "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
-                "lora_alpha": 8.0,
-                "tenant_cpus": 0.1,  # logical: the module's tenants and samplers stay until their sessions end
-            }
-            | more  # fmt: skip
-        )
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.serve", str(cfg)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    url, seen = None, []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("serving "):
-            url = line.split()[1]
-            break
-    if url is None:
-        proc.wait()
-        pytest.fail("cluster.serve ended before serving:\n" + "".join(seen))
-    yield url
-    proc.terminate()  # uvicorn stops gracefully on SIGTERM, then Ray shuts down with the process
-    proc.wait(timeout=120)
+    """The service (tests/serve_process.py) on the tiny policy, with both test keys."""
+    config = {
+        "api_keys": [KEY, OTHER_KEY],
+        "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
+        "lora_alpha": 8.0,
+        "tenant_cpus": 0.1,  # logical: the module's tenants and samplers stay until their sessions end
+    }
+    with serving(config | more, folder) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
