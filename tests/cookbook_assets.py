@@ -39,24 +39,19 @@ SPECIAL = ["<pad>", "<bos>", "<eos>"]
 
 
 def recipe_prompt_parts() -> tuple[list[dict], str]:
-    """(convo_prefix, question_suffix) as `rl_loop.main` builds them, read from its source."""
+    """(convo_prefix, question_suffix) as `rl_loop.main` builds them: its two assignments, taken from its
+    source and run in order (the prefix's user turn ends with the suffix)."""
     from tinker_cookbook.recipes import rl_loop
 
-    found: dict[str, object] = {}
-    for node in ast.walk(ast.parse(inspect.getsource(rl_loop.main))):
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            if name == "question_suffix":
-                found[name] = ast.literal_eval(node.value)
-            elif name == "convo_prefix":
-                # its user turn is "How many r's are in strawberry?" + question_suffix
-                first = node.value.elts[0].values[1]
-                rest = ast.literal_eval(node.value.elts[1])
-                found[name] = [(ast.literal_eval(first.left), rest)]
-    (first_user, assistant) = found["convo_prefix"][0]
-    suffix = found["question_suffix"]
-    prefix = [{"role": "user", "content": first_user + suffix}, assistant]
-    return prefix, suffix
+    names = ("question_suffix", "convo_prefix")
+    assigns = [
+        node
+        for node in ast.parse(inspect.getsource(rl_loop.main)).body[0].body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in names
+    ]
+    scope: dict = {}
+    exec(compile(ast.Module(body=assigns, type_ignores=[]), "rl_loop.main", "exec"), scope)
+    return scope["convo_prefix"], scope["question_suffix"]
 
 
 def problems() -> list[tuple[int, int]]:
