@@ -15,6 +15,9 @@ level-2 sleep) and `generate`. The contract is `RolloutEngine`'s; the worker add
 
 Seeding policy: the engine gets the caller's `seed` unchanged, so a chunk of prompts handed again
 (for example to another worker after a failure) with the same seed and weights gives the same samples.
+
+The contract prompts and outputs are held to is `rollout_workers.generation_contract`'s; the weights
+held and each load's acknowledgement are `rollout_workers.held_weights`'.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernel.sequences import probe_sequences
 from rollout_workers.config import RolloutConfig, SamplingConfig
 from rollout_workers.engine import GenerationOutput, RolloutEngine, derive_seed
 from rollout_workers.engines import ENGINES
 from rollout_workers.environments import make_environment
 from rollout_workers.episodes import EpisodeRunner
+from rollout_workers.generation_contract import check_outputs, check_prompt
+from rollout_workers.held_weights import HeldWeights
 from rollout_workers.types import Sample, WeightAck
 from rollout_workers.weight_gate import WeightGate
 from rollout_workers.weights import sampled_digest
@@ -82,7 +86,7 @@ class _CutIn:
 
     @property
     def version(self) -> int:
-        return self.worker._version
+        return self.worker._weights.version
 
     def due(self) -> bool:
         return self.worker._gate.load_due()
@@ -109,10 +113,8 @@ class RolloutWorker:
         self.model_path = str(model_path)
         self._engine = make_engine(str(model_path), config)
         self._episodes = make_episode_runner(self._engine, str(model_path), config.environment, environment)
-        self._version = initial_version
-        self._checksum: str | None = None  # of the weights held now; computed lazily
-        self._last_received: str | None = None  # digest of the last bundle loaded
-        self._probe = probe_sequences(self._engine.vocab_size)  # fixed token sequences for fingerprints
+        # what the engine holds (`rollout.lora_sync='adapter'`: loads carry a LoRA adapter alone)
+        self._weights = HeldWeights(self._engine, config.lora_sync == "adapter", initial_version)
         self._gate = WeightGate()
         self._ready = threading.Event()  # set while awake (the gateway's calls wait for it)
         self._ready.set()
@@ -166,7 +168,7 @@ class RolloutWorker:
             return self._play_agents(prompt_indices, ids, int(seed), sampling, texts, metas, messages)
         with self._gate.hold():
             t0 = time.perf_counter()
-            version = self._version
+            version = self._weights.version
             cut_in = _CutIn(self) if self.config.interruptible else None
             if self._episodes is None:
                 outputs = self._engine.generate(ids, sampling, int(seed), interrupt=cut_in)
@@ -236,7 +238,7 @@ class RolloutWorker:
                 self._check_outputs(outputs, len(ids), sampling, stop_ids, limits)
                 tokens = sum(len(o.response_ids) for outs in outputs for o in outs)
                 self._count(len(ids), len(ids) * sampling.n, tokens, t0)
-                return outputs, self._version
+                return outputs, self._weights.version
 
     def _count(self, prompts: int, samples: int, tokens: int, t0: float) -> None:
         """One generation's counters (`stats`): its prompts, samples, response tokens and seconds since `t0`."""
@@ -309,59 +311,22 @@ class RolloutWorker:
         with `state_checksum(bundle, engine dtype)`). Versions never go backwards.
         """
         with self._gate.hold(load=True):
-            if version < self._version:
-                raise ValueError(
-                    f"worker {self.worker_index} holds version {self._version}; refusing older {version}"
-                )
+            held = self._weights.version
+            if version < held:
+                raise ValueError(f"worker {self.worker_index} holds version {held}; refusing older {version}")
             t0 = time.perf_counter()
             engine = self._engine
             received = sampled_digest(state.items(), engine.dtype)
 
             def load() -> tuple[int, str]:
-                (engine.load_adapter if self._adapter else engine.load_weights)(state)
+                (engine.load_adapter if self._weights.adapter else engine.load_weights)(state)
                 return int(version), received
 
             return self._swap(load, t0, probe)
 
     def _swap(self, load: Callable[[], tuple[int, str]], t0: float, probe: bool) -> WeightAck:
-        """Run `load` (it swaps the engine's weights and returns the version and the digest of the
-        bundle it loaded) and acknowledge it with what the engine computes afterwards (lock held); the
-        probe logprobs only when `probe`."""
-        engine = self._engine
-        self._checksum = None  # whatever happens below, the old checksum no longer describes the weights
-        marks = [time.perf_counter()]
-        # what the engine holds: its adapter (rollout.lora_sync='adapter', named as the bundles), else its weights
-        digest = engine.adapter_digest if self._adapter else engine.weights_digest
-        names_match = engine.adapter_names_match if self._adapter else engine.digest_names_match
-        before = None if names_match else digest()
-        previous, self._last_received = self._last_received, None  # until this load succeeds
-        marks.append(time.perf_counter())
-        version, received = load()
-        self._version = int(version)
-        marks.append(time.perf_counter())
-        self._checksum = engine.adapter_checksum() if self._adapter else engine.weights_checksum()
-        marks.append(time.perf_counter())
-        after = digest()
-        marks.append(time.perf_counter())
-        scored = engine.probe_logprobs(self._probe) if probe else None
-        marks.append(time.perf_counter())
-        took = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-        ack = WeightAck(
-            self._version,
-            scored,
-            self._checksum,
-            received=received,
-            held=after if names_match else None,
-            changed=None if before is None else after != before,
-            bundle_changed=None if previous is None else received != previous,
-            timings={
-                "load_s": took[1] + (marks[0] - t0),  # (the object-store path digests the bundle first)
-                "checksum_s": took[2],
-                "digest_s": took[0] + took[3],
-                "probe_s": took[4],
-            },
-        )
-        self._last_received = received
+        """Run `load` and acknowledge it (`HeldWeights.swap`, lock held); count it."""
+        ack = self._weights.swap(load, t0, probe)
         self._sync_ready()
         self._stats["weight_loads"] += 1
         self._stats["load_s"] += time.perf_counter() - t0
@@ -424,32 +389,23 @@ class RolloutWorker:
         """Load the next broadcast bundle bucket by bucket (`RolloutEngine.receive_weights`) and
         acknowledge it as `load_weights` does."""
         with self._gate.hold(load=True):
-            return self._swap(lambda: self._engine.receive_weights(self._version), time.perf_counter(), probe)
+            return self._swap(
+                lambda: self._engine.receive_weights(self._weights.version), time.perf_counter(), probe
+            )
 
     def fingerprint(self) -> WeightAck:
         """The same acknowledgement for the weights held now, without loading anything."""
         with self._gate.hold():
-            return WeightAck(self._version, self._engine.probe_logprobs(self._probe), self._checksum_locked())
+            return self._weights.fingerprint()
 
     def version(self) -> int:
-        return self._version
+        return self._weights.version
 
     def checksum(self) -> str | None:
         """Checksum of the weights held now (at the engine dtype; see `rollout_workers.weights`), or None
         where the engine cannot read its weights back (vLLM: use `fingerprint`)."""
         with self._gate.hold():
-            return self._checksum_locked()
-
-    def _checksum_locked(self) -> str | None:
-        if self._checksum is None:
-            engine = self._engine
-            self._checksum = engine.adapter_checksum() if self._adapter else engine.weights_checksum()
-        return self._checksum
-
-    @property
-    def _adapter(self) -> bool:
-        """Whether loads carry a LoRA adapter alone (`rollout.lora_sync='adapter'`), not full weights."""
-        return self.config.lora_sync == "adapter"
+            return self._weights.checksum()
 
     def ping(self) -> str:
         return f"rollout worker {self.worker_index} ({self._engine.name}) pid {os.getpid()} on {socket.gethostname()}"
@@ -475,37 +431,16 @@ class RolloutWorker:
         s.update(
             worker_index=self.worker_index,
             engine=self._engine.name,
-            policy_version=self._version,
+            policy_version=self._weights.version,
             sleep_level=self._engine.sleep_level,
         )
         return s
 
     def _check_prompt(self, index: int, prompt: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
-        p = np.asarray(prompt)
-        if p.ndim != 1 or p.size == 0:
-            raise ValueError(
-                f"prompt {index} must be a non-empty 1-D array of token ids, got shape {p.shape}"
-            )
-        if not np.issubdtype(p.dtype, np.integer):
-            raise ValueError(f"prompt {index} has dtype {p.dtype}; token ids must be integers")
-        vocab = self._engine.vocab_size
-        if p.min() < 0 or p.max() >= vocab:
-            raise ValueError(
-                f"prompt {index} has token ids outside [0, {vocab}): min {p.min()}, max {p.max()}"
-            )
-        budget = self.config.environment.max_total_tokens
-        if self._episodes is not None and p.size >= budget:
-            raise ValueError(
-                f"prompt {index} has {p.size} tokens: no room for a model turn within "
-                f"rollout.environment.max_total_tokens={budget}"
-            )
-        limit = self._engine.max_model_len
-        if self._episodes is None and limit is not None and p.size + sampling.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {index} has {p.size} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                f"it exceeds the model's {limit} positions"
-            )
-        return np.array(p, dtype=np.int64)  # an owned, writable copy (Ray hands in read-only views)
+        """`prompt` checked against the engine's limits (`generation_contract.check_prompt`)."""
+        budget = None if self._episodes is None else self.config.environment.max_total_tokens
+        engine = self._engine
+        return check_prompt(index, prompt, sampling, engine.vocab_size, engine.max_model_len, budget)
 
     def _check_outputs(
         self,
@@ -515,27 +450,5 @@ class RolloutWorker:
         stop_ids: frozenset[int] = frozenset(),
         limits: list[int] | None = None,
     ) -> None:
-        """Hold every backend to the same contract, so a backend bug fails here and not in the learner:
-        1..limit tokens (default `sampling.max_new_tokens`), one logprob each, an EOS or stop token only
-        at the end and exactly when finish_reason is 'stop'."""
-        name = self._engine.name
-        if len(outputs) != n_prompts or any(len(o) != sampling.n for o in outputs):
-            raise RuntimeError(
-                f"{name} engine returned {[len(o) for o in outputs]} samples for {n_prompts} prompts x n={sampling.n}"
-            )
-        eos = self._engine.eos_token_ids | stop_ids
-        limits = limits or [sampling.max_new_tokens] * n_prompts
-        for outs, limit in zip(outputs, limits, strict=True):
-            for o in outs:
-                r = len(o.response_ids)
-                if r < 1 or r > limit or len(o.logprobs) != r:
-                    raise RuntimeError(f"{name} engine returned {r} tokens with {len(o.logprobs)} logprobs")
-                ends_with_eos = int(o.response_ids[-1]) in eos
-                if any(int(t) in eos for t in o.response_ids[:-1]):
-                    raise RuntimeError(f"{name} engine returned tokens after an EOS token: {o.response_ids}")
-                if (o.finish_reason == "stop") != ends_with_eos:
-                    raise RuntimeError(
-                        f"{name} engine: finish_reason {o.finish_reason!r} but last token {o.response_ids[-1]}"
-                    )
-                o.response_ids = np.asarray(o.response_ids, dtype=np.int64)
-                o.logprobs = np.asarray(o.logprobs, dtype=np.float32)
+        """The engine's outputs held to the contract (`generation_contract.check_outputs`)."""
+        check_outputs(self._engine, outputs, n_prompts, sampling, stop_ids, limits)
