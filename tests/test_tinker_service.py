@@ -10,14 +10,14 @@ two tenants (the async SDK) stay apart: training one never moves the other; an u
 404 naming it; a forward_backward sent twice (same seq_id, another idempotency key) is applied once:
 the optimizer's gradient norm equals that of a tenant that got it once; a session whose heartbeats
 stop is ended (its tenant and sampler gone) while an SDK client's heartbeating session is kept.
+The parts that need no running service are tested on their own: tests/test_serve_futures.py,
+test_serve_losses.py, test_serve_checkpoint_store.py and test_serve_sessions.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import re
 import subprocess
 import time
 import urllib.error
@@ -29,8 +29,6 @@ import pytest
 import torch
 from serve_process import serving
 
-from cluster.serve.futures import Done, Failed, FutureBook
-from cluster.serve.losses import LossBatch, lookup
 from cluster.serve.wire import FwdBwdRequest, WireDatum, encode_forward_backward
 
 REPO = Path(__file__).resolve().parent.parent
@@ -334,182 +332,6 @@ def test_a_resent_forward_backward_is_applied_once(service):
     assert norms[1] == pytest.approx(norms[0], rel=1e-6) and norms[0] > 0
 
 
-def test_calls_run_in_seq_id_order_whatever_order_they_arrive():
-    async def scenario() -> list[int]:
-        book, ran = FutureBook(), []
-
-        def work(n):
-            async def run():
-                ran.append(n)
-                return Done(n)
-
-            return run
-
-        ids = [book.submit("k", work(n), f"key{n}", model_id="m", seq_id=n) for n in (3, 2, 1)]
-        assert (
-            book.submit("k", work(99), "other", model_id="m", seq_id=2) == ids[1]
-        )  # same seq_id: same future
-        # without a seq_id the idempotency key decides, per API key
-        once = book.submit("k", work(7), "create-1")
-        assert book.submit("k", work(8), "create-1") == once != book.submit("k2", work(9), "create-1")
-        for rid in [*ids, once]:
-            await book.result(rid)
-        return ran
-
-    ran = asyncio.run(scenario())
-    assert [n for n in ran if n <= 3] == [1, 2, 3] and sorted(ran) == [1, 2, 3, 7, 9]
-
-
-def test_a_call_whose_predecessor_never_arrives_fails_naming_order_wait_s():
-    """seq_id 2 without seq_id 1: it fails after order_wait_s, unapplied; seq_id 1 arriving after that
-    is refused too (applying it now would break the order); seq_id 3 runs."""
-
-    async def scenario():
-        book, ran = FutureBook(order_wait_s=0.2), []
-
-        def work(n):
-            async def run():
-                ran.append(n)
-                return Done(n)
-
-            return run
-
-        late = await book.result(book.submit("k", work(2), None, model_id="m", seq_id=2), wait_s=30)
-        early = await book.result(book.submit("k", work(1), None, model_id="m", seq_id=1), wait_s=30)
-        third = await book.result(book.submit("k", work(3), None, model_id="m", seq_id=3), wait_s=30)
-        return late, early, third, ran
-
-    late, early, third, ran = asyncio.run(scenario())
-    assert isinstance(late, Failed) and "waited 0.2s (order_wait_s) for seq_id 1" in late.error
-    assert isinstance(early, Failed) and "arrived after a later call stopped waiting" in early.error
-    assert third == Done(3) and ran == [3]
-
-
-def test_a_call_past_call_timeout_s_fails_naming_it():
-    async def scenario():
-        book = FutureBook(call_timeout_s=0.2)
-
-        async def stuck():
-            await asyncio.Event().wait()
-
-        return await book.result(book.submit("k", stuck, "a"), wait_s=30)
-
-    out = asyncio.run(scenario())
-    assert isinstance(out, Failed) and out.category == "server"
-    assert "did not finish within 0.2s (call_timeout_s)" in out.error
-
-
-def _batch(lp, q, adv, w=None) -> LossBatch:
-    t = lambda x: torch.tensor([x], dtype=torch.float32)  # noqa: E731
-    inputs = {"logprobs": t(q), "advantages": t(adv)} | ({"weights": t(w)} if w else {})
-    return LossBatch(t(lp), inputs, torch.ones(1, len(lp)))
-
-
-def test_tinker_losses_by_hand():
-    """Two tokens with ratios r = 1.5 (A = +1) and 0.5 (A = -1), a third padded out of the mask."""
-    b = _batch([np.log(1.5), np.log(0.5), 0.0], [0.0, 0.0, 0.0], [1.0, -1.0, 5.0], w=[2.0, 1.0, 9.0])
-    b = LossBatch(b.logprobs, b.inputs, torch.tensor([[1.0, 1.0, 0.0]]))
-    names = {"logprobs", "advantages", "weights"}
-    # importance sampling: -(1.5 * 1 + 0.5 * -1) = -1.0
-    assert float(lookup("importance_sampling", names, {})(b, {}).loss) == pytest.approx(-1.0, abs=1e-6)
-    # ppo, clip [0.8, 1.2]: -(min(1.5, 1.2) * 1 + min(-0.5, -0.8)) = -(1.2 - 0.8) = -0.4
-    assert float(lookup("ppo", names, {})(b, {}).loss) == pytest.approx(-0.4, abs=1e-6)
-    # a wider clip [0.4, 2]: nothing clipped, as importance sampling
-    wide = {"clip_low_threshold": 0.4, "clip_high_threshold": 2.0}
-    assert float(lookup("ppo", names, wide)(b, wide).loss) == pytest.approx(-1.0, abs=1e-6)
-    # cross entropy: -(2 * ln 1.5 + 1 * ln 0.5) = 0.693147 - 0.810930 = -0.117783
-    ce = lookup("cross_entropy", names, {})(b, {})
-    assert float(ce.loss) == pytest.approx(-(2 * np.log(1.5) + np.log(0.5)), abs=1e-6)
-    assert ce.extra["elementwise_loss"][0, :2].tolist() == pytest.approx([-2 * np.log(1.5), -np.log(0.5)])
-
-
-def test_cispo_and_gspo_by_hand():
-    """The same two tokens: r = 1.5 (A = +1), 0.5 (A = -1), lp = ln r (q = 0), a third padded out.
-    cispo, clip [0.8, 1.2]: -(1.2 * 1 * ln 1.5 + 0.8 * -1 * ln 0.5) = -1.041076; d L / d lp = -clip(r) A.
-    gspo: s = exp((ln 1.5 + ln 0.5) / 2) = sqrt(0.75) = 0.866025 inside [0.8, 1.2], so each token's term
-    is -A s: with A = (+1, +0.5), L = -1.5 s = -1.299038 and d L / d lp_t = -A_t s.
-    gspo with sequence_ratio_mask on token 0 only (A = 0 on token 1): s = 1.5 clipped at 1.2: L = -1.2."""
-    lp = torch.tensor([[np.log(1.5), np.log(0.5), 0.0]], requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    q = torch.zeros(1, 3)
-
-    def batch(adv, **more):
-        inputs = {"logprobs": q, "advantages": torch.tensor([adv])} | {
-            k: torch.tensor([v]) for k, v in more.items()
-        }
-        return LossBatch(lp, inputs, mask)
-
-    names = {"logprobs", "advantages"}
-    out = lookup("cispo", names, {})(batch([1.0, -1.0, 5.0]), {})
-    assert float(out.loss) == pytest.approx(-(1.2 * np.log(1.5) - 0.8 * np.log(0.5)), abs=1e-6)
-    (grad,) = torch.autograd.grad(out.loss, lp)
-    assert grad[0].tolist() == pytest.approx([-1.2, 0.8, 0.0], abs=1e-6)
-
-    s = np.sqrt(0.75)
-    out = lookup("gspo", names, {})(batch([1.0, 0.5, 5.0]), {})
-    assert float(out.loss) == pytest.approx(-1.5 * s, abs=1e-6)
-    (grad,) = torch.autograd.grad(out.loss, lp)
-    assert grad[0].tolist() == pytest.approx([-s, -0.5 * s, 0.0], abs=1e-6)
-
-    masked = batch([1.0, 0.0, 5.0], sequence_ratio_mask=[1.0, 0.0, 0.0])
-    assert float(lookup("gspo", names, {})(masked, {}).loss) == pytest.approx(-1.2, abs=1e-6)
-    refused = batch([1.0, 0.5, 5.0], sequence_ratio_mask=[1.0, 0.0, 0.0])
-    with pytest.raises(ValueError, match="tokens outside sequence_ratio_mask carry non-zero advantages"):
-        lookup("gspo", names, {})(refused, {})
-
-
-def test_tinker_losses_refuse_by_name():
-    msg = "loss_fn 'importance_sampling' needs loss_fn_inputs ['logprobs', 'advantages'] (missing ['advantages'])"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        lookup("importance_sampling", {"logprobs"}, {})
-    msg = "loss_fn 'importance_sampling' takes loss_fn_config keys [] (got ['kl_coeff'])"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        lookup("importance_sampling", {"logprobs", "advantages"}, {"kl_coeff": 0.1})
-    msg = (
-        "unknown Tinker loss 'dro' (forward_backward loss_fn); allowed: cross_entropy, importance_sampling, ppo, "
-        "cispo, gspo"
-    )
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        lookup("dro", set(), {})
-
-
-def test_checkpoint_store_is_per_key_atomic_and_checks_paths(tmp_path):
-    """Files land under sha256(key)[:16] (no key on disk), no temporary file is left, another key reads
-    "does not exist", a name is not overwritten unless asked, and malformed paths are refused by name."""
-    import hashlib
-
-    from cluster.serve.checkpoints import CheckpointPath, CheckpointStore
-    from cluster.serve.futures import UserError
-
-    store = CheckpointStore(str(tmp_path))
-    where = CheckpointPath("s1:train:0", "weights", "step-2")
-    assert (
-        store.write("tml-a", where, {"x": torch.arange(3)}, overwrite=False)
-        == "tinker://s1:train:0/weights/step-2"
-    )
-    files = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
-    assert files == [hashlib.sha256(b"tml-a").hexdigest()[:16] + "/s1:train:0/weights/step-2.pt"]
-    assert store.read("tml-a", where.uri, "weights", "load")["x"].tolist() == [0, 1, 2]
-    with pytest.raises(UserError, match=re.escape(f"checkpoint {where.uri!r} does not exist")):
-        store.read("tml-b", where.uri, "weights", "load")
-    with pytest.raises(UserError, match="exists"):
-        store.write("tml-a", where, {}, overwrite=False)
-    store.write("tml-a", where, {"x": torch.zeros(1)}, overwrite=True)
-    assert store.read("tml-a", where.uri, "weights", "load")["x"].tolist() == [0.0]
-    with pytest.raises(UserError, match="takes a tinker://<run>/sampler_weights/<name> path"):
-        store.read("tml-a", where.uri, "sampler_weights", "create_sampling_session")
-    for bad in (
-        "tinker://s1/weights/../x",
-        "tinker://s1/other/x",
-        "file:///etc/passwd",
-        "tinker://s1/weights",
-    ):
-        with pytest.raises(UserError, match="is not tinker://"):
-            CheckpointPath.parse(bad)
-    with pytest.raises(UserError, match="no checkpoint_dir"):
-        CheckpointStore(None).read("tml-a", where.uri, "weights", "load")
-
-
 @slow
 @needs_sdk
 def test_loading_a_checkpoint_of_another_rank_is_refused_naming_both(service, saved):
@@ -583,33 +405,3 @@ def test_a_session_whose_heartbeats_stop_is_ended_and_a_heartbeating_one_is_kept
     assert sdk.returncode == 0, out
     result = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
     assert len(result["logprobs"]) == 2  # the kept client's forward ran
-
-
-def test_expire_ends_only_sessions_past_the_timeout(tiny_policy_dir):
-    """Service.expire at chosen clock readings (no Ray: no session here holds an actor): a session whose
-    latest heartbeat is 30 s old survives session_timeout_s = 30, one 30.5 s old ends, naming the
-    setting; an ended session is not ended again; finishing one names its client."""
-    from cluster.serve.config import ServeConfig
-    from cluster.serve.service import Service, Session
-
-    cfg = ServeConfig(
-        api_keys=[KEY], base_models=[{"name": MODEL, "path": str(tiny_policy_dir)}], session_timeout_s=30
-    )
-    svc = Service(cfg)
-    svc.sessions = {"a": Session(KEY, last_beat=100.0), "b": Session(KEY, last_beat=99.5)}
-    assert svc.expire(130.0) == ["b"]
-    assert svc.sessions["a"].ended is None
-    assert svc.sessions["b"].ended == "no heartbeat for more than 30s (session_timeout_s)"
-    assert svc.expire(130.0) == [] and svc.expire(130.5) == ["a"]
-    svc.sessions["c"] = Session(KEY, last_beat=0.0)
-    svc.end("c", "its client finished it")
-    assert svc.expire(1000.0) == [] and svc.sessions["c"].ended == "its client finished it"
-
-
-def test_session_timeout_s_below_two_sdk_heartbeats_is_refused_by_name():
-    from pydantic import ValidationError
-
-    from cluster.serve.config import ServeConfig
-
-    with pytest.raises(ValidationError, match=r"session_timeout_s must be >= 20 \(got 15\): the tinker SDK"):
-        ServeConfig(api_keys=[KEY], base_models=[{"name": MODEL, "path": "x"}], session_timeout_s=15)
