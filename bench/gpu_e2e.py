@@ -49,13 +49,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from gpu_memory import GpuSampler  # noqa: E402 - bench/ is on the path from here on
 
 GIB = 2**30
 CONFIG = ROOT / "configs" / "sentiment_tiny.yaml"
@@ -183,52 +184,6 @@ def build_policy(folder: Path, size: str, tokenizer_from: Path) -> dict:
         (folder / name).unlink(missing_ok=True)
     tok.save_pretrained(folder)
     return facts
-
-
-class GpuSampler:
-    """Peak device memory per process, from `nvidia-smi` every `every` s, named by the process's Ray
-    title (`ray::LearnerRank.step` -> `LearnerRank`); nothing where `nvidia-smi` is absent."""
-
-    def __init__(self, every: float = 0.2) -> None:
-        self.every = every
-        self.peaks: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self.available = shutil.which("nvidia-smi") is not None
-
-    def __enter__(self) -> GpuSampler:
-        if self.available:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self.available:
-            self._thread.join()
-
-    def _loop(self) -> None:
-        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-        while not self._stop.wait(self.every):
-            try:
-                out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            for line in out.splitlines():
-                pid, _, mib = (p.strip() for p in line.partition(","))
-                if pid.isdigit() and mib.isdigit():
-                    name = role_of(int(pid))
-                    self.peaks[name] = max(self.peaks.get(name, 0.0), int(mib) / 1024)
-
-
-def role_of(pid: int) -> str:
-    """The Ray actor class of process `pid` from its title (`ray::Class.method`), else its command."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return f"pid {pid}"
-    if cmd.startswith("ray::"):
-        return cmd[len("ray::") :].split(".")[0].split(" ")[0]
-    return Path(cmd).name or f"pid {pid}"
 
 
 def finite_mean(values: list) -> float:
