@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from cluster.serve.answers import error
 from cluster.serve.checkpoints import CheckpointPath, checkpoint_name
 from cluster.serve.futures import Done, UserError
+from cluster.serve.recovery import SavedPoint
 
 
 class _Body(BaseModel):
@@ -52,7 +53,7 @@ class _CreateSampling(_Body):
 async def save_named_sampler(service, tenant, model_id: str, owner: str, where: CheckpointPath) -> Done:
     """A named sampler checkpoint: the tenant's adapter bundle (as an engine applies it), on disk; the
     engine acknowledges it when a sampling session is made from it (`create_sampling_session`)."""
-    bundle = await tenant.actor.adapter_bundle.remote()
+    bundle = await tenant.call(service, "adapter_bundle")
     payload = {"base_model": tenant.base_model, "rank": tenant.rank, "bundle": bundle}
     uri = await asyncio.to_thread(service.checkpoints.write, owner, where, payload, True)
     return Done({"path": uri, "type": "save_weights_for_sampler"})
@@ -85,7 +86,9 @@ async def load_checkpoint(service, req: _LoadWeights, owner: str) -> Done:
             owner, req.session_id, req.model_seq_id, saved["base_model"], saved["rank"], service.config.seed
         )
         tenant = service.tenants[model_id]
-    await tenant.actor.load_training_state.remote(saved["state"], req.optimizer)
+    await tenant.call(service, "load_training_state", saved["state"], req.optimizer)
+    steps = int(saved["state"]["steps"])  # the tenant's state is the checkpoint's now: its recovery point
+    tenant.saved = SavedPoint(req.path, steps, req.optimizer and saved["state"]["optimizer"] is not None)
     return Done({"path": req.path, "model_id": model_id, "type": "load_weights"})
 
 
@@ -106,9 +109,12 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
             return error(400, str(e))
 
         async def work() -> Done:
-            state = await tenant.actor.training_state.remote()
+            generation = tenant.generation
+            state = await tenant.call(service, "training_state")
             payload = {"base_model": tenant.base_model, "rank": tenant.rank, "state": state}
             uri = await asyncio.to_thread(service.checkpoints.write, who, where, payload, body.overwrite)
+            if tenant.generation == generation:  # its actor did not die meanwhile: the recovery point
+                tenant.saved = SavedPoint(uri, int(state["steps"]), state["optimizer"] is not None)
             return Done({"path": uri, "type": "save_weights"})
 
         return future(request, work, body.model_id, body.seq_id)

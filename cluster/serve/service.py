@@ -17,7 +17,8 @@ Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Serv
 a session whose heartbeats (the SDK sends one every 10 s) stop for longer than `session_timeout_s`
 (`Service.expire`, run every quarter of it). Any
 other route is a 404 naming it. Each tenant (a LoRA training client) is a `TenantModel` in a Ray actor
-of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`.
+of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`, and a tenant
+whose actor dies is restored from its last saved state (`cluster.serve.recovery`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from cluster.serve.checkpoint_routes import add_routes, save_named_sampler
 from cluster.serve.checkpoints import CheckpointPath, CheckpointStore, checkpoint_name
 from cluster.serve.config import ServeConfig
 from cluster.serve.futures import Done, Failed, FutureBook, UserError
+from cluster.serve.recovery import Tenant
 from cluster.serve.sampling import SampleBody, Samplers, sample_call
 from cluster.serve.tenant import AdamStep, TenantModel
 from cluster.serve.wire import WireError, decode_forward_backward, encode_output
@@ -111,15 +113,6 @@ class Session:
     ended: str | None = None  # why it ended (its client finished it, or its heartbeats stopped)
 
 
-@dataclasses.dataclass
-class Tenant:
-    owner: str
-    session_id: str
-    base_model: str
-    rank: int
-    actor: Any  # ray ActorHandle of TenantModel
-
-
 class Service:
     """What the routes share: the config, sessions, tenants and the futures."""
 
@@ -185,11 +178,9 @@ class Service:
         )
         return Done({"model_id": model_id, "type": "create_model"})
 
-    async def start_tenant(
-        self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int
-    ) -> str:
-        """A tenant's actor, loaded (or its load error raised); its model_id."""
-        model_id = f"{session_id}:train:{model_seq_id}"
+    async def new_actor(self, base_model: str, rank: int, seed: int) -> Any:
+        """A `TenantModel` actor for `base_model` with a rank-`rank` adapter (LoRA init `seed`), loaded
+        (or its load error raised)."""
         cfg = LoRAConfig(
             rank=rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
         )
@@ -209,11 +200,19 @@ class Service:
                 f"does the cluster have {self.config.tenant_cpus:g} free CPUs (tenant_cpus)? "
                 f"{len(self.tenants)} tenants are held now"
             ) from None
+        return actor
+
+    async def start_tenant(
+        self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int
+    ) -> str:
+        """A tenant's actor, loaded (or its load error raised); its model_id."""
+        model_id = f"{session_id}:train:{model_seq_id}"
+        actor = await self.new_actor(base_model, rank, seed)
         ended = self.sessions[session_id].ended
         if ended:  # it ended while the actor loaded: nothing would release a tenant registered now
             ray.kill(actor)
             raise UserError(f"session {session_id!r} has ended: {ended}")
-        self.tenants[model_id] = Tenant(owner, session_id, base_model, rank, actor)
+        self.tenants[model_id] = Tenant(model_id, owner, session_id, base_model, rank, seed, actor)
         return model_id
 
 
@@ -346,11 +345,9 @@ def build_app(service: Service) -> FastAPI:
             return error(400, str(e))
 
         async def work() -> Done:
-            # submitted to the actor before the first await: Ray runs one caller's calls in order
-            ref = tenant.actor.forward_backward.remote(
-                req.data, req.loss_fn, req.loss_fn_config, req.forward_only
+            out = await tenant.call(
+                service, "forward_backward", req.data, req.loss_fn, req.loss_fn_config, req.forward_only
             )
-            out = await ref
             return Done(body=encode_output(out.outputs, out.metrics))
 
         return future(request, work, req.model_id, req.seq_id)
@@ -365,7 +362,7 @@ def build_app(service: Service) -> FastAPI:
         step = AdamStep(**body.adam_params.model_dump())
 
         async def work() -> Done:
-            metrics = await tenant.actor.optim_step.remote(step)
+            metrics = await tenant.call(service, "optim_step", step)
             return Done({"metrics": metrics})
 
         return future(request, work, body.model_id, body.seq_id)
@@ -394,8 +391,11 @@ def build_app(service: Service) -> FastAPI:
             return future(request, named, body.model_id, body.seq_id)
 
         def work():
-            return service.samplers.save_for_sampler(
-                tenant.actor, tenant.base_model, path, who, tenant.session_id
+            return tenant.run(
+                service,
+                lambda actor: service.samplers.save_for_sampler(
+                    actor, tenant.base_model, path, who, tenant.session_id
+                ),
             )
 
         return future(request, work, body.model_id, body.seq_id)
