@@ -116,7 +116,7 @@ def trl_args(cfg: Any, steps: int) -> list[str]:
         "cliprange-value": lc.value_clip_eps,
         "vf-coef": lc.vf_coef,
         "gamma": lc.gamma,
-        "lam": lc.lam,
+        "lam": lc.params("gae").lam,
         "seed": cfg.run.seed,
         "positive-label": cfg.reward.positive_label,
     }

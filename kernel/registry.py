@@ -11,7 +11,8 @@ line add it.
 Every registry answers the same questions: `names()` (the config's allowed values, in registration
 order), `reg[name]` (the entry, or a ValueError naming the config field and the allowed values),
 `function(name)` (the object, imported when named by a string) and `describe()` (the config reference's
-text). Registry-specific facts (an estimator's critic, an engine's devices) are fields of a `Part`
+text). A part with parameters of its own declares their block (`section`: a strict model named by
+`"module:Model"`), which the config that selects the part holds under the part's name. Registry-specific facts (an estimator's critic, an engine's devices) are fields of a `Part`
 subclass, declared where the registry is.
 """
 
@@ -31,6 +32,9 @@ class Part:
     name: str
     function: str | Any  # "module:attr", imported on first use; or the object (registered by `register`)
     summary: str = ""  # one line: what it is (and its paper)
+    # "module:Model" of the part's parameter block, a config section named after the part (its docstring is
+    # that field's description), read only when the part is selected; None: the part takes no parameters
+    section: str | None = None
 
 
 P = TypeVar("P", bound=Part)

@@ -70,12 +70,14 @@ class AdvantageInputs:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageParams:
-    """An estimator's settings. `whiten(x, mask)` normalises over the global batch (reinforce_pp),
+    """An estimator's settings: gamma, then the fields of the estimator's parameter block
+    (learner/estimator_params.py: lam of gae and vtrace, norm_adv_by_std of grpo, rho_clip and c_clip of
+    vtrace; unread by the others). `whiten(x, mask)` normalises over the global batch (reinforce_pp),
     across ranks in the learner."""
 
     gamma: float
-    lam: float
-    group_std: bool = True
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
     rho_clip: float = 1.0
     c_clip: float = 1.0
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten
@@ -348,7 +350,9 @@ def reinforce_pp_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch
 
 def grpo_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's group advantage (`grpo_advantages`) on every token, plus the KL part's return-to-go."""
-    return _outcome_estimate(x, p, grpo_advantages(x.scores, _groups(x, "grpo"), std_normalize=p.group_std))
+    return _outcome_estimate(
+        x, p, grpo_advantages(x.scores, _groups(x, "grpo"), std_normalize=p.norm_adv_by_std)
+    )
 
 
 def rloo_estimate(x: AdvantageInputs, p: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:

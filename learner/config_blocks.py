@@ -1,15 +1,94 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
-(`learner.kl`: its estimators, coefficient and controller), the LoRA adapters (`learner.lora`) and the
-composed rollout correction (`learner.rollout_correction`)."""
+(`learner.kl`: its estimators, coefficient and controller), the LoRA adapters (`learner.lora`), the
+composed rollout correction (`learner.rollout_correction`), and the blocks the registered parts declare
+(`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`, read from the registries)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
+from kernel.registry import Part, Registry, resolve
 from kernel.strict import Strict as _Strict
-from learner.registry import KL_ESTIMATORS, ROLLOUT_IS, ROLLOUT_REJECT
+from learner.registry import ADVANTAGES, KL_ESTIMATORS, ROLLOUT_IS, ROLLOUT_REJECT
+
+# The learner fields that select one registered part, with the registry of their parts: a part that
+# declares a parameter block (`Part.section`) gets the field learner.<part name>, read (and allowed) only
+# when learner.<field> selects it.
+SELECTING: dict[str, Registry[Any]] = {"advantage": ADVANTAGES}
+
+# Fields of the learner's section that moved into a part's block: a config naming one is refused with
+# the new place (an old name is never read).
+MOVED = {
+    "lam": "learner.gae.lam (advantage gae) and learner.vtrace.lam (advantage vtrace)",
+    "group_std_normalize": "learner.grpo.norm_adv_by_std",
+    "vtrace_rho_clip": "learner.vtrace.rho_clip",
+    "vtrace_c_clip": "learner.vtrace.c_clip",
+}
+
+
+def _selected_by(name: str) -> tuple[str, Part] | None:
+    """The learner field that selects the registered part `name` and its entry, for a part with a block."""
+    for field, registry in SELECTING.items():
+        if name in registry and registry[name].section is not None:
+            return field, registry[name]
+    return None
+
+
+def part_blocks() -> dict[str, tuple[Any, Any]]:
+    """learner.<part> for each registered part that declares a parameter block, in registration order:
+    its model (or None, unset: the part's defaults) and the description (the model's docstring). Two
+    parts of one name with blocks are an error."""
+    fields: dict[str, tuple[Any, Any]] = {}
+    for field, registry in SELECTING.items():
+        for part in registry:
+            if part.section is None:
+                continue
+            if part.name in fields:
+                raise ValueError(f"learner.{part.name}: two registered parts of that name declare a block")
+            model = resolve(part.section)
+            about = " ".join((model.__doc__ or "").split())
+            fields[part.name] = (
+                model | None,
+                Field(
+                    None,
+                    description=f"{about} Read (and allowed) only with learner.{field}: {part.name}; "
+                    "unset: the defaults below.",
+                ),
+            )
+    return fields
+
+
+def block_of(cfg: BaseModel, name: str) -> BaseModel | None:
+    """The parameter block of the registered part `name` in the learner section `cfg`: as set, else its
+    defaults; None for a part that declares none."""
+    selected = _selected_by(name)
+    if selected is None:
+        return None
+    block = getattr(cfg, name)
+    return resolve(selected[1].section)() if block is None else block
+
+
+def check_part_blocks(cfg: BaseModel) -> None:
+    """A part's block set while another part is selected is refused, naming the field that selects it."""
+    for field, registry in SELECTING.items():
+        chosen = getattr(cfg, field)
+        for part in registry:
+            if part.section is not None and part.name != chosen and getattr(cfg, part.name) is not None:
+                raise ValueError(
+                    f"learner.{part.name} is read only with learner.{field}: {part.name} (got {field}="
+                    f"{chosen!r}); set {field}: {part.name}, or drop the block"
+                )
+
+
+def refuse_moved(data: Any) -> None:
+    """A learner section (as loaded) naming a field that moved into a part's block: a ValueError naming
+    the new place."""
+    if isinstance(data, dict):
+        for old in sorted(data.keys() & MOVED.keys()):
+            raise ValueError(f"learner.{old} moved to {MOVED[old]}")
+
 
 KLName = Literal[KL_ESTIMATORS.names()]  # the registered KL estimators (learner.registry)
 RolloutISName = Literal[ROLLOUT_IS.names()]

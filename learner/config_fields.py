@@ -207,7 +207,6 @@ class LearnerFields(_Strict):
     vf_coef: float = Field(0.1, ge=0.0, description="Weight of the value loss.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
-    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
     whiten_advantages: bool = Field(
         True,
         description=(
@@ -222,7 +221,10 @@ class LearnerFields(_Strict):
         description=(
             f"Advantage estimator: {ADVANTAGES.describe()}. Only "
             f"{' and '.join(e.name for e in ADVANTAGES if e.critic)} train a critic; "
-            f"{' and '.join(e.name for e in ADVANTAGES if e.groups)} need rollout.sampling.n >= 2."
+            f"{' and '.join(e.name for e in ADVANTAGES if e.groups)} need rollout.sampling.n >= 2. An "
+            "estimator's own parameters are the block named after it (learner."
+            + ", learner.".join(e.name for e in ADVANTAGES if e.section)
+            + "), read only when it is selected."
         ),
     )
     policy_loss: PolicyLossName = Field(
@@ -233,19 +235,6 @@ class LearnerFields(_Strict):
             + ", ".join(f"{p.name}: {p.loss_agg}" for p in POLICY_LOSSES if p.loss_agg)
             + ") needs that loss_agg."
         ),
-    )
-    group_std_normalize: bool = Field(
-        True,
-        description=(
-            "grpo: divide the group-centred score by the group's standard deviation (false, with loss_agg "
-            "'seq-mean-token-sum-norm', is Dr. GRPO)."
-        ),
-    )
-    vtrace_rho_clip: float = Field(
-        1.0, gt=0.0, description="vtrace: rho-bar, truncation of the importance weight in the TD error."
-    )
-    vtrace_c_clip: float = Field(
-        1.0, gt=0.0, description="vtrace: c-bar (<= rho-bar), truncation of the trace-cutting weights."
     )
     missing_eos_penalty: float | None = Field(
         None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from learner.config_blocks import check_part_blocks
 from learner.registry import ADVANTAGES, POLICY_LOSSES
 
 if TYPE_CHECKING:
@@ -17,10 +18,7 @@ def check_learner(cfg: LearnerFields) -> None:
     lo, hi = cfg.off_policy_geo_bounds
     if not 0 < lo <= 1 <= hi:
         raise ValueError(f"off_policy_geo_bounds must satisfy 0 < lo <= 1 <= hi (got {(lo, hi)})")
-    if cfg.vtrace_c_clip > cfg.vtrace_rho_clip:
-        raise ValueError(
-            f"vtrace_c_clip={cfg.vtrace_c_clip} must be <= vtrace_rho_clip={cfg.vtrace_rho_clip}"
-        )
+    check_part_blocks(cfg)
     _check_rollout_correction(cfg)
     estimator = ADVANTAGES[cfg.advantage]
     if cfg.truncation == "bootstrap" and not estimator.critic:

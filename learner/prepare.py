@@ -141,14 +141,14 @@ def distributed_whiten(
 
 
 def advantage_params(config: LearnerConfig, device) -> AdvantageParams:
-    """The estimator's settings from the config; reinforce_pp whitens over every rank's tokens."""
+    """The estimator's settings from the config: gamma and the selected estimator's parameter block
+    (`learner.<advantage>`, its fields named as `AdvantageParams`'); reinforce_pp whitens over every
+    rank's tokens."""
+    block = config.params(config.advantage)
     return AdvantageParams(
         gamma=config.gamma,
-        lam=config.lam,
-        group_std=config.group_std_normalize,
-        rho_clip=config.vtrace_rho_clip,
-        c_clip=config.vtrace_c_clip,
         whiten=lambda x, m: distributed_whiten(x, m, shift_mean=True, device=device),
+        **({} if block is None else block.model_dump()),
     )
 
 

@@ -12,7 +12,9 @@ samples, a loss defined with one aggregation), the allowed-values text of the co
 "module:function" and it is imported on first use, so this module, and the config with it, loads
 without torch (the driver imports no framework).
 
-Adding a part is one entry here, its function and its test. The function's signature is the
+Adding a part is one entry here, its function and its test; a part with parameters of its own also
+declares their block (`section`, a strict model in a module without torch: learner/estimator_params.py),
+which the learner's section then holds as `learner.<part name>` (learner/config_blocks.py). The function's signature is the
 registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
 `learner.losses.Correction`, and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This
 module imports nothing of the project but the registry type (`kernel.registry`), so every role may
@@ -54,14 +56,16 @@ ADVANTAGES: Registry[Estimator] = Registry(
             function="learner.advantages:gae_estimate",
             summary="GAE(gamma, lambda) with a learned critic (Schulman et al. 2015)",
             critic=True,
+            section="learner.estimator_params:GAEParams",
         ),
         Estimator(
             name="grpo",
             function="learner.advantages:grpo_estimate",
-            summary="the score minus its group's mean, divided by the group's std when group_std_normalize "
-            "(Shao et al. 2024; Dr. GRPO, Liu et al. 2025: group_std_normalize false)",
+            summary="the score minus its group's mean, divided by the group's std when grpo.norm_adv_by_std "
+            "(Shao et al. 2024; Dr. GRPO, Liu et al. 2025: grpo.norm_adv_by_std false)",
             groups=True,
             outcome=True,
+            section="learner.estimator_params:GRPOParams",
         ),
         Estimator(
             name="rloo",
@@ -81,6 +85,7 @@ ADVANTAGES: Registry[Estimator] = Registry(
             summary="V-trace targets with a learned critic for samples of an older policy (Espeholt et al. 2018)",
             critic=True,
             corrects_off_policy=True,
+            section="learner.estimator_params:VTraceParams",
         ),
     ],
 )

@@ -42,9 +42,8 @@ class RewardKind(Part):
     # the role that scores it (a role of `cluster.roles.registry`; one it does not describe is the standard
     # reward role, its counts in this kind's section), and then no reward scorer runs; None: the scorers do
     own_role: str | None = None
-    # "module:Model" of the kind's config section, the field `reward.<name>` (its docstring is the field's
-    # description); a kind with `own_role` needs one with `RoleSection`'s fields. None: no section
-    section: str | None = None
+    # section (`Part.section`): the model of the field `reward.<name>`; a kind with `own_role` needs one with
+    # `RoleSection`'s fields
     turn_rewards: bool = False  # scores each episode by ALL its environment's rewards (needs an environment)
     accuracy: bool = False  # a score >= eval.correct_at is a right answer: eval/accuracy, pass@k, mean@n
     probability: str | None = None  # "module:function" (scores, reward config) -> P(positive) or None

@@ -346,7 +346,7 @@ def test_config_refuses_combinations_that_cannot_work():
         LearnerConfig(advantage="vtrace", off_policy="tis")
     with pytest.raises(ValueError, match="needs a critic"):
         LearnerConfig(advantage="grpo", truncation="bootstrap")
-    with pytest.raises(ValueError, match="vtrace_c_clip"):
-        LearnerConfig(advantage="vtrace", vtrace_rho_clip=1.0, vtrace_c_clip=2.0)
+    with pytest.raises(ValueError, match="vtrace.c_clip"):
+        LearnerConfig(advantage="vtrace", vtrace={"rho_clip": 1.0, "c_clip": 2.0})
     with pytest.raises(ValueError, match="kl.mode='reward'"):
         LearnerConfig(kl={"mode": "loss", "adaptive": True})

@@ -57,7 +57,7 @@ def test_trl_runner_accepts_the_matched_settings():
         lc.value_clip_eps,
         lc.vf_coef,
     )
-    assert (args.gamma, args.lam, args.adam_betas) == (lc.gamma, lc.lam, tuple(lc.adam_betas))
+    assert (args.gamma, args.lam, args.adam_betas) == (lc.gamma, lc.params("gae").lam, tuple(lc.adam_betas))
 
 
 def test_settings_trl_cannot_match_are_refused():

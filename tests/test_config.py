@@ -185,7 +185,7 @@ def test_derived_values_live_in_the_resolved_record_and_the_config_keeps_what_wa
 
     lora = {"lora": {"rank": 4}, "lr_schedule": "cosine", "loss_agg": "seq-mean-token-sum-norm"}
     written = tree(
-        learner={**lora, "advantage": "grpo", "group_std_normalize": False, "pack_sequences": True},
+        learner={**lora, "advantage": "grpo", "grpo": {"norm_adv_by_std": False}, "pack_sequences": True},
         rollout={"sampling": {"n": 2, "max_new_tokens": 24}, "lora_sync": "adapter", "dtype": "bfloat16"},
         reference={"model_path": None},
         run={"steps": 5},

@@ -19,7 +19,7 @@ def test_an_agent_run_is_multi_turn_and_takes_the_sessions_reward():
 
 def test_an_agent_runs_horizon_loss_normalises_by_its_longest_session():
     """Dr. GRPO's constant (learner.loss_norm_tokens), resolved for agent sessions: the gateway's limit."""
-    learner = {"loss_agg": "seq-mean-token-sum-norm", "advantage": "grpo", "group_std_normalize": False}
+    learner = {"loss_agg": "seq-mean-token-sum-norm", "advantage": "grpo", "grpo": {"norm_adv_by_std": False}}
     cfg = build_config(
         tree(
             agent=AGENT,

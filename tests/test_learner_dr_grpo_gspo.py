@@ -54,7 +54,7 @@ def test_dr_grpo_pieces_add_up_to_the_batch_with_global_counts():
 
 
 def test_dr_grpo_objective_equals_the_papers_by_hand():
-    """Dr. GRPO = grpo without the std (group_std_normalize false) and the constant normaliser.
+    """Dr. GRPO = grpo without the std (grpo.norm_adv_by_std false) and the constant normaliser.
     Scores 1 and 0: advantages +0.5 and -0.5 on every token. With pi = pi_old every ratio is 1, so the
     loss is -(1/G) sum_i (1/L) |y_i| A_i = -(2 * 0.5 + 4 * (-0.5)) / (2 * 8) = 1/16: the longer,
     wrong response weighs more, where GRPO's per-sequence mean makes the two cancel."""

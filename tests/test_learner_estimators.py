@@ -49,13 +49,18 @@ ZERO3 = {
         ),
         ({"advantage": "rloo", "missing_eos_penalty": 1.0}, {}),
         (
-            {"advantage": "vtrace", "off_policy": "none", "truncation": "bootstrap", "vtrace_rho_clip": 2.0},
+            {
+                "advantage": "vtrace",
+                "off_policy": "none",
+                "truncation": "bootstrap",
+                "vtrace": {"rho_clip": 2.0},
+            },
             {},
         ),
         (  # Dr. GRPO: no std, each sequence's token sum over a constant (two ranks: global sequence count)
             {
                 "advantage": "grpo",
-                "group_std_normalize": False,
+                "grpo": {"norm_adv_by_std": False},
                 "loss_agg": "seq-mean-token-sum-norm",
                 "loss_norm_tokens": 16,
             },

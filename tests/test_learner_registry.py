@@ -116,7 +116,7 @@ def test_a_policy_loss_defined_with_one_aggregation_needs_it():
 
 
 def test_dr_grpos_constant_is_the_longest_response_a_run_can_sample():
-    dr = {"advantage": "grpo", "group_std_normalize": False, "loss_agg": "seq-mean-token-sum-norm"}
+    dr = {"advantage": "grpo", "grpo": {"norm_adv_by_std": False}, "loss_agg": "seq-mean-token-sum-norm"}
     rollout = {"sampling": {"n": 4, "max_new_tokens": 24}}
     assert build_config({**TREE, "rollout": rollout, "learner": dr}).resolved.loss_norm_tokens == 24
     given = build_config({**TREE, "rollout": rollout, "learner": {**dr, "loss_norm_tokens": 100}})
@@ -129,3 +129,59 @@ def test_dr_grpos_constant_is_the_longest_response_a_run_can_sample():
 def test_parts_are_frozen_records():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ADVANTAGES["gae"].critic = False
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_an_estimators_parameters_are_the_block_its_entry_declares(name):
+    """learner.<estimator> exists exactly for an estimator whose entry declares a block, holds fields of
+    `AdvantageParams` (the prepared settings take them by name), reads its defaults when unset, and is
+    refused, naming the field that selects it, when another estimator is selected."""
+    from learner.advantages import AdvantageParams
+    from learner.prepare import advantage_params
+
+    est = ADVANTAGES[name]
+    if est.section is None:
+        assert name not in LearnerConfig.model_fields
+        assert LearnerConfig(advantage=name).params(name) is None
+        return
+    model = typing.get_args(LearnerConfig.model_fields[name].annotation)[0]
+    assert set(model.model_fields) <= {f.name for f in dataclasses.fields(AdvantageParams)}
+    assert LearnerConfig(advantage=name).params(name) == model()
+    other = next(e for e in ADVANTAGES.names() if e != name)
+    with pytest.raises(ValueError, match=rf"learner.{name} is read only with learner.advantage: {name} "):
+        LearnerConfig(advantage=other, **{name: {}})
+    # every field of the block reaches the estimator's settings
+    values = {
+        f: (not v.default) if isinstance(v.default, bool) else 0.5 for f, v in model.model_fields.items()
+    }
+    settings = advantage_params(LearnerConfig(advantage=name, **{name: values}), "cpu")
+    assert {f: getattr(settings, f) for f in values} == values
+
+
+def test_the_vtrace_block_sets_every_vtrace_parameter():
+    cfg = LearnerConfig(advantage="vtrace", vtrace={"rho_clip": 2.0, "c_clip": 0.5, "lam": 0.9})
+    assert cfg.params("vtrace") == cfg.vtrace
+    assert (cfg.vtrace.rho_clip, cfg.vtrace.c_clip, cfg.vtrace.lam) == (2.0, 0.5, 0.9)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("lam", "learner.gae.lam (advantage gae) and learner.vtrace.lam (advantage vtrace)"),
+        ("group_std_normalize", "learner.grpo.norm_adv_by_std"),
+        ("vtrace_rho_clip", "learner.vtrace.rho_clip"),
+        ("vtrace_c_clip", "learner.vtrace.c_clip"),
+    ],
+)
+def test_a_field_that_moved_into_a_block_is_refused_naming_its_new_place(old, new):
+    import re
+
+    with pytest.raises(ConfigError, match=re.escape(f"learner.{old} moved to {new}")):
+        build_config({**TREE, "learner": {old: 1.0}})
+
+
+def test_a_learner_section_with_its_blocks_loads_again_from_its_dump():
+    """A run's saved config (every field written, the unselected blocks null) validates again unchanged."""
+    cfg = build_config({**TREE, "learner": {"advantage": "vtrace", "vtrace": {"rho_clip": 2.0}}}).learner
+    assert LearnerConfig(**cfg.model_dump()) == cfg
+    assert LearnerConfig(**LearnerConfig().model_dump()) == LearnerConfig()

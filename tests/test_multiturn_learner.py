@@ -275,7 +275,12 @@ def test_reward_norm_normalises_the_episode_return_turn_rewards_included(tiny_po
     batch = pack_trajectories([episode(0.0), episode(2.0), single], pad_id=0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir))
     config = LearnerConfig(
-        advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False, reward_norm=mode, reward_norm_clip=clip
+        advantage="gae",
+        gamma=1.0,
+        gae={"lam": 1.0},
+        whiten_advantages=False,
+        reward_norm=mode,
+        reward_norm_clip=clip,
     )
     stats = prepare(LearnerContext(tap, config, 1.0, 0, reward_moments=RunningMoments()), batch, 0.0)
     np.testing.assert_allclose(batch.tokens.advantages.tolist(), want, atol=1e-6)

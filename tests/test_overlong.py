@@ -317,7 +317,7 @@ def test_the_ramp_reaches_the_scores_the_learner_trains_on(policy_path):
         "missing_eos_penalty": 0.5,
         "overlong_buffer": 4,
         "overlong_max_tokens": 6,
-        "group_std_normalize": False,
+        "grpo": {"norm_adv_by_std": False},
     }
     _, stats, batch = _run(policy_path, _trajectories([False, True]), kl_coef=0.0, **cfg)
     adv = batch.tokens.advantages
