@@ -18,6 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @contextmanager
 def serving(config: dict, folder: Path) -> Iterator[str]:
+    with serving_process(config, folder) as (url, _proc):
+        yield url
+
+
+@contextmanager
+def serving_process(config: dict, folder: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`serving`, yielding the service's process too (its Ray's workers are its descendants when it
+    starts a local Ray)."""
     cfg = folder / "serve.yaml"
     cfg.write_text(json.dumps({"port": 0, "checkpoint_dir": str(folder / "checkpoints"), **config}))
     proc = subprocess.Popen(
@@ -34,7 +42,7 @@ def serving(config: dict, folder: Path) -> Iterator[str]:
         proc.wait()
         pytest.fail("cluster.serve ended before serving:\n" + "".join(seen))
     try:
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(timeout=120)
