@@ -69,10 +69,10 @@ def short_service(tiny_policy_dir, tmp_path_factory):
     yield from _serve(tiny_policy_dir, folder, session_timeout_s=HEARTBEAT_TIMEOUT_S)
 
 
-def run_client(scenario: str, url: str, key: str = KEY, *args: str) -> dict:
+def run_client(scenario: str, url: str, key: str = KEY, *args: str, model: str = MODEL) -> dict:
     env = {**os.environ, "TINKER_TELEMETRY": "0"}
     out = subprocess.run(
-        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), scenario, url, key, MODEL, *args],
+        [str(TINKER_PY), str(REPO / "tests" / "tinker_client.py"), scenario, url, key, model, *args],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -131,7 +131,8 @@ def _draw(sc, prompt: list[int]) -> dict:
 def sample(client, model: str) -> dict:
     """Train 2 steps, sample from save_weights_and_get_sampling_client, score the samples teacher-forced
     with the training client (same weights), then train once more, take a second snapshot (the same
-    engine), sample it, and sample the old client again (its snapshot loaded back)."""
+    engine), sample it and score those samples too, and sample the old client again (its snapshot
+    loaded back)."""
     tc = client.create_lora_training_client(base_model=model, rank=4, seed=0).result()
     for _ in range(2):
         fb, opt = (
@@ -152,11 +153,14 @@ def sample(client, model: str) -> dict:
     fb.result()
     opt.result()
     second = _draw(tc.save_weights_and_get_sampling_client().result(), prompt)
+    second_full = [prompt + q["tokens"] for q in second["sequences"]]
+    scored_second = tc.forward([datum(f[:-1], f[1:]) for f in second_full], "cross_entropy").result()
     return {
         "prompt": prompt,
         "first": first,
         "teacher_forced": logprobs(scored),
         "second": second,
+        "teacher_forced_second": logprobs(scored_second),
         "again": _draw(sc, prompt),
     }
 

@@ -19,6 +19,7 @@ from cluster.serve.answers import error
 from cluster.serve.checkpoints import CheckpointPath, checkpoint_name
 from cluster.serve.futures import Done, UserError
 from cluster.serve.recovery import SavedPoint
+from cluster.serve.sampling import Probe
 
 
 class _Body(BaseModel):
@@ -54,7 +55,9 @@ async def save_named_sampler(service, tenant, model_id: str, owner: str, where: 
     """A named sampler checkpoint: the tenant's adapter bundle (as an engine applies it), on disk; the
     engine acknowledges it when a sampling session is made from it (`create_sampling_session`)."""
     bundle = await tenant.call(service, "adapter_bundle")
-    payload = {"base_model": tenant.base_model, "rank": tenant.rank, "bundle": bundle}
+    path = service.config.base_model(tenant.base_model).path
+    probe = await tenant.run(service, lambda actor: service.samplers.reference(actor, path))
+    payload = {"base_model": tenant.base_model, "rank": tenant.rank, "bundle": bundle, "probe": probe.saved()}
     uri = await asyncio.to_thread(service.checkpoints.write, owner, where, payload, True)
     return Done({"path": uri, "type": "save_weights_for_sampler"})
 
@@ -146,8 +149,9 @@ def add_routes(app: FastAPI, service, owner, future, caller_session, caller_tena
             return error(404, str(e))
         path = service.config.base_model(saved["base_model"]).path
         sid = await service.samplers.open_session(
-            saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path
-        )
+            saved["bundle"], saved["base_model"], path, who, body.session_id, body.model_path,
+            Probe.from_saved(saved.get("probe")),
+        )  # fmt: skip
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @app.get("/api/v1/training_runs/{run}/checkpoints")

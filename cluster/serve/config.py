@@ -20,6 +20,9 @@
                                # released); the SDK heartbeats every 10 s, so at least 20 (two of them)
     checkpoint_dir: null       # a folder for named checkpoints (save_state, save_weights_for_sampler(name)),
                                # one subfolder per API key; null: they are refused
+    rollout:                   # the rollout engine sampling clients run on (one per session and base model)
+      engine: hf               # a name of rollout_workers.engines.ENGINES (hf, vllm)
+      vllm: {}                 # rollout.vllm's options for engine vllm (e.g. max_lora_rank, kv_cache_gib)
 
 A wrong field is an error naming it and what it allows.
 """
@@ -30,10 +33,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kernel.strict import Strict
 from learner.config import LearnerConfig
+from rollout_workers.config import EngineName, RolloutConfig, VLLMConfig
 
 SDK_HEARTBEAT_S = 10.0  # tinker/lib/internal_client_holder.py, SESSION_HEARTBEAT_PERIOD_SEC (tinker 0.38)
 MIN_SESSION_TIMEOUT_S = 2 * SDK_HEARTBEAT_S  # one late or lost heartbeat never ends a live session
@@ -42,6 +46,16 @@ MIN_SESSION_TIMEOUT_S = 2 * SDK_HEARTBEAT_S  # one late or lost heartbeat never 
 class BaseModelEntry(Strict):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)
+
+
+class SamplingRollout(Strict):
+    """The rollout engine sampling clients run on: the training config's `rollout.engine` and `rollout.vllm`
+    (their allowed values and rules are the rollout role's, `rollout_workers.engines.ENGINES`), so an
+    error names the same fields here. The rest of the engine's section is fixed by the service
+    (`ServeConfig.sampling_rollout`)."""
+
+    engine: EngineName = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
 class ServeConfig(Strict):
@@ -61,6 +75,7 @@ class ServeConfig(Strict):
     order_wait_s: float = Field(300.0, gt=0.0)
     session_timeout_s: float = 300.0
     checkpoint_dir: str | None = None
+    rollout: SamplingRollout = Field(default_factory=SamplingRollout)
 
     @field_validator("api_keys")
     @classmethod
@@ -79,6 +94,21 @@ class ServeConfig(Strict):
                 f"heartbeat every {SDK_HEARTBEAT_S:g} s, and a shorter timeout would end live sessions"
             )
         return value
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> ServeConfig:
+        self.sampling_rollout()  # the rollout role's rules on the engine's section (RolloutConfig's validators)
+        return self
+
+    def sampling_rollout(self) -> RolloutConfig:
+        """The section a sampling engine is built from: the chosen engine and its vLLM options, adapters
+        applied by the engine itself (`lora_sync: adapter`), float32 (the dtype the acknowledgement
+        compares at), `torch_threads` threads; its LoRA room is fitted to the first snapshot it loads
+        (`Engine.fit_adapters`, `cluster.serve.sampling`)."""
+        return RolloutConfig(
+            engine=self.rollout.engine, vllm=self.rollout.vllm, lora_sync="adapter", dtype="float32",
+            torch_threads=self.torch_threads,
+        )  # fmt: skip
 
     def base_model(self, name: str) -> BaseModelEntry:
         for entry in self.base_models:

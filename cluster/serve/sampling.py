@@ -1,15 +1,21 @@
-"""Sampling clients of the Tinker API on the project's hf rollout engine (`rollout_workers.hf_engine`).
+"""Sampling clients of the Tinker API on a rollout engine of the project (the serve config's
+`rollout.engine`, a name of `rollout_workers.engines.ENGINES`: hf or vLLM).
 
 `save_weights_for_sampler` (what `save_weights_and_get_sampling_client` sends) takes the tenant's adapter
-(`learner.lora.adapter_bundle`) and loads it into the training session's `HFEngine` for that base model
-(a Ray actor started on the first snapshot and kept until the session ends: an RL loop that snapshots
-every step reuses it) through `rollout.lora_sync: adapter`'s path (PEFT layers inside the engine's
-model). The future resolves, and the sampling session exists, only once the engine acknowledges the
-weights: its `adapter_checksum` equals the bundle's `state_checksum` at the engine's dtype, so a sampling
-client never samples from weights the engine has not acknowledged. The session keeps that snapshot (the
-bundle stays in Ray's object store until the training session ends): when another snapshot was loaded
-since, a sample loads this one back, acknowledged the same way, before it draws (Tinker's `kind:
-snapshot`: later training steps do not reach it).
+(`learner.lora.adapter_bundle`) and loads it into the training session's engine for that base model
+(a Ray actor started on the first snapshot, with room for that snapshot's LoRA rank (`Engine.fit_adapters`),
+and kept until the session ends: an RL loop that snapshots every step reuses it) through `rollout.lora_sync:
+adapter`'s path (hf: PEFT layers inside the engine's model; vLLM: its own LoRA support). The future
+resolves, and the sampling session exists, only once the engine acknowledges the weights as a rollout
+worker's push is acknowledged (`cluster.weights.push.verify_ack`): an engine that reads its adapter back
+(hf) by its `adapter_checksum`, equal to the bundle's `state_checksum` at the engine's dtype; one that
+cannot (vLLM packs the adapter's tensors) by its own adapter digest having moved with the load and by its
+logprobs on the fixed probe sequences (`kernel.sequences.probe_sequences`), equal within the float32 probe
+tolerance to the tenant's on the snapshot's weights (its `forward`, computed with the snapshot). So a
+sampling client never samples from weights the engine has not acknowledged. The session keeps that
+snapshot (the bundle stays in Ray's object store until the training session ends): when another snapshot
+was loaded since, a sample loads this one back, acknowledged the same way, before it draws (Tinker's
+`kind: snapshot`: later training steps do not reach it).
 
 `asample` draws `num_samples` responses with the engine's own contract (`RolloutEngine.generate`): each
 token's logprob is that of the distribution it was drawn from (temperature, top_k / top_p applied);
@@ -34,9 +40,13 @@ from transformers import AutoConfig, AutoTokenizer
 
 from cluster.serve.futures import Done, UserError
 from cluster.serve.stop_strings import stop_at_strings
-from cluster.serve.wire import encode_sample_response
+from cluster.serve.wire import WireDatum, encode_sample_response
+from cluster.weights.push import expected_fingerprint, verify_ack
+from kernel.sequences import probe_sequences
+from rollout_workers.adapter import bundle_rank, split_bundle
 from rollout_workers.config import RolloutConfig, SamplingConfig
-from rollout_workers.hf_engine import HFEngine
+from rollout_workers.engines import ENGINES
+from rollout_workers.types import WeightAck
 from rollout_workers.weights import state_checksum
 
 ENGINE_DTYPE = torch.float32  # RolloutConfig's default dtype, at which the acknowledgement compares
@@ -84,9 +94,32 @@ class SampleBody(_Body):
 class EngineSlot:
     """A training session's engine for one base model; `lock` keeps a load and the draw after it together."""
 
-    engine: Any  # ray ActorHandle of HFEngine
+    engine: Any  # ray ActorHandle of the engine class (`rollout.engine`)
     held: str  # the checksum of the adapter it holds now
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    loads: int = 0  # adapters loaded so far (the version its acknowledgements name)
+    reads_back: bool | None = None  # whether its adapter_checksum reads the adapter back (None: no load yet)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The tenant's teacher-forced logprobs (temperature 1) of tokens 1.. of each probe sequence, on a
+    snapshot's weights: what an engine that cannot read its adapter back must compute after loading it."""
+
+    sequences: list[np.ndarray]
+    logprobs: list[np.ndarray]
+
+    def saved(self) -> dict[str, list[torch.Tensor]]:
+        """As a named sampler checkpoint keeps it (tensors: `torch.load(weights_only=True)` reads it back)."""
+        return {
+            k: [torch.from_numpy(np.asarray(a)) for a in getattr(self, k)] for k in ("sequences", "logprobs")
+        }
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, list[torch.Tensor]] | None) -> Probe | None:
+        if saved is None:
+            return None
+        return cls(*([t.numpy() for t in saved[k]] for k in ("sequences", "logprobs")))
 
 
 @dataclasses.dataclass
@@ -101,6 +134,7 @@ class SamplerSession:
     max_len: int | None
     tokenizer: Any  # the base model's, for stop strings
     model_path: str | None = None  # the sampler checkpoint it was made from (create_sampling_session)
+    reference: Probe | None = None  # the tenant's probe logprobs on the snapshot (None: saved without)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +188,10 @@ def sample_call(body: SampleBody, session: SamplerSession) -> SampleCall:
 
 
 class Samplers:
-    def __init__(self, engine_cpus: float, torch_threads: int, start_timeout_s: float = 300.0) -> None:
-        self.engine_class = ray.remote(num_cpus=engine_cpus)(HFEngine)
-        self.rollout = RolloutConfig(torch_threads=torch_threads)
+    def __init__(self, engine_cpus: float, rollout: RolloutConfig, start_timeout_s: float = 300.0) -> None:
+        """`rollout`: the section engines are built from (`ServeConfig.sampling_rollout`)."""
+        self.engine_class = ray.remote(num_cpus=engine_cpus)(ENGINES.function(rollout.engine))
+        self.rollout = rollout
         self.start_timeout_s = start_timeout_s
         self.sessions: dict[str, SamplerSession] = {}
         self.slots: dict[tuple[str, str], EngineSlot] = {}  # (training session, base model) -> engine
@@ -173,10 +208,21 @@ class Samplers:
             raise UserError(f"unknown sampling_session_id {sid!r}")
         return s
 
-    async def _slot(self, session_id: str, base_model: str, path: str) -> EngineSlot:
+    def _fitted(self, rank: int) -> RolloutConfig:
+        """The engine's section with room for rank-`rank` adapters (`Engine.fit_adapters`: vLLM fixes its
+        `max_lora_rank` when built); a UserError naming the field set below it."""
+        try:
+            return ENGINES[self.rollout.engine].fit_adapters(self.rollout, rank)
+        except ValueError as err:
+            raise UserError(
+                f"a LoRA adapter of rank {rank} (the training client's, learner.lora.rank here) does not fit the "
+                f"serve config's sampling engine: {err}"
+            ) from None
+
+    async def _slot(self, session_id: str, base_model: str, path: str, rank: int) -> EngineSlot:
         key = (session_id, base_model)
         if key not in self.slots:
-            engine = self.engine_class.remote(path, self.rollout)
+            engine = self.engine_class.remote(path, self._fitted(rank))
             try:
                 await asyncio.wait_for(engine.adapter_checksum.remote(), self.start_timeout_s)
             except TimeoutError:
@@ -188,37 +234,63 @@ class Samplers:
             self.slots.setdefault(key, EngineSlot(engine, held=""))
         return self.slots[key]
 
-    @staticmethod
-    async def _load(slot: EngineSlot, bundle_ref: Any, expected: str) -> None:
-        """Load a snapshot into the slot's engine and check its acknowledgement (the caller holds the lock)."""
+    async def _load(self, slot: EngineSlot, bundle_ref: Any, expected: str, reference: Probe | None) -> None:
+        """Load a snapshot into the slot's engine and check its acknowledgement (the caller holds the lock):
+        the checksum where the engine reads its adapter back, else its digest and probe (`verify_ack`)."""
         if slot.held == expected:
             return
-        slot.held = ""  # unknown until acknowledged
-        await slot.engine.load_adapter.remote(bundle_ref)
-        held = await slot.engine.adapter_checksum.remote()
-        if held != expected:
-            raise RuntimeError(f"the sampler holds adapter {held}, not the one sent ({expected})")
-        slot.held = held
+        known, slot.held = slot.held, ""  # unknown until acknowledged
+        engine, slot.loads = slot.engine, slot.loads + 1
+        # an engine that cannot read its adapter back: its own digest must move when the adapter changes
+        before = await engine.adapter_digest.remote() if slot.reads_back is False else None
+        await engine.load_adapter.remote(bundle_ref)
+        checksum = await engine.adapter_checksum.remote()
+        slot.reads_back = checksum is not None
+        changed = None if before is None else (await engine.adapter_digest.remote()) != before
+        probe = None
+        if checksum is None:  # the engine cannot read its adapter back: what it computes acknowledges it
+            if reference is None:
+                raise UserError(
+                    "this sampler checkpoint holds no probe logprobs (saved before the service kept them), which "
+                    "the sampling engine's acknowledgement needs: save it again with save_weights_for_sampler"
+                )
+            probe = await engine.probe_logprobs.remote(reference.sequences)
+        ack = WeightAck(slot.loads, probe, checksum, changed=changed, bundle_changed=bool(known))
+        dtype = self.rollout.dtype  # the tenant's too (float32)
+        meta = {"probe": None if probe is None else reference.logprobs, "checksum": expected, "dtype": dtype}
+        verify_ack("the sampling engine", ack, slot.loads, expected_fingerprint(meta, slot.loads, dtype))
+        slot.held = expected
+
+    async def reference(self, tenant_actor: Any, path: str) -> Probe:
+        """The tenant's probe logprobs on its weights now (its `forward`, after the calls sent before)."""
+        vocab = int(AutoConfig.from_pretrained(path, local_files_only=True).get_text_config().vocab_size)
+        sequences = probe_sequences(vocab)
+        data = [WireDatum(s[:-1], {"target_tokens": s[1:]}) for s in sequences]  # t scores s[t + 1]
+        out = await tenant_actor.forward_backward.remote(data, "cross_entropy", {}, True)
+        return Probe(sequences, [o["logprobs"] for o in out.outputs])
 
     async def save_for_sampler(
         self, tenant_actor, base_model: str, path: str, owner: str, session_id: str
     ) -> Done:
         bundle_ref = tenant_actor.adapter_bundle.remote()
-        sid = await self.open_session(bundle_ref, base_model, path, owner, session_id)
+        reference = await self.reference(tenant_actor, path)  # the same weights: sent after the bundle's copy
+        sid = await self.open_session(bundle_ref, base_model, path, owner, session_id, reference=reference)
         return Done({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
     async def open_session(
         self, bundle_ref: Any, base_model: str, path: str, owner: str, session_id: str,
-        model_path: str | None = None,
+        model_path: str | None = None, reference: Probe | None = None,
     ) -> str:  # fmt: skip
         """A sampling session on `bundle_ref` (an adapter bundle, or its ObjectRef) in the training
-        session's engine for `base_model`; it exists only once the engine acknowledged the bundle."""
+        session's engine for `base_model`; it exists only once the engine acknowledged the bundle
+        (`reference`: the tenant's probe logprobs on it, which an engine without a checksum needs)."""
         if not isinstance(bundle_ref, ray.ObjectRef):
             bundle_ref = ray.put(bundle_ref)
-        expected = state_checksum(await bundle_ref, ENGINE_DTYPE)
-        slot = await self._slot(session_id, base_model, path)
+        bundle = await bundle_ref
+        expected = state_checksum(bundle, ENGINE_DTYPE)
+        slot = await self._slot(session_id, base_model, path, bundle_rank(split_bundle(bundle)[0]))
         async with slot.lock:
-            await self._load(slot, bundle_ref, expected)
+            await self._load(slot, bundle_ref, expected, reference)
         cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
         max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         sid = str(uuid.uuid4())
@@ -233,6 +305,7 @@ class Samplers:
             max_len,
             self._tokenizer(path),
             model_path,
+            reference,
         )
         return sid
 
@@ -245,7 +318,7 @@ class Samplers:
     async def sample(self, session: SamplerSession, call: SampleCall) -> Done:
         slot = session.slot
         async with slot.lock:  # another snapshot may have been loaded since: this one back, acknowledged
-            await self._load(slot, session.bundle, session.checksum)
+            await self._load(slot, session.bundle, session.checksum, session.reference)
             outs = (
                 await slot.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids)
             )[0]

@@ -122,7 +122,7 @@ class Service:
         self.tenants: dict[str, Tenant] = {}
         self.book = FutureBook(config.order_wait_s, config.call_timeout_s)
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
-        self.samplers = Samplers(config.tenant_cpus, config.torch_threads, config.start_timeout_s)
+        self.samplers = Samplers(config.tenant_cpus, config.sampling_rollout(), config.start_timeout_s)
         self.checkpoints = CheckpointStore(config.checkpoint_dir)
 
     def end(self, session_id: str, why: str) -> None:
