@@ -1,7 +1,8 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
 (`learner.kl`: its estimators, coefficient and controller), the LoRA adapters (`learner.lora`), the
 composed rollout correction (`learner.rollout_correction`), and the blocks the registered parts declare
-(`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`, read from the registries)."""
+(`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`,
+`learner.geo_mask`, read from the registries)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from pydantic import BaseModel, Field, model_validator
 
 from kernel.registry import Part, Registry, resolve
 from kernel.strict import Strict as _Strict
-from learner.registry import ADVANTAGES, KL_ESTIMATORS, ROLLOUT_IS, ROLLOUT_REJECT
+from learner.registry import ADVANTAGES, KL_ESTIMATORS, OFF_POLICY, ROLLOUT_IS, ROLLOUT_REJECT
 
 # The learner fields that select one registered part, with the registry of their parts: a part that
 # declares a parameter block (`Part.section`) gets the field learner.<part name>, read (and allowed) only
 # when learner.<field> selects it.
-SELECTING: dict[str, Registry[Any]] = {"advantage": ADVANTAGES}
+SELECTING: dict[str, Registry[Any]] = {"advantage": ADVANTAGES, "off_policy": OFF_POLICY}
 
 # Fields of the learner's section that moved into a part's block: a config naming one is refused with
 # the new place (an old name is never read).
@@ -25,6 +26,8 @@ MOVED = {
     "group_std_normalize": "learner.grpo.norm_adv_by_std",
     "vtrace_rho_clip": "learner.vtrace.rho_clip",
     "vtrace_c_clip": "learner.vtrace.c_clip",
+    "off_policy_cap": "learner.tis.cap (off_policy tis) and learner.mask.cap (off_policy mask)",
+    "off_policy_geo_bounds": "learner.geo_mask.bounds (off_policy geo_mask)",
 }
 
 

@@ -304,10 +304,12 @@ class LearnerFields(_Strict):
         description=(
             f"Behaviour/proximal (rollout) correction with rho = pi_prox/mu, a preset: {OFF_POLICY.describe()}. "
             "'auto' = 'tis' in async mode with max_staleness > 0 or when rollout.dtype differs from "
-            "learner.dtype, else 'none'; 'none' there is a config error. See docs/algorithms.md."
+            "learner.dtype, else 'none'; 'none' there is a config error. A preset's parameters are the block "
+            "named after it (learner."
+            + ", learner.".join(p.name for p in OFF_POLICY if p.section)
+            + "), read only when off_policy names it (not with 'auto'). See docs/algorithms.md."
         ),
     )
-    off_policy_cap: float = Field(2.0, gt=0.0, description="Cap C of 'tis' and threshold of 'mask'.")
     proximal_pass: Literal["auto", "always", "bypass"] = Field(
         "auto",
         description=(
@@ -327,9 +329,6 @@ class LearnerFields(_Strict):
         description="With proximal_pass 'auto': the first step and one in this many run the proximal pass "
         "anyway and measure the engine-learner logprob gap (rollout/logprob_gap); a gap over 1e-4 nats per "
         "token ends the bypass for the run.",
-    )
-    off_policy_geo_bounds: tuple[float, float] = Field(
-        (0.5, 2.0), description="[lo, hi] kept range of the per-sequence geometric-mean ratio ('geo_mask')."
     )
     rollout_correction: RolloutCorrectionConfig | None = Field(
         None,

@@ -15,9 +15,6 @@ if TYPE_CHECKING:
 
 def check_learner(cfg: LearnerFields) -> None:
     """Raise ValueError naming the fields of the first combination of `cfg` that cannot train."""
-    lo, hi = cfg.off_policy_geo_bounds
-    if not 0 < lo <= 1 <= hi:
-        raise ValueError(f"off_policy_geo_bounds must satisfy 0 < lo <= 1 <= hi (got {(lo, hi)})")
     check_part_blocks(cfg)
     _check_rollout_correction(cfg)
     estimator = ADVANTAGES[cfg.advantage]

@@ -29,15 +29,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from kernel.registry import resolve
 from learner.algorithms import LOG_RATIO_CLAMP, _valid, _zero_invalid, kl_penalty
+from learner.config import LearnerConfig
 from learner.registry import OFF_POLICY, ROLLOUT_IS, ROLLOUT_REJECT
-
-if TYPE_CHECKING:
-    from learner.config_fields import LearnerFields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,34 +242,35 @@ def correction_weights(
     return w, sums, weight_max
 
 
-def from_config(cfg: LearnerFields) -> Correction:
+def from_config(cfg: LearnerConfig) -> Correction:
     """The correction `learner.off_policy` names ('auto' reads as 'none': the run config decides it)."""
     name = "none" if cfg.off_policy == "auto" else cfg.off_policy
     return OFF_POLICY.function(name)(cfg)
 
 
-# The presets of learner.off_policy (`OFF_POLICY`): the learner's fields -> the correction.
-def preset_none(cfg: LearnerFields) -> Correction:
+# The presets of learner.off_policy (`OFF_POLICY`): the learner's section -> the correction, from the
+# preset's parameter block (`cfg.params(name)`: learner/correction_params.py).
+def preset_none(cfg: LearnerConfig) -> Correction:
     """'none': no weight, no rejection (the mismatch metrics are still reported)."""
     return Correction()
 
 
-def preset_tis(cfg: LearnerFields) -> Correction:
-    """'tis': token TIS with C = off_policy_cap."""
-    return Correction(is_level="token", is_cap=cfg.off_policy_cap)
+def preset_tis(cfg: LearnerConfig) -> Correction:
+    """'tis': token TIS with C = learner.tis.cap."""
+    return Correction(is_level="token", is_cap=cfg.params("tis").cap)
 
 
-def preset_mask(cfg: LearnerFields) -> Correction:
-    """'mask': token rejection on [0, off_policy_cap] (one-sided)."""
-    return Correction(reject=(Reject("token", (0.0, cfg.off_policy_cap)),))
+def preset_mask(cfg: LearnerConfig) -> Correction:
+    """'mask': token rejection on [0, learner.mask.cap] (one-sided)."""
+    return Correction(reject=(Reject("token", (0.0, cfg.params("mask").cap)),))
 
 
-def preset_geo_mask(cfg: LearnerFields) -> Correction:
-    """'geo_mask': geometric rejection on off_policy_geo_bounds."""
-    return Correction(reject=(Reject("geometric", tuple(cfg.off_policy_geo_bounds)),))
+def preset_geo_mask(cfg: LearnerConfig) -> Correction:
+    """'geo_mask': geometric rejection on learner.geo_mask.bounds."""
+    return Correction(reject=(Reject("geometric", tuple(cfg.params("geo_mask").bounds)),))
 
 
-def preset_custom(cfg: LearnerFields) -> Correction:
+def preset_custom(cfg: LearnerConfig) -> Correction:
     """'custom': the learner.rollout_correction block."""
     rc = cfg.rollout_correction
     if rc is None:
@@ -288,16 +287,14 @@ def off_policy_weights(
     geo_bounds: tuple[float, float] = (0.5, 2.0),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weights of a one-field preset of learner.off_policy ('none', 'tis', 'mask', 'geo_mask') with
-    its cap and geometric bounds, and this batch's means: weight_mean/max, clipped_frac (truncated or
-    rejected), behaviour_kl (k3). The learner itself calls `correction_weights` (learner.prepare)."""
-    OFF_POLICY[mode]  # an unknown mode: ValueError naming the allowed ones
-    if cap <= 0:
-        raise ValueError(f"off-policy cap must be > 0 (got {cap})")
-    lo, hi = geo_bounds
-    if not 0 < lo <= 1 <= hi:
-        raise ValueError(f"geo_mask bounds must satisfy 0 < lo <= 1 <= hi (got {geo_bounds})")
-    fields = _Fields(mode, cap, geo_bounds)
-    w, s, mx = correction_weights(prox_logprobs, behaviour_logprobs, mask, OFF_POLICY.function(mode)(fields))
+    its cap and geometric bounds (its block's `cap` / `bounds`, checked as the config checks them), and
+    this batch's means: weight_mean/max, clipped_frac (truncated or rejected), behaviour_kl (k3). The
+    learner itself calls `correction_weights` (learner.prepare)."""
+    section = OFF_POLICY[mode].section  # an unknown mode: ValueError naming the allowed ones
+    given = {"cap": cap, "bounds": tuple(geo_bounds)}
+    block = {} if section is None else {k: v for k, v in given.items() if k in resolve(section).model_fields}
+    cfg = LearnerConfig(off_policy=mode, **({} if section is None else {mode: block}))
+    w, s, mx = correction_weights(prox_logprobs, behaviour_logprobs, mask, from_config(cfg))
     m = s.metrics(mx)
     return w, {
         "weight_mean": m["off_policy/weight_mean"],
@@ -305,13 +302,3 @@ def off_policy_weights(
         "clipped_frac": m["off_policy/clipped_frac"],
         "behaviour_kl": m["off_policy/behaviour_kl"],
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fields:
-    """The learner fields a one-field preset reads."""
-
-    off_policy: str
-    off_policy_cap: float
-    off_policy_geo_bounds: tuple[float, float]
-    rollout_correction: None = None

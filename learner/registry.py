@@ -13,7 +13,8 @@ samples, a loss defined with one aggregation), the allowed-values text of the co
 without torch (the driver imports no framework).
 
 Adding a part is one entry here, its function and its test; a part with parameters of its own also
-declares their block (`section`, a strict model in a module without torch: learner/estimator_params.py),
+declares their block (`section`, a strict model in a module without torch: learner/estimator_params.py,
+learner/correction_params.py),
 which the learner's section then holds as `learner.<part name>` (learner/config_blocks.py). The function's signature is the
 registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
 `learner.losses.Correction`, and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This
@@ -191,20 +192,23 @@ OFF_POLICY: Registry[Part] = Registry(
         Part(
             name="tis",
             function="learner.corrections:preset_tis",
-            summary="min(rho, off_policy_cap) per token: truncated importance sampling (Espeholt et al. 2018); "
-            "= rollout_correction {is_level: token, is_cap: off_policy_cap}",
+            summary="min(rho, tis.cap) per token: truncated importance sampling (Espeholt et al. 2018); "
+            "= rollout_correction {is_level: token, is_cap: tis.cap}",
+            section="learner.correction_params:TISParams",
         ),
         Part(
             name="mask",
             function="learner.corrections:preset_mask",
-            summary="1[rho <= off_policy_cap] per token: token rejection; "
-            "= rollout_correction {reject: [{level: token, bounds: [0, off_policy_cap]}]}",
+            summary="1[rho <= mask.cap] per token: token rejection; "
+            "= rollout_correction {reject: [{level: token, bounds: [0, mask.cap]}]}",
+            section="learner.correction_params:MaskParams",
         ),
         Part(
             name="geo_mask",
             function="learner.corrections:preset_geo_mask",
-            summary="drops every token of a sequence whose geometric-mean rho is outside off_policy_geo_bounds: "
-            "sequence rejection; = rollout_correction {reject: [{level: geometric, bounds: off_policy_geo_bounds}]}",
+            summary="drops every token of a sequence whose geometric-mean rho is outside geo_mask.bounds: "
+            "sequence rejection; = rollout_correction {reject: [{level: geometric, bounds: geo_mask.bounds}]}",
+            section="learner.correction_params:GeoMaskParams",
         ),
         Part(
             name="custom",

@@ -32,8 +32,7 @@ def _config(**kw) -> LearnerConfig:
         num_minibatches=1,
         micro_batch_size=2,
         entropy_coef=0.01,
-        off_policy="tis",
-        off_policy_cap=2.0,
+        off_policy="tis",  # its cap: learner.tis.cap, 2.0 by default
         kl=KLConfig(coef=0.1, adaptive=True, target=0.5, horizon=100),
         dist_timeout_s=60,
     )

@@ -171,6 +171,8 @@ def test_the_vtrace_block_sets_every_vtrace_parameter():
         ("group_std_normalize", "learner.grpo.norm_adv_by_std"),
         ("vtrace_rho_clip", "learner.vtrace.rho_clip"),
         ("vtrace_c_clip", "learner.vtrace.c_clip"),
+        ("off_policy_cap", "learner.tis.cap (off_policy tis) and learner.mask.cap (off_policy mask)"),
+        ("off_policy_geo_bounds", "learner.geo_mask.bounds (off_policy geo_mask)"),
     ],
 )
 def test_a_field_that_moved_into_a_block_is_refused_naming_its_new_place(old, new):
@@ -185,3 +187,22 @@ def test_a_learner_section_with_its_blocks_loads_again_from_its_dump():
     cfg = build_config({**TREE, "learner": {"advantage": "vtrace", "vtrace": {"rho_clip": 2.0}}}).learner
     assert LearnerConfig(**cfg.model_dump()) == cfg
     assert LearnerConfig(**LearnerConfig().model_dump()) == LearnerConfig()
+
+
+@pytest.mark.parametrize("name", OFF_POLICY.names())
+def test_an_off_policy_presets_parameters_are_the_block_its_entry_declares(name):
+    """learner.<preset> exists exactly for a preset whose entry declares a block, reads its defaults when
+    unset, and is refused naming learner.off_policy unless off_policy names the preset ('auto' included:
+    it may decide on another)."""
+    part = OFF_POLICY[name]
+    if part.section is None:
+        assert name not in LearnerConfig.model_fields
+        return
+    model = typing.get_args(LearnerConfig.model_fields[name].annotation)[0]
+    assert LearnerConfig(off_policy=name).params(name) == model()
+    assert LearnerConfig(off_policy=name, **{name: {}}).params(name) == model()
+    for other in ("auto", "none"):
+        with pytest.raises(
+            ValueError, match=rf"learner.{name} is read only with learner.off_policy: {name} "
+        ):
+            LearnerConfig(off_policy=other, **{name: {}})

@@ -193,11 +193,11 @@ def test_no_mismatch_means_no_correction(is_level, cap, rejects, seed):
 
 # ----- the config -----
 def test_presets_map_onto_the_composed_correction():
-    assert from_config(LearnerConfig(off_policy="tis", off_policy_cap=3.0)) == Correction("token", 3.0)
-    assert from_config(LearnerConfig(off_policy="mask", off_policy_cap=3.0)) == _c(
+    assert from_config(LearnerConfig(off_policy="tis", tis={"cap": 3.0})) == Correction("token", 3.0)
+    assert from_config(LearnerConfig(off_policy="mask", mask={"cap": 3.0})) == _c(
         "none", 2.0, ("token", (0.0, 3.0))
     )
-    geo = LearnerConfig(off_policy="geo_mask", off_policy_geo_bounds=(0.7, 1.4))
+    geo = LearnerConfig(off_policy="geo_mask", geo_mask={"bounds": (0.7, 1.4)})
     assert from_config(geo) == _c("none", 2.0, ("geometric", (0.7, 1.4)))
     assert from_config(LearnerConfig(off_policy="auto")) == from_config(LearnerConfig(off_policy="none"))
     block = {
