@@ -92,10 +92,15 @@ class SampleBody(_Body):
 
 @dataclasses.dataclass
 class EngineSlot:
-    """A training session's engine for one base model; `lock` keeps a load and the draw after it together."""
+    """A training session's engine for one base model; `lock` keeps a start, a load and the draw after it
+    together. `engine` is None until its first use and after it died (the next use starts another);
+    `released` once its session ended (an engine still starting then is killed, never kept)."""
 
-    engine: Any  # ray ActorHandle of the engine class (`rollout.engine`)
-    held: str  # the checksum of the adapter it holds now
+    path: str  # the base model's folder
+    rollout: RolloutConfig  # the section its engine is built from (fitted to the first snapshot's rank)
+    engine: Any = None  # ray ActorHandle of the engine class (`rollout.engine`)
+    held: str = ""  # the checksum of the adapter it holds now
+    released: bool = False
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     loads: int = 0  # adapters loaded so far (the version its acknowledgements name)
     reads_back: bool | None = None  # whether its adapter_checksum reads the adapter back (None: no load yet)
@@ -196,6 +201,7 @@ class Samplers:
         self.sessions: dict[str, SamplerSession] = {}
         self.slots: dict[tuple[str, str], EngineSlot] = {}  # (training session, base model) -> engine
         self.tokenizers: dict[str, Any] = {}  # base model path -> its tokenizer
+        self.ended: set[str] = set()  # training sessions released: no engine starts for them
 
     def _tokenizer(self, path: str) -> Any:
         if path not in self.tokenizers:
@@ -219,28 +225,62 @@ class Samplers:
                 f"serve config's sampling engine: {err}"
             ) from None
 
-    async def _slot(self, session_id: str, base_model: str, path: str, rank: int) -> EngineSlot:
+    def _slot(self, session_id: str, base_model: str, path: str, rank: int) -> EngineSlot:
+        """The session's slot for `base_model` (its engine starts on first use, `_engine`); none for a
+        session that has ended."""
+        if session_id in self.ended:
+            raise UserError(f"session {session_id!r} has ended: its sampling engines are stopped")
         key = (session_id, base_model)
         if key not in self.slots:
-            engine = self.engine_class.remote(path, self._fitted(rank))
-            try:
-                await asyncio.wait_for(engine.adapter_checksum.remote(), self.start_timeout_s)
-            except TimeoutError:
-                ray.kill(engine)
-                raise RuntimeError(
-                    f"the sampling engine did not start within {self.start_timeout_s:g}s (start_timeout_s): "
-                    "does the cluster have free CPUs for it (tenant_cpus)?"
-                ) from None
-            self.slots.setdefault(key, EngineSlot(engine, held=""))
+            self.slots[key] = EngineSlot(path, self._fitted(rank))
         return self.slots[key]
+
+    async def _engine(self, slot: EngineSlot) -> Any:
+        """The slot's engine, started if it has none (first use, or after it died); the caller holds the
+        lock. The handle is on the slot before the first await, so a `release` meanwhile kills it."""
+        if slot.engine is not None:
+            return slot.engine
+        engine = slot.engine = self.engine_class.remote(slot.path, slot.rollout)
+        slot.held = ""
+        try:
+            await asyncio.wait_for(engine.adapter_checksum.remote(), self.start_timeout_s)
+        except TimeoutError:
+            ray.kill(engine)
+            slot.engine = None
+            raise RuntimeError(
+                f"the sampling engine did not start within {self.start_timeout_s:g}s (start_timeout_s): "
+                "does the cluster have free CPUs for it (tenant_cpus)?"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            slot.engine = None
+            if not slot.released:
+                raise RuntimeError(f"the sampling engine died while it started: {e}") from None
+        if slot.released:  # its session ended meanwhile: `release` killed it
+            raise UserError("the session ended while its sampling engine started; the engine was stopped")
+        return engine
+
+    @staticmethod
+    def _died(slot: EngineSlot, engine: Any, error: Exception, what: str) -> Exception:
+        """The error of a call that was in a slot's engine when it died; the slot forgets the engine, so
+        its next use starts another and loads the snapshot it needs (acknowledged as every load is)."""
+        if slot.engine is engine:
+            slot.engine, slot.held = None, ""
+        if slot.released:
+            return UserError(f"{what}: its session ended, which stopped its sampling engine")
+        return RuntimeError(
+            f"{what}: the sampling engine died ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            "nothing was drawn. The next call starts a new engine and loads its sampling client's "
+            "snapshot again (kept by the service, acknowledged as before)"
+        )
 
     async def _load(self, slot: EngineSlot, bundle_ref: Any, expected: str, reference: Probe | None) -> None:
         """Load a snapshot into the slot's engine and check its acknowledgement (the caller holds the lock):
         the checksum where the engine reads its adapter back, else its digest and probe (`verify_ack`)."""
+        engine = await self._engine(slot)
         if slot.held == expected:
             return
         known, slot.held = slot.held, ""  # unknown until acknowledged
-        engine, slot.loads = slot.engine, slot.loads + 1
+        slot.loads += 1
         # an engine that cannot read its adapter back: its own digest must move when the adapter changes
         before = await engine.adapter_digest.remote() if slot.reads_back is False else None
         await engine.load_adapter.remote(bundle_ref)
@@ -288,9 +328,12 @@ class Samplers:
             bundle_ref = ray.put(bundle_ref)
         bundle = await bundle_ref
         expected = state_checksum(bundle, ENGINE_DTYPE)
-        slot = await self._slot(session_id, base_model, path, bundle_rank(split_bundle(bundle)[0]))
+        slot = self._slot(session_id, base_model, path, bundle_rank(split_bundle(bundle)[0]))
         async with slot.lock:
-            await self._load(slot, bundle_ref, expected, reference)
+            try:
+                await self._load(slot, bundle_ref, expected, reference)
+            except ray.exceptions.ActorDiedError as e:
+                raise self._died(slot, slot.engine, e, "save_weights_for_sampler") from None
         cfg = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
         max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         sid = str(uuid.uuid4())
@@ -310,22 +353,31 @@ class Samplers:
         return sid
 
     def release(self, session_id: str) -> None:
+        """A training session ended: its sampling sessions go, its engines are killed (one still starting
+        too), and no engine is started for it from now on."""
+        self.ended.add(session_id)
         for sid in [k for k, v in self.sessions.items() if v.session_id == session_id]:
             del self.sessions[sid]
         for key in [k for k in self.slots if k[0] == session_id]:
-            ray.kill(self.slots.pop(key).engine)
+            slot = self.slots.pop(key)
+            slot.released = True
+            if slot.engine is not None:
+                ray.kill(slot.engine)
 
     async def sample(self, session: SamplerSession, call: SampleCall) -> Done:
         slot = session.slot
         async with slot.lock:  # another snapshot may have been loaded since: this one back, acknowledged
-            await self._load(slot, session.bundle, session.checksum, session.reference)
-            outs = (
-                await slot.engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids)
-            )[0]
-            prompt_lp = None
-            if call.prompt_logprobs:
-                probe = (await slot.engine.probe_logprobs.remote([call.prompt]))[0]
-                prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
+            try:
+                await self._load(slot, session.bundle, session.checksum, session.reference)
+                engine = slot.engine
+                drawn = await engine.generate.remote([call.prompt], call.sampling, call.seed, call.stop_ids)
+                outs = drawn[0]
+                prompt_lp = None
+                if call.prompt_logprobs:
+                    probe = (await engine.probe_logprobs.remote([call.prompt]))[0]
+                    prompt_lp = np.concatenate([[np.nan], probe]).astype(np.float32)
+            except ray.exceptions.ActorDiedError as e:
+                raise self._died(slot, slot.engine, e, "asample") from None
         seqs = [_cut(o, call.stop_strings, session.tokenizer) for o in outs]
         return Done(body=encode_sample_response(seqs, prompt_lp))
 

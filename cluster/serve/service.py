@@ -147,8 +147,9 @@ class Service:
             self.expire(time.monotonic())
 
     def release(self, session_id: str) -> None:
-        """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, their pending
-        futures fail with the actor's error, and their ids are unknown from then on."""
+        """End a finished session's tenants and samplers: their Ray actors (and CPUs) go, an engine still
+        starting too, their pending futures fail saying the session ended (a released tenant is never
+        recovered), and their ids are unknown from then on."""
         for model_id in [m for m, t in self.tenants.items() if t.session_id == session_id]:
             ray.kill(self.tenants.pop(model_id).actor)
         self.samplers.release(session_id)
