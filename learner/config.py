@@ -1,7 +1,7 @@
 """Config section owned by the learner role: `LearnerConfig`, its fields (learner/config_fields.py)
 under its cross-field rules (learner/config_rules.py), with the KL and LoRA blocks it holds and the
-parameter blocks its registered parts declare (learner/config_blocks.py; `KLConfig` and `LoRAConfig`
-are imported from here)."""
+parameter blocks its registered parts declare (learner/config_blocks.py; `KLConfig`, `LoRAConfig` and
+`OverlongConfig` are imported from here)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 from pydantic import BaseModel, create_model, model_validator
 
-from learner.config_blocks import KLConfig, LoRAConfig, block_of, part_blocks, refuse_moved
+from learner.config_blocks import KLConfig, LoRAConfig, OverlongConfig, block_of, part_blocks, refuse_moved
 from learner.config_fields import LearnerFields
 from learner.config_rules import check_learner
 
-__all__ = ["KLConfig", "LearnerConfig", "LoRAConfig"]
+__all__ = ["KLConfig", "LearnerConfig", "LoRAConfig", "OverlongConfig"]
 
 _BLOCKS = part_blocks()
 _CLASH = _BLOCKS.keys() & LearnerFields.model_fields.keys()

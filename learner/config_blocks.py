@@ -1,5 +1,6 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
-(`learner.kl`: its estimators, coefficient and controller), the LoRA adapters (`learner.lora`), the
+(`learner.kl`: its estimators, coefficient and controller), DAPO's overlong shaping
+(`learner.overlong`), the LoRA adapters (`learner.lora`), the
 composed rollout correction (`learner.rollout_correction`), and the blocks the registered parts declare
 (`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`,
 `learner.geo_mask`, read from the registries)."""
@@ -28,6 +29,10 @@ MOVED = {
     "vtrace_c_clip": "learner.vtrace.c_clip",
     "off_policy_cap": "learner.tis.cap (off_policy tis) and learner.mask.cap (off_policy mask)",
     "off_policy_geo_bounds": "learner.geo_mask.bounds (off_policy geo_mask)",
+    "overlong_buffer": "learner.overlong.buffer",
+    "overlong_penalty": "learner.overlong.penalty",
+    "overlong_max_tokens": "learner.overlong.max_tokens",
+    "overlong_filter": "learner.overlong.filter",
 }
 
 
@@ -123,6 +128,53 @@ class KLConfig(_Strict):
     def _check(self) -> KLConfig:
         if self.mode == "loss" and self.adaptive:
             raise ValueError("kl.adaptive controls the in-reward coefficient: it needs kl.mode='reward'")
+        return self
+
+
+class OverlongConfig(_Strict):
+    """learner.overlong: DAPO's overlong reward shaping (its soft punishment) and overlong filtering."""
+
+    buffer: int = Field(
+        0,
+        ge=0,
+        description=(
+            "DAPO soft overlong punishment, B tokens: a response of L tokens (EOS included) with "
+            "L_max - B < L <= L_max (L_max = max_tokens) gets ((L_max - B) - L) / B * penalty added to its "
+            "score, EOS or not (0 at L_max - B down to -penalty at L_max); it adds to "
+            "learner.missing_eos_penalty. 0 = off."
+        ),
+    )
+    penalty: float = Field(
+        1.0,
+        gt=0.0,
+        description="Penalty at L = L_max of the overlong ramp (DAPO's default 1.0); used when buffer > 0.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "L_max of the overlong ramp; None: rollout.sampling.max_new_tokens (a run refuses any other "
+            "value; a learner used alone needs it when buffer > 0, and a truncated sample of another "
+            "length, or any longer one, stops the train step with an error naming this field)."
+        ),
+    )
+    filter: bool = Field(
+        False,
+        description=(
+            "DAPO overlong filtering: responses cut at max_new_tokens (no EOS) contribute no token to the "
+            "loss (policy, value, entropy, KL terms), counted in train/overlong_filtered. Advantages, group "
+            "baselines and whitening are computed before the filter and still see them. A minibatch left "
+            "with no token takes no optimizer step."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OverlongConfig:
+        if self.max_tokens is not None and self.buffer > self.max_tokens:
+            raise ValueError(
+                f"learner.overlong.buffer={self.buffer} must be <= learner.overlong.max_tokens="
+                f"{self.max_tokens} (the ramp starts at L_max - buffer >= 0)"
+            )
         return self
 
 

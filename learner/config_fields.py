@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict as _Strict
-from learner.config_blocks import KLConfig, LoRAConfig, RolloutCorrectionConfig
+from learner.config_blocks import KLConfig, LoRAConfig, OverlongConfig, RolloutCorrectionConfig
 from learner.registry import ADVANTAGES, LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
@@ -241,42 +241,13 @@ class LearnerFields(_Strict):
         ge=0.0,
         description=(
             "Subtracted from the score of a response cut at max_new_tokens (no EOS); None = off. Adds to "
-            "the overlong penalty (score - missing_eos_penalty * truncated + overlong penalty), before "
-            "reward_norm."
+            "the overlong penalty (score - missing_eos_penalty * truncated + overlong penalty, overlong.buffer), "
+            "before reward_norm."
         ),
     )
-    overlong_buffer: int = Field(
-        0,
-        ge=0,
-        description=(
-            "DAPO soft overlong punishment, B tokens: a response of L tokens (EOS included) with "
-            "L_max - B < L <= L_max (L_max = overlong_max_tokens) gets ((L_max - B) - L) / B * overlong_penalty "
-            "added to its score, EOS or not (0 at L_max - B down to -overlong_penalty at L_max); it adds to "
-            "missing_eos_penalty. 0 = off."
-        ),
-    )
-    overlong_penalty: float = Field(
-        1.0,
-        gt=0.0,
-        description="Penalty at L = L_max of the overlong ramp (DAPO's default 1.0); used when overlong_buffer > 0.",
-    )
-    overlong_max_tokens: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "L_max of the overlong ramp; None: rollout.sampling.max_new_tokens (a run refuses any other "
-            "value; a learner used alone needs it when overlong_buffer > 0, and a truncated sample of another "
-            "length, or any longer one, stops the train step with an error naming this field)."
-        ),
-    )
-    overlong_filter: bool = Field(
-        False,
-        description=(
-            "DAPO overlong filtering: responses cut at max_new_tokens (no EOS) contribute no token to the "
-            "loss (policy, value, entropy, KL terms), counted in train/overlong_filtered. Advantages, group "
-            "baselines and whitening are computed before the filter and still see them. A minibatch left "
-            "with no token takes no optimizer step."
-        ),
+    overlong: OverlongConfig = Field(
+        default_factory=OverlongConfig,
+        description="DAPO's overlong reward shaping and overlong filtering (Yu et al. 2025), off by default.",
     )
     truncation: Literal["terminal", "bootstrap"] = Field(
         "terminal",

@@ -52,11 +52,6 @@ def check_learner(cfg: LearnerFields) -> None:
             "learner.backend='gloo' trains on CPU: learner.num_gpus_per_rank must be 0 "
             "(or set backend: nccl / auto to train on the GPU)"
         )
-    if cfg.overlong_max_tokens is not None and cfg.overlong_buffer > cfg.overlong_max_tokens:
-        raise ValueError(
-            f"learner.overlong_buffer={cfg.overlong_buffer} must be <= learner.overlong_max_tokens="
-            f"{cfg.overlong_max_tokens} (the ramp starts at L_max - buffer >= 0)"
-        )
     steps = cfg.lr_schedule_steps
     if cfg.lr_schedule != "constant" and steps is not None and cfg.warmup_steps >= steps:
         raise ValueError(

@@ -191,9 +191,9 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
         truncated,
         lengths,
         eos_penalty=config.missing_eos_penalty,
-        max_tokens=config.overlong_max_tokens,
-        buffer=config.overlong_buffer,
-        factor=config.overlong_penalty,
+        max_tokens=config.overlong.max_tokens,
+        buffer=config.overlong.buffer,
+        factor=config.overlong.penalty,
     )
     raw_turns = batch.tokens.token_rewards  # earlier turns of multi-turn episodes
     scores, turns, norm_stats = normalized_rewards(
@@ -226,13 +226,13 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
         returns=float((returns * mask).sum()),
         advantages=float((adv * mask).sum()),
         overlong_penalty=float(overlong.sum()),
-        filtered_samples=float(truncated.sum()) if config.overlong_filter else 0.0,
-        filtered_tokens=float((mask * truncated.unsqueeze(-1)).sum()) if config.overlong_filter else 0.0,
+        filtered_samples=float(truncated.sum()) if config.overlong.filter else 0.0,
+        filtered_tokens=float((mask * truncated.unsqueeze(-1)).sum()) if config.overlong.filter else 0.0,
         overlong_mismatch=float(_overlong_mismatch(lengths, truncated, config)),
     ).all_reduced(device)
     if g.overlong_mismatch > 0:  # the same global count on every rank: all ranks stop here together
         raise ValueError(
-            f"learner.overlong_max_tokens={config.overlong_max_tokens} is not rollout.sampling.max_new_tokens: "
+            f"learner.overlong.max_tokens={config.overlong.max_tokens} is not rollout.sampling.max_new_tokens: "
             f"{int(g.overlong_mismatch)} sample(s) were longer, or truncated at another length"
         )
     tokens, seqs = max(g.tokens, 1.0), max(g.sequences, 1.0)
@@ -246,9 +246,9 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
         "returns/mean": g.returns / tokens,
         "advantages/mean": g.advantages / tokens,
     }
-    if config.overlong_buffer > 0:
+    if config.overlong.buffer > 0:
         stats["train/overlong_penalty_mean"] = g.overlong_penalty / seqs
-    if config.overlong_filter:
+    if config.overlong.filter:
         stats["train/overlong_filtered"] = g.filtered_samples
     stats.update(norm_stats)
     stats.update(critic_stats(values, returns, mask, reduce_sum))
@@ -268,7 +268,7 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
     if correction != Correction():
         batch.tokens.is_weights = weights
     stats.update(_correction_stats(sums, weight_max, device, measured=not bypass))
-    if config.overlong_filter:
+    if config.overlong.filter:
         # DAPO overlong filtering: from here on (the PPO epochs) a truncated row has no valid token, so it
         # adds nothing to any loss term nor to the global token/sequence counts the losses divide by.
         batch.mask = overlong_filter_mask(mask, truncated)
@@ -276,11 +276,11 @@ def prepare(ctx: LearnerContext, batch: Batch, kl_coef: float, bypass: bool = Fa
 
 
 def _overlong_mismatch(lengths: torch.Tensor, truncated: torch.Tensor, config: LearnerConfig) -> int:
-    """Samples that show learner.overlong_max_tokens is not the workers' max_new_tokens: longer than it, or
+    """Samples that show learner.overlong.max_tokens is not the workers' max_new_tokens: longer than it, or
     truncated (which the workers do exactly at max_new_tokens) at another length. 0 when the ramp is off."""
-    if config.overlong_buffer == 0:
+    if config.overlong.buffer == 0:
         return 0
-    L = config.overlong_max_tokens
+    L = config.overlong.max_tokens
     return int(((lengths > L) | (truncated & (lengths != L))).sum())
 
 

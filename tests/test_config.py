@@ -119,8 +119,8 @@ def test_environment_combinations_are_named():
         build_config(tree(reward={"kind": "environment"}))
     with pytest.raises(ConfigError, match="data.max_prompt_tokens=64 leaves no room"):
         build_config(tree(rollout=env, data={"max_prompt_tokens": 64}))
-    with pytest.raises(ConfigError, match="overlong_buffer"):
-        build_config(tree(rollout=env, learner={"overlong_buffer": 4}, data={"max_prompt_tokens": 8}))
+    with pytest.raises(ConfigError, match="overlong.buffer"):
+        build_config(tree(rollout=env, learner={"overlong": {"buffer": 4}}, data={"max_prompt_tokens": 8}))
     with pytest.raises(ConfigError, match="placement"):
         build_config(tree(rollout={"environment": {"name": "tools", "placement": "sandbox"}}))
     cfg = build_config(tree(rollout=env, reward={"kind": "environment"}, data={"max_prompt_tokens": 8}))
@@ -193,14 +193,14 @@ def test_derived_values_live_in_the_resolved_record_and_the_config_keeps_what_wa
     cfg = build_config(written)
     le, ref = cfg.learner, cfg.reference
     assert (le.off_policy, ref.source, ref.pack_sequences) == ("auto", "auto", None)
-    assert (le.overlong_max_tokens, le.loss_norm_tokens, le.lr_schedule_steps) == (None, None, None)
+    assert (le.overlong.max_tokens, le.loss_norm_tokens, le.lr_schedule_steps) == (None, None, None)
     assert not le.reference_from_base and not le.export_adapter
     r = cfg.resolved
     assert (r.off_policy, r.reference_source, r.reference_pack_sequences) == ("tis", "policy_base", True)
     assert (r.overlong_max_tokens, r.loss_norm_tokens, r.lr_schedule_steps) == (24, 24, 5)
     assert r.reference_from_base and r.export_adapter
     learner = r.learner
-    assert (learner.off_policy, learner.overlong_max_tokens, learner.loss_norm_tokens) == ("tis", 24, 24)
+    assert (learner.off_policy, learner.overlong.max_tokens, learner.loss_norm_tokens) == ("tis", 24, 24)
     assert (learner.lr_schedule_steps, learner.reference_from_base, learner.export_adapter) == (5, True, True)
     assert (r.reference.source, r.reference.pack_sequences) == ("policy_base", True)
     assert LEARNER.args(cfg, type("P", (), {"slot": 0, "pad_token_id": 0})())[3] == learner
@@ -212,12 +212,12 @@ def test_derived_values_live_in_the_resolved_record_and_the_config_keeps_what_wa
     old = cfg.model_dump(mode="json")
     old["learner"].update(
         off_policy="tis",
-        overlong_max_tokens=24,
         loss_norm_tokens=24,
         lr_schedule_steps=5,
         reference_from_base=True,
         export_adapter=True,
     )
+    old["learner"]["overlong"].update(max_tokens=24)
     old["reference"].update(source="policy_base", pack_sequences=True)
     again = build_config(yaml.safe_load(yaml.safe_dump(old)))
     assert again.resolved.learner == learner and again.resolved.reference == r.reference

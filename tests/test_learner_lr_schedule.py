@@ -220,7 +220,7 @@ def test_every_minibatch_moves_the_clock_taken_or_not(tiny_policy_dir, case):
         warmup_steps=1,
         lr_schedule_steps=9,
         min_lr_ratio=0.0,
-        overlong_filter=case == "empty",
+        overlong={"filter": case == "empty"},
     )
     scheduler = build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr), config)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(tiny_policy_dir), case == "applied", scheduler)

@@ -173,6 +173,8 @@ def test_the_vtrace_block_sets_every_vtrace_parameter():
         ("vtrace_c_clip", "learner.vtrace.c_clip"),
         ("off_policy_cap", "learner.tis.cap (off_policy tis) and learner.mask.cap (off_policy mask)"),
         ("off_policy_geo_bounds", "learner.geo_mask.bounds (off_policy geo_mask)"),
+        ("overlong_buffer", "learner.overlong.buffer"),
+        ("overlong_filter", "learner.overlong.filter"),
     ],
 )
 def test_a_field_that_moved_into_a_block_is_refused_naming_its_new_place(old, new):

@@ -18,7 +18,7 @@ from learner.advantages import (
     overlong_penalty,
 )
 from learner.batch import pack_trajectories
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, OverlongConfig
 from learner.losses import aggregate_loss, policy_loss, value_loss
 from learner.trajectory import Trajectory
 
@@ -267,8 +267,8 @@ def test_the_filter_takes_the_truncated_samples_out_of_the_gradient(policy_path)
     """grpo (each sample's advantage depends on its own tokens and the group's scores only): with the
     filter, changing a truncated sample's response tokens changes no gradient; without it, it does."""
     cut = [False, True, False, False, True, False]
-    grads, stats, batch = _run(policy_path, _trajectories(cut), overlong_filter=True)
-    changed = _run(policy_path, _trajectories(cut, swap=1), overlong_filter=True)[0]
+    grads, stats, batch = _run(policy_path, _trajectories(cut), overlong={"filter": True})
+    changed = _run(policy_path, _trajectories(cut, swap=1), overlong={"filter": True})[0]
     assert len(grads) == 1 and _same_grads(grads, changed)
     assert stats["train/overlong_filtered"] == 2.0
     # loss mask: rows 1 and 4 (truncated, 6 tokens) emptied; rows 0, 2, 3, 5 keep 2 + i % 3 tokens
@@ -281,7 +281,7 @@ def test_the_filter_takes_the_truncated_samples_out_of_the_gradient(policy_path)
 
 
 def test_every_sample_filtered_takes_no_step_and_reports_a_zero_loss(policy_path):
-    grads, stats, _ = _run(policy_path, _trajectories([True] * 4), overlong_filter=True)
+    grads, stats, _ = _run(policy_path, _trajectories([True] * 4), overlong={"filter": True})
     assert grads == []  # no optimizer step on zero gradients
     assert stats["train/overlong_filtered"] == 4.0 and stats["train/tokens"] == 0.0
     assert stats["train/optimizer_steps"] == 0.0 and stats["train/skipped_steps"] == 0.0
@@ -298,7 +298,7 @@ def test_micro_batch_loss_of_an_all_filtered_micro_batch_is_zero_with_finite_gra
     torch.manual_seed(0)
     tap = GradientTap(PolicyWithValueHead.from_pretrained(policy_path, value_head_std=0.1), step_applied=True)
     for advantage in ("gae", "grpo"):
-        config = LearnerConfig(advantage=advantage, overlong_filter=True, entropy_coef=0.01)
+        config = LearnerConfig(advantage=advantage, overlong={"filter": True}, entropy_coef=0.01)
         batch = pack_trajectories(_trajectories([True, True]), pad_id=0)
         prepare(LearnerContext(tap, config, 1.0, 0), batch, 0.1)
         mb = batch.take(torch.arange(2))
@@ -315,8 +315,7 @@ def test_the_ramp_reaches_the_scores_the_learner_trains_on(policy_path):
     EOS) + (2 - 6) / 4 = -1.5; s'_0 = 1. Mean -0.25: advantages 1.25 and -1.25 (kl coef 0 here)."""
     cfg = {
         "missing_eos_penalty": 0.5,
-        "overlong_buffer": 4,
-        "overlong_max_tokens": 6,
+        "overlong": {"buffer": 4, "max_tokens": 6},
         "grpo": {"norm_adv_by_std": False},
     }
     _, stats, batch = _run(policy_path, _trajectories([False, True]), kl_coef=0.0, **cfg)
@@ -327,10 +326,10 @@ def test_the_ramp_reaches_the_scores_the_learner_trains_on(policy_path):
 
 
 def test_an_overlong_max_tokens_that_is_not_the_workers_limit_stops_the_step(policy_path):
-    with pytest.raises(ValueError, match=r"learner\.overlong_max_tokens=8"):
-        _run(policy_path, _trajectories([False, True], max_new=6), overlong_buffer=2, overlong_max_tokens=8)
-    with pytest.raises(ValueError, match=r"learner\.overlong_max_tokens=5"):
-        _run(policy_path, _trajectories([False, True], max_new=6), overlong_buffer=2, overlong_max_tokens=5)
+    with pytest.raises(ValueError, match=r"learner\.overlong\.max_tokens=8"):
+        _run(policy_path, _trajectories([False, True], max_new=6), overlong={"buffer": 2, "max_tokens": 8})
+    with pytest.raises(ValueError, match=r"learner\.overlong\.max_tokens=5"):
+        _run(policy_path, _trajectories([False, True], max_new=6), overlong={"buffer": 2, "max_tokens": 5})
 
 
 # ---------------------------------------------------------------------------------- config
@@ -338,25 +337,26 @@ def test_an_overlong_max_tokens_that_is_not_the_workers_limit_stops_the_step(pol
 
 def test_defaults_are_off():
     c = LearnerConfig()
-    assert (c.overlong_buffer, c.overlong_penalty, c.overlong_max_tokens, c.overlong_filter) == (
+    o = c.overlong
+    assert (o.buffer, o.penalty, o.max_tokens, o.filter) == (
         0,
         1.0,
         None,
         False,
     )
-    for name in ("overlong_buffer", "overlong_penalty", "overlong_max_tokens", "overlong_filter"):
-        assert LearnerConfig.model_fields[name].description
+    for name in ("buffer", "penalty", "max_tokens", "filter"):
+        assert OverlongConfig.model_fields[name].description
 
 
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"overlong_buffer": -1}, "overlong_buffer"),
-        ({"overlong_penalty": 0.0}, "overlong_penalty"),
-        ({"overlong_penalty": -1.0}, "overlong_penalty"),
-        ({"overlong_max_tokens": 0}, "overlong_max_tokens"),
-        ({"overlong_filter": "sometimes"}, "overlong_filter"),
-        ({"overlong_buffer": 9, "overlong_max_tokens": 8}, "learner.overlong_buffer=9"),
+        ({"overlong": {"buffer": -1}}, "overlong.buffer"),
+        ({"overlong": {"penalty": 0.0}}, "overlong.penalty"),
+        ({"overlong": {"penalty": -1.0}}, "overlong.penalty"),
+        ({"overlong": {"max_tokens": 0}}, "overlong.max_tokens"),
+        ({"overlong": {"filter": "sometimes"}}, "overlong.filter"),
+        ({"overlong": {"buffer": 9, "max_tokens": 8}}, "learner.overlong.buffer=9"),
     ],
 )
 def test_config_errors_name_the_field(fields, named):
@@ -369,18 +369,19 @@ def test_run_config_errors_name_the_learner_field():
     from cluster.config.schema import ConfigError, build_config
 
     base = {"model": {"policy_path": "p"}, "data": {"prompts_path": "x.jsonl"}, "reward": {"model_path": "r"}}
-    with pytest.raises(ConfigError, match=r"learner\.overlong_buffer"):
-        build_config({**base, "learner": {"overlong_buffer": -2}})
+    with pytest.raises(ConfigError, match=r"learner\.overlong\.buffer"):
+        build_config({**base, "learner": {"overlong": {"buffer": -2}}})
     # L_max is the workers' limit: filled from it, any other value refused
     assert (
-        build_config({**base, "learner": {"overlong_buffer": 2}}).resolved.learner.overlong_max_tokens == 24
+        build_config({**base, "learner": {"overlong": {"buffer": 2}}}).resolved.learner.overlong.max_tokens
+        == 24
     )
     sampling = {"sampling": {"max_new_tokens": 16}}
     assert build_config({**base, "rollout": sampling}).resolved.overlong_max_tokens == 16
-    with pytest.raises(ConfigError, match=r"learner\.overlong_max_tokens=20 differs from rollout\.sampling"):
-        build_config({**base, "learner": {"overlong_max_tokens": 20}})
-    with pytest.raises(ConfigError, match=r"learner\.overlong_buffer=20 must be <="):
-        build_config({**base, "rollout": sampling, "learner": {"overlong_buffer": 20}})
-    learner = {"overlong_buffer": 2, "overlong_max_tokens": 24, "overlong_filter": True}
+    with pytest.raises(ConfigError, match=r"learner\.overlong\.max_tokens=20 differs from rollout\.sampling"):
+        build_config({**base, "learner": {"overlong": {"max_tokens": 20}}})
+    with pytest.raises(ConfigError, match=r"learner\.overlong\.buffer=20 must be <="):
+        build_config({**base, "rollout": sampling, "learner": {"overlong": {"buffer": 20}}})
+    learner = {"overlong": {"buffer": 2, "max_tokens": 24, "filter": True}}
     cfg = build_config({**base, "learner": learner})
-    assert cfg.learner.overlong_buffer == 2 and cfg.learner.overlong_filter
+    assert cfg.learner.overlong.buffer == 2 and cfg.learner.overlong.filter

@@ -40,7 +40,7 @@ class Resolved:
     """The derived values of one run config, and the role sections built from them."""
 
     off_policy: OffPolicyName  # learner.off_policy, 'auto' decided: a registered correction
-    overlong_max_tokens: int  # learner.overlong_max_tokens: rollout.sampling.max_new_tokens
+    overlong_max_tokens: int  # learner.overlong.max_tokens: rollout.sampling.max_new_tokens
     loss_norm_tokens: int | None  # learner.loss_norm_tokens, filled in for a horizon loss_agg
     lr_schedule_steps: int  # learner.lr_schedule_steps, unset: the run's optimizer steps
     reference_source: Literal["actors", "policy_base"]  # reference.source, 'auto' decided
@@ -107,9 +107,9 @@ def resolve(cfg: RunConfig) -> Resolved:
     le, ref = cfg.learner, cfg.reference
     source = reference_source(cfg)
     pack = le.pack_sequences if ref.pack_sequences is None else ref.pack_sequences
+    overlong_max_tokens = cfg.rollout.sampling.max_new_tokens
     derived = {
         "off_policy": off_policy(cfg),
-        "overlong_max_tokens": cfg.rollout.sampling.max_new_tokens,
         "loss_norm_tokens": loss_norm_tokens(cfg),
         "lr_schedule_steps": le.lr_schedule_steps
         if le.lr_schedule_steps is not None
@@ -118,6 +118,7 @@ def resolve(cfg: RunConfig) -> Resolved:
     learner = le.model_copy(
         update={
             **derived,
+            "overlong": le.overlong.model_copy(update={"max_tokens": overlong_max_tokens}),
             "reference_from_base": source == "policy_base",
             "export_adapter": cfg.rollout.lora_sync == "adapter",
         }
@@ -125,6 +126,7 @@ def resolve(cfg: RunConfig) -> Resolved:
     reference = ref.model_copy(update={"source": source, "pack_sequences": pack})
     return Resolved(
         **derived,
+        overlong_max_tokens=overlong_max_tokens,
         reference_source=source,
         reference_pack_sequences=pack,
         learner=learner,

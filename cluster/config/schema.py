@@ -173,9 +173,9 @@ class RunConfig(_Strict):
                 f"data.max_prompt_tokens={self.data.max_prompt_tokens} leaves no room for a model turn within "
                 f"{where}.max_total_tokens={self.longest_episode}"
             )
-        if self.learner.overlong_buffer > 0 or self.learner.overlong_filter:
+        if self.learner.overlong.buffer > 0 or self.learner.overlong.filter:
             raise ValueError(
-                "learner.overlong_buffer / overlong_filter shape single-turn responses by their length; with "
+                "learner.overlong.buffer / overlong.filter shape single-turn responses by their length; with "
                 f"multi-turn episodes use {where}.max_total_tokens and missing_eos_penalty "
                 "(an episode the environment did not end counts as truncated) instead"
             )
@@ -194,14 +194,14 @@ class RunConfig(_Strict):
     def _overlong(self) -> None:
         """The overlong ramp ends where the workers cut responses: rollout.sampling.max_new_tokens."""
         le, max_new = self.learner, self.rollout.sampling.max_new_tokens
-        if le.overlong_max_tokens is not None and le.overlong_max_tokens != max_new:
+        if le.overlong.max_tokens is not None and le.overlong.max_tokens != max_new:
             raise ValueError(
-                f"learner.overlong_max_tokens={le.overlong_max_tokens} differs from rollout.sampling.max_new_tokens="
+                f"learner.overlong.max_tokens={le.overlong.max_tokens} differs from rollout.sampling.max_new_tokens="
                 f"{max_new}, where the workers cut responses: leave it unset (null)"
             )
-        if le.overlong_buffer > max_new:
+        if le.overlong.buffer > max_new:
             raise ValueError(
-                f"learner.overlong_buffer={le.overlong_buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
+                f"learner.overlong.buffer={le.overlong.buffer} must be <= rollout.sampling.max_new_tokens={max_new}"
             )
 
     def _lr_schedule(self) -> None:
