@@ -2,6 +2,7 @@
 
 A plain class; `cluster/` wraps it with `ray.remote` (one actor per rank inside a placement group)
 and calls every collective method on all ranks concurrently.
+What a rank writes to disk and reads back (checkpoints, the final model) is `learner.rank_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -33,17 +33,14 @@ from learner.deepspeed_setup import (
     remove_shm_buffers,
     resolve_backend,
 )
-from learner.gather import cpu_state_dict
-from learner.lora import adapter_bundle, adapter_state, has_lora, merged_cpu_state_dict, save_adapter
+from learner.lora import adapter_bundle, has_lora, merged_cpu_state_dict
 from learner.model import PolicyWithValueHead
 from learner.ppo_step import train_step
+from learner.rank_checkpoint import Carried, Where, load_checkpoint, save_checkpoint, save_model
 from learner.shared_bundle import SharedSegment, export_layout, segment_views, write_rank_part
 from learner.shared_bundle import room as shared_room
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-_STATE_KEY = "_learner_rank"
-ADAPTER_DIR = "adapter"  # final/adapter/: a LoRA run's adapter in PEFT's format, beside the merged model
 
 
 class Exported(NamedTuple):
@@ -378,21 +375,9 @@ class LearnerRank:
         """Rank 0 writes the HF policy, value head and tokenizer files (copied from `tokenizer_from`,
         default the policy's folder) to `path`; all ranks must call it (the full weights are gathered
         bucket by bucket, as for `export_weights`). With `learner.lora` the policy is the merged model
-        and the adapter alone goes to `path/adapter/` in PEFT's format (learner.lora.save_adapter)."""
+        and the adapter alone goes to `path/adapter/` in PEFT's format (`learner.rank_checkpoint`)."""
         engine = self._require_engine()
-        keep = self.rank == 0
-        policy = merged_cpu_state_dict(engine.module.policy, self._bucket_bytes, keep)
-        head = cpu_state_dict(engine.module.value_head.state_dict(keep_vars=True), self._bucket_bytes, keep)
-        lora = has_lora(engine.module.policy)
-        adapter = adapter_state(engine.module.policy, self._bucket_bytes, keep) if lora else None
-        if keep:
-            engine.module.save_pretrained(
-                path, tokenizer_from=tokenizer_from or self.model_path, policy_state=policy, head_state=head
-            )
-            if lora:
-                save_adapter(Path(path) / ADAPTER_DIR, self.config.lora, adapter, self.model_path)
-        if dist.is_initialized():
-            dist.barrier()
+        save_model(engine, path, tokenizer_from or self.model_path, self.model_path, self.config, self._where)
 
     def save_checkpoint(self, path: str, client_state: dict) -> None:
         """Weights, optimizer, LR schedule, KL controller, running reward moments and every rank's RNG
@@ -402,73 +387,24 @@ class LearnerRank:
         DeepSpeed's per-rank ZeRO files. Everything must load with weights_only=True: RNG states are
         uint8 tensors, `client_state` is checked here so a bad one fails now rather than on resume.
         """
-        from learner.safe_checkpoint import check_weights_only_loadable
-
         engine = self._require_engine()
-        check_weights_only_loadable(client_state, "learner client_state")
-        rng = {"torch": torch.get_rng_state(), "shuffle": self.generator.get_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        # One client state is kept (rank 0's), so every rank's RNG travels in it.
-        rngs: list = [None] * self.world_size
-        if dist.is_initialized():
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        mine = {
-            "client": dict(client_state),
-            "kl_controller": self.kl_controller.state_dict(),
-            "reward_moments": self.reward_moments.state_dict(),
-            "rng": rngs,
-        }
-        if self.config.checkpoint_format == "consolidated":
-            from learner import consolidated_checkpoint
-
-            consolidated_checkpoint.save(engine, path, self.rank, self._bucket_bytes, mine)
-        else:
-            engine.save_checkpoint(str(path), client_state={_STATE_KEY: mine})
+        save_checkpoint(engine, path, client_state, self._carried, self.config.checkpoint_format, self._where)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore what `save_checkpoint` wrote (either format, told apart by its files); returns the
-        caller's `client_state`. All ranks must call it.
+        caller's `client_state`. All ranks must call it. A consolidated checkpoint loads into any world
+        size, DeepSpeed's per-rank files into the same one; every file is read weights-only (which RNG a
+        rank takes, what is refused: `learner.rank_checkpoint.load_checkpoint`)."""
+        return load_checkpoint(self._require_engine(), path, self._carried, self._where)
 
-        A consolidated checkpoint loads into any world size; rank r takes saved rank r's RNG (saved rank
-        r mod the old world size when the world grew: data order across a rank-count change is not
-        reproducible anyway, the shards differ). DeepSpeed's per-rank files need the same world size.
-        Every file is read weights-only (safetensors, or torch.load(weights_only=True)): a file holding
-        anything but tensors, plain containers and DeepSpeed's allow-listed state classes raises
-        UnsafeCheckpointError.
-        """
-        from learner import consolidated_checkpoint
-        from learner.safe_checkpoint import load_checkpoint_safely
+    @property
+    def _carried(self) -> Carried:
+        """What this rank carries across a checkpoint beside its engine (`learner.rank_checkpoint`)."""
+        return Carried(self.kl_controller, self.reward_moments, self.generator)
 
-        engine = self._require_engine()
-        if consolidated_checkpoint.is_consolidated(path):
-            mine = consolidated_checkpoint.load(engine, path)
-        else:
-            load_path, state = load_checkpoint_safely(engine, path)
-            if load_path is None:
-                raise FileNotFoundError(
-                    f"no learner checkpoint under {path!r} (no {consolidated_checkpoint.INDEX}, "
-                    "and no DeepSpeed 'latest' or tag folder)"
-                )
-            mine = (state or {}).get(_STATE_KEY)
-            if mine is None:
-                raise KeyError(f"checkpoint {load_path!r} has no learner-rank state ({_STATE_KEY!r})")
-            if len(mine["rng"]) != self.world_size:
-                raise ValueError(
-                    f"DeepSpeed checkpoint of {len(mine['rng'])} ranks; this world has {self.world_size} "
-                    "(write checkpoints with learner.checkpoint_format: consolidated to change num_ranks)"
-                )
-        self.kl_controller.load_state_dict(mine["kl_controller"])
-        if "reward_moments" in mine:  # absent in checkpoints written before reward normalisation existed
-            self.reward_moments.load_state_dict(mine["reward_moments"])
-        rng = mine["rng"][self.rank % len(mine["rng"])]
-        torch.set_rng_state(rng["torch"])
-        self.generator.set_state(rng["shuffle"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        return mine["client"]
+    @property
+    def _where(self) -> Where:
+        return Where(self.rank, self.world_size, self._bucket_bytes)
 
     def shutdown(self) -> None:
         """Leave the process group and delete any DeepSpeed /dev/shm buffer of this rank, and rank 0's
