@@ -1,9 +1,9 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
 (`learner.kl`: its estimators, coefficient and controller), DAPO's overlong shaping
-(`learner.overlong`), the LoRA adapters (`learner.lora`), the
-composed rollout correction (`learner.rollout_correction`), and the blocks the registered parts declare
-(`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`,
-`learner.geo_mask`, read from the registries)."""
+(`learner.overlong`), the LoRA adapters (`learner.lora`), the composed rollout correction
+(`learner.rollout_correction`), and the blocks the registered parts declare (`part_blocks`:
+`learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`, `learner.geo_mask`,
+read from the registries)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from learner.registry import ADVANTAGES, KL_ESTIMATORS, OFF_POLICY, ROLLOUT_IS, 
 # when learner.<field> selects it.
 SELECTING: dict[str, Registry[Any]] = {"advantage": ADVANTAGES, "off_policy": OFF_POLICY}
 
-# Fields of the learner's section that moved into a part's block: a config naming one is refused with
-# the new place (an old name is never read).
+# Fields of the learner's section that moved into a block: a config naming one is refused with the new
+# place (an old name is never read).
 MOVED = {
     "lam": "learner.gae.lam (advantage gae) and learner.vtrace.lam (advantage vtrace)",
     "group_std_normalize": "learner.grpo.norm_adv_by_std",
@@ -36,11 +36,11 @@ MOVED = {
 }
 
 
-def _selected_by(name: str) -> tuple[str, Part] | None:
-    """The learner field that selects the registered part `name` and its entry, for a part with a block."""
-    for field, registry in SELECTING.items():
+def _with_block(name: str) -> Part | None:
+    """The registered part `name` (of a registry in SELECTING) when it declares a block, else None."""
+    for registry in SELECTING.values():
         if name in registry and registry[name].section is not None:
-            return field, registry[name]
+            return registry[name]
     return None
 
 
@@ -71,11 +71,11 @@ def part_blocks() -> dict[str, tuple[Any, Any]]:
 def block_of(cfg: BaseModel, name: str) -> BaseModel | None:
     """The parameter block of the registered part `name` in the learner section `cfg`: as set, else its
     defaults; None for a part that declares none."""
-    selected = _selected_by(name)
-    if selected is None:
+    part = _with_block(name)
+    if part is None:
         return None
     block = getattr(cfg, name)
-    return resolve(selected[1].section)() if block is None else block
+    return resolve(part.section)() if block is None else block
 
 
 def check_part_blocks(cfg: BaseModel) -> None:
@@ -91,11 +91,11 @@ def check_part_blocks(cfg: BaseModel) -> None:
 
 
 def refuse_moved(data: Any) -> None:
-    """A learner section (as loaded) naming a field that moved into a part's block: a ValueError naming
-    the new place."""
-    if isinstance(data, dict):
-        for old in sorted(data.keys() & MOVED.keys()):
-            raise ValueError(f"learner.{old} moved to {MOVED[old]}")
+    """A learner section (as loaded) naming a field that moved into a block: a ValueError naming the new
+    place of the first (in name order)."""
+    moved = sorted(data.keys() & MOVED.keys()) if isinstance(data, dict) else []
+    if moved:
+        raise ValueError(f"learner.{moved[0]} moved to {MOVED[moved[0]]}")
 
 
 KLName = Literal[KL_ESTIMATORS.names()]  # the registered KL estimators (learner.registry)
