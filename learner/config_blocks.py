@@ -1,6 +1,6 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
-(`learner.kl`: its estimators, coefficient and controller), DAPO's overlong shaping
-(`learner.overlong`), the LoRA adapters (`learner.lora`), the composed rollout correction
+(`learner.kl`: its estimators, coefficient and controller), the policy loss's ratio clip
+(`learner.clip`), DAPO's overlong shaping (`learner.overlong`), the LoRA adapters (`learner.lora`), the composed rollout correction
 (`learner.rollout_correction`), and the blocks the registered parts declare (`part_blocks`:
 `learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`, `learner.geo_mask`,
 read from the registries)."""
@@ -33,6 +33,9 @@ MOVED = {
     "overlong_penalty": "learner.overlong.penalty",
     "overlong_max_tokens": "learner.overlong.max_tokens",
     "overlong_filter": "learner.overlong.filter",
+    "clip_eps": "learner.clip.eps",
+    "clip_eps_high": "learner.clip.eps_high",
+    "dual_clip": "learner.clip.dual",
 }
 
 
@@ -129,6 +132,32 @@ class KLConfig(_Strict):
         if self.mode == "loss" and self.adaptive:
             raise ValueError("kl.adaptive controls the in-reward coefficient: it needs kl.mode='reward'")
         return self
+
+
+class ClipConfig(_Strict):
+    """learner.clip: the ratio clip every registered policy loss reads (learner.losses.Clip): the ratio r
+    kept in [1 - eps, 1 + eps_high], and with a loss whose entry takes a dual clip (learner.registry
+    POLICY_LOSSES, `dual_clip`) a negative advantage's loss capped at -dual * A. verl's actor
+    clip_ratio_low (or clip_ratio), clip_ratio_high and clip_ratio_c."""
+
+    eps: float = Field(
+        0.2,
+        gt=0.0,
+        description="Lower ratio clip, r >= 1 - eps, and the upper one unless eps_high (verl's clip_ratio_low).",
+    )
+    eps_high: float | None = Field(
+        None,
+        gt=0.0,
+        description="Upper ratio clip, r <= 1 + eps_high (asymmetric clipping, DAPO's clip-higher); None = eps "
+        "(verl's clip_ratio_high).",
+    )
+    dual: float | None = Field(
+        None,
+        gt=1.0,
+        description="Dual-clip constant c > 1: a negative advantage's loss is capped at -c * A (Ye et al. 2020); "
+        "None = off (verl's clip_ratio_c, on there at 3.0 by default). Only with a policy_loss that has a "
+        "clipped branch to cap.",
+    )
 
 
 class OverlongConfig(_Strict):

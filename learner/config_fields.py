@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict as _Strict
-from learner.config_blocks import KLConfig, LoRAConfig, OverlongConfig, RolloutCorrectionConfig
+from learner.config_blocks import ClipConfig, KLConfig, LoRAConfig, OverlongConfig, RolloutCorrectionConfig
 from learner.registry import ADVANTAGES, LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
@@ -168,14 +168,9 @@ class LearnerFields(_Strict):
             "split where that is better), 'count' an even split of sequences in batch order."
         ),
     )
-    clip_eps: float = Field(
-        0.2, gt=0.0, description="PPO ratio clip (lower side, and upper unless clip_eps_high)."
-    )
-    clip_eps_high: float | None = Field(
-        None, gt=0.0, description="Upper ratio clip (asymmetric clipping); None = clip_eps."
-    )
-    dual_clip: float | None = Field(
-        None, gt=1.0, description="Dual-clip constant c > 1 for negative advantages; None = off."
+    clip: ClipConfig = Field(
+        default_factory=ClipConfig,
+        description="The policy loss's ratio clip [1 - eps, 1 + eps_high] and dual clip, read by every policy_loss.",
     )
     value_clip_eps: float = Field(0.2, gt=0.0, description="Value-function clip around the old values.")
     value_clip: Literal["absolute", "relative", "off"] = Field(

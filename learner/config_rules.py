@@ -28,11 +28,11 @@ def check_learner(cfg: LearnerFields) -> None:
             f"advantage={cfg.advantage!r} corrects for the behaviour policy inside its targets; off_policy="
             f"{cfg.off_policy!r} would correct twice: use 'auto' or 'none'"
         )
-    if cfg.dual_clip is not None and not POLICY_LOSSES[cfg.policy_loss].dual_clip:
+    if cfg.clip.dual is not None and not POLICY_LOSSES[cfg.policy_loss].dual_clip:
         takes = [p.name for p in POLICY_LOSSES if p.dual_clip]
         raise ValueError(
-            f"learner.dual_clip applies to policy_loss {takes}; policy_loss={cfg.policy_loss!r} has no clipped "
-            "branch to cap: leave dual_clip unset"
+            f"learner.clip.dual applies to policy_loss {takes}; policy_loss={cfg.policy_loss!r} has no clipped "
+            "branch to cap: leave clip.dual unset"
         )
     wanted = POLICY_LOSSES[cfg.policy_loss].loss_agg
     if wanted is not None and cfg.loss_agg != wanted:

@@ -40,7 +40,7 @@ class Estimator(Part):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLoss(Part):
     loss_agg: str | None = None  # the aggregation its objective is defined with (None: any)
-    dual_clip: bool = True  # whether it takes learner.dual_clip
+    dual_clip: bool = True  # whether it takes learner.clip.dual (has a clipped branch to cap)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +99,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
             name="ppo",
             function="learner.losses:ppo_surrogate",
             summary="the clipped surrogate on each token's ratio pi/pi_old (Schulman et al. 2017), with "
-            "clip_eps_high and dual_clip",
+            "clip.eps_high and clip.dual",
         ),
         PolicyLoss(
             name="gspo",
@@ -111,7 +111,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
         PolicyLoss(
             name="cispo",
             function="learner.losses:cispo_surrogate",
-            summary="-sg(clip(r, 1 - clip_eps, 1 + clip_eps_high)) * A * log pi per token: the clipped ratio "
+            summary="-sg(clip(r, 1 - clip.eps, 1 + clip.eps_high)) * A * log pi per token: the clipped ratio "
             "weights every token's policy gradient and clips none away (CISPO, MiniMax-M1, Chen et al. 2025; "
             "its paper sets no lower bound)",
             dual_clip=False,

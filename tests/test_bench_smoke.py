@@ -53,7 +53,7 @@ def test_trl_runner_accepts_the_matched_settings():
     assert (args.response_length, args.temperature) == (s.max_new_tokens, s.temperature)
     assert (args.lr, args.kl_coef, args.kl_estimator) == (lc.lr, lc.kl.coef, lc.kl.estimator)
     assert (args.cliprange, args.cliprange_value, args.vf_coef) == (
-        lc.clip_eps,
+        lc.clip.eps,
         lc.value_clip_eps,
         lc.vf_coef,
     )

@@ -172,5 +172,5 @@ def test_cispo_by_hand():
 def test_cispo_refuses_a_dual_clip_by_name():
     from learner.config import LearnerConfig
 
-    with pytest.raises(ValueError, match=r"learner.dual_clip applies to policy_loss \['ppo', 'gspo'\]"):
-        LearnerConfig(policy_loss="cispo", dual_clip=3.0)
+    with pytest.raises(ValueError, match=r"learner.clip.dual applies to policy_loss \['ppo', 'gspo'\]"):
+        LearnerConfig(policy_loss="cispo", clip={"dual": 3.0})

@@ -175,6 +175,9 @@ def test_the_vtrace_block_sets_every_vtrace_parameter():
         ("off_policy_geo_bounds", "learner.geo_mask.bounds (off_policy geo_mask)"),
         ("overlong_buffer", "learner.overlong.buffer"),
         ("overlong_filter", "learner.overlong.filter"),
+        ("clip_eps", "learner.clip.eps"),
+        ("clip_eps_high", "learner.clip.eps_high"),
+        ("dual_clip", "learner.clip.dual"),
     ],
 )
 def test_a_field_that_moved_into_a_block_is_refused_naming_its_new_place(old, new):

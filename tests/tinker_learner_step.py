@@ -5,7 +5,7 @@ forward_backward, optim_step), both from the same base model and LoRA seed; prin
 
     python -m tests.tinker_learner_step MODEL_DIR LOSS STAGE  # importance_sampling | ppo; ZeRO 2 | 3
 
-The learner's config is the Tinker loss's: policy_loss 'ppo' (importance_sampling: clip_eps 1e9, a
+The learner's config is the Tinker loss's: policy_loss 'ppo' (importance_sampling: clip.eps 1e9, a
 clip no ratio reaches, the learner's log-ratio clamp at +-20 keeps it below 1 + 1e9), proximal_pass
 'bypass' (the old logprobs are the batch's sampler logprobs, Tinker's `logprobs` input), no KL, no
 entropy, no critic (grpo), one epoch of one minibatch in one micro-batch, the same AdamW
@@ -49,7 +49,7 @@ def learner_config(loss: str, stage: int) -> LearnerConfig:
         zero_stage=stage,
         advantage="grpo",
         policy_loss="ppo",
-        clip_eps={"importance_sampling": 1e9, "ppo": 0.2}[loss],
+        clip={"eps": {"importance_sampling": 1e9, "ppo": 0.2}[loss]},
         loss_agg="seq-mean-token-sum",
         proximal_pass="bypass",
         kl=KLConfig(coef=0.0),
