@@ -12,8 +12,10 @@ Every registry answers the same questions: `names()` (the config's allowed value
 order), `reg[name]` (the entry, or a ValueError naming the config field and the allowed values),
 `function(name)` (the object, imported when named by a string) and `describe()` (the config reference's
 text). A part with parameters of its own declares their block (`section`: a strict model named by
-`"module:Model"`), which the config that selects the part holds under the part's name. Registry-specific facts (an estimator's critic, an engine's devices) are fields of a `Part`
-subclass, declared where the registry is.
+`"module:Model"`), which the config that selects the part holds under the part's name (or the field
+the part names, `section_field`), read only when the part is selected (and required then when
+`section_required`). Registry-specific facts (an estimator's critic, an engine's devices) are fields
+of a `Part` subclass, declared where the registry is.
 """
 
 from __future__ import annotations
@@ -32,9 +34,19 @@ class Part:
     name: str
     function: str | Any  # "module:attr", imported on first use; or the object (registered by `register`)
     summary: str = ""  # one line: what it is (and its paper)
-    # "module:Model" of the part's parameter block, a config section named after the part (its docstring is
-    # that field's description), read only when the part is selected; None: the part takes no parameters
+    # "module:Model" of the part's parameter block, a config section named after the part (or
+    # `section_field`; its docstring is that field's description), read only when the part is selected;
+    # None: the part takes no parameters
     section: str | None = None
+    section_field: str | None = None  # the config field holding the block when not the part's name
+    section_required: bool = False  # the block must be set when the part is selected (no defaults)
+
+    @property
+    def block_field(self) -> str | None:
+        """The config field that holds the part's block (`section_field`, else its name); None: no block."""
+        if self.section is None:
+            return None
+        return self.section_field or self.name
 
 
 P = TypeVar("P", bound=Part)

@@ -1,9 +1,9 @@
 """The parameter blocks of the learner's section that are sections of their own: the KL penalty
 (`learner.kl`: its estimators, coefficient and controller), the policy loss's ratio clip
-(`learner.clip`), DAPO's overlong shaping (`learner.overlong`), the LoRA adapters (`learner.lora`), the composed rollout correction
-(`learner.rollout_correction`), and the blocks the registered parts declare (`part_blocks`:
-`learner.gae`, `learner.vtrace`, `learner.grpo`, `learner.tis`, `learner.mask`, `learner.geo_mask`,
-read from the registries)."""
+(`learner.clip`), DAPO's overlong shaping (`learner.overlong`), the LoRA adapters (`learner.lora`), and
+the blocks the registered parts declare (`part_blocks`: `learner.gae`, `learner.vtrace`, `learner.grpo`,
+`learner.tis`, `learner.mask`, `learner.geo_mask`, `learner.rollout_correction`, read from the
+registries)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pydantic import BaseModel, Field, model_validator
 
 from kernel.registry import Part, Registry, resolve
 from kernel.strict import Strict as _Strict
-from learner.registry import ADVANTAGES, KL_ESTIMATORS, OFF_POLICY, ROLLOUT_IS, ROLLOUT_REJECT
+from learner.registry import ADVANTAGES, KL_ESTIMATORS, OFF_POLICY
 
 # The learner fields that select one registered part, with the registry of their parts: a part that
-# declares a parameter block (`Part.section`) gets the field learner.<part name>, read (and allowed) only
-# when learner.<field> selects it.
+# declares a parameter block (`Part.section`) gets the field learner.<part.block_field> (its name, unless
+# it names another), read (and allowed) only when learner.<field> selects it, and required then when the
+# part says so (`Part.section_required`).
 SELECTING: dict[str, Registry[Any]] = {"advantage": ADVANTAGES, "off_policy": OFF_POLICY}
 
 # Fields of the learner's section that moved into a block: a config naming one is refused with the new
@@ -48,24 +49,25 @@ def _with_block(name: str) -> Part | None:
 
 
 def part_blocks() -> dict[str, tuple[Any, Any]]:
-    """learner.<part> for each registered part that declares a parameter block, in registration order:
-    its model (or None, unset: the part's defaults) and the description (the model's docstring). Two
-    parts of one name with blocks are an error."""
+    """learner.<block field> for each registered part that declares a parameter block, in registration
+    order: its model (or None, unset: the part's defaults, or refused when the part requires its block)
+    and the description (the model's docstring). Two parts' blocks under one field are an error."""
     fields: dict[str, tuple[Any, Any]] = {}
     for field, registry in SELECTING.items():
         for part in registry:
-            if part.section is None:
+            key = part.block_field
+            if key is None:
                 continue
-            if part.name in fields:
-                raise ValueError(f"learner.{part.name}: two registered parts of that name declare a block")
+            if key in fields:
+                raise ValueError(f"learner.{key}: two registered parts declare a block of that name")
             model = resolve(part.section)
             about = " ".join((model.__doc__ or "").split())
-            fields[part.name] = (
+            unset = "required by it" if part.section_required else "unset: the defaults below"
+            fields[key] = (
                 model | None,
                 Field(
                     None,
-                    description=f"{about} Read (and allowed) only with learner.{field}: {part.name}; "
-                    "unset: the defaults below.",
+                    description=f"{about} Read (and allowed) only with learner.{field}: {part.name}; {unset}.",
                 ),
             )
     return fields
@@ -77,20 +79,28 @@ def block_of(cfg: BaseModel, name: str) -> BaseModel | None:
     part = _with_block(name)
     if part is None:
         return None
-    block = getattr(cfg, name)
+    block = getattr(cfg, part.block_field)
     return resolve(part.section)() if block is None else block
 
 
 def check_part_blocks(cfg: BaseModel) -> None:
-    """A part's block set while another part is selected is refused, naming the field that selects it."""
+    """A part's block set while another part is selected is refused, naming the field that selects it; a
+    selected part that requires its block refuses its absence, naming the block and its fields."""
     for field, registry in SELECTING.items():
         chosen = getattr(cfg, field)
         for part in registry:
-            if part.section is not None and part.name != chosen and getattr(cfg, part.name) is not None:
+            key = part.block_field
+            if key is None:
+                continue
+            block = getattr(cfg, key)
+            if part.name != chosen and block is not None:
                 raise ValueError(
-                    f"learner.{part.name} is read only with learner.{field}: {part.name} (got {field}="
+                    f"learner.{key} is read only with learner.{field}: {part.name} (got {field}="
                     f"{chosen!r}); set {field}: {part.name}, or drop the block"
                 )
+            if part.name == chosen and block is None and part.section_required:
+                names = ", ".join(resolve(part.section).model_fields)
+                raise ValueError(f"learner.{field}={chosen!r} needs learner.{key} ({names})")
 
 
 def refuse_moved(data: Any) -> None:
@@ -102,8 +112,6 @@ def refuse_moved(data: Any) -> None:
 
 
 KLName = Literal[KL_ESTIMATORS.names()]  # the registered KL estimators (learner.registry)
-RolloutISName = Literal[ROLLOUT_IS.names()]
-RolloutRejectName = Literal[ROLLOUT_REJECT.names()]
 
 
 class KLConfig(_Strict):
@@ -258,49 +266,4 @@ class LoRAConfig(_Strict):
     def _check(self) -> LoRAConfig:
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("learner.lora.target_modules is empty: name modules or use 'all-linear'")
-        return self
-
-
-class RejectConfig(_Strict):
-    """One rejection of learner.rollout_correction.reject."""
-
-    level: RolloutRejectName = Field(description=f"What is rejected: {ROLLOUT_REJECT.describe()}.")
-    bounds: tuple[float, float] = Field(
-        description="[lo, hi], 0 <= lo <= 1 <= hi: the kept range of the ratio the level reads (lo 0: one-sided)."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> RejectConfig:
-        lo, hi = self.bounds
-        if not 0 <= lo <= 1 <= hi:
-            raise ValueError(
-                f"learner.rollout_correction.reject bounds must satisfy 0 <= lo <= 1 <= hi (got {(lo, hi)})"
-            )
-        return self
-
-
-class RolloutCorrectionConfig(_Strict):
-    """A rollout correction composed of an IS part and rejections (read with learner.off_policy: custom);
-    each token's weight is the IS weight times every rejection's multiplier (learner/corrections.py)."""
-
-    is_level: RolloutISName = Field(
-        "none", description=f"Importance weight, rho = pi_prox/mu: {ROLLOUT_IS.describe()}."
-    )
-    is_cap: float = Field(2.0, gt=0.0, description="The truncation C of is_level 'token' and 'sequence'.")
-    reject: list[RejectConfig] = Field(
-        default_factory=list,
-        description="Rejections, each {level, bounds: [lo, hi]} with 0 <= lo <= 1 <= hi the kept range of the "
-        "ratio the level reads (lo 0: one-sided); a token is kept when every one keeps it (SkyRL stacks "
-        f"geometric, token and outlier masks; IcePop's paper uses [0.5, 5]); empty: none. level: "
-        f"{ROLLOUT_REJECT.describe()}.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutCorrectionConfig:
-        icepops = sum(r.level == "icepop" for r in self.reject)
-        if icepops and (self.is_level != "none" or icepops > 1):
-            raise ValueError(
-                "learner.rollout_correction: an 'icepop' rejection weights its kept tokens by rho itself: "
-                f"is_level must be 'none' (got {self.is_level!r}) and icepop listed once (got {icepops})"
-            )
         return self

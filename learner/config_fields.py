@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kernel.strict import Strict as _Strict
-from learner.config_blocks import ClipConfig, KLConfig, LoRAConfig, OverlongConfig, RolloutCorrectionConfig
+from learner.config_blocks import ClipConfig, KLConfig, LoRAConfig, OverlongConfig
 from learner.registry import ADVANTAGES, LOSS_AGGS, OFF_POLICY, POLICY_LOSSES
 
 # The allowed values of the registered algorithm parts (learner.registry): the one list of each.
@@ -270,10 +270,15 @@ class LearnerFields(_Strict):
         description=(
             f"Behaviour/proximal (rollout) correction with rho = pi_prox/mu, a preset: {OFF_POLICY.describe()}. "
             "'auto' = 'tis' in async mode with max_staleness > 0 or when rollout.dtype differs from "
-            "learner.dtype, else 'none'; 'none' there is a config error. A preset's parameters are the block "
-            "named after it (learner."
-            + ", learner.".join(p.name for p in OFF_POLICY if p.section)
-            + "), read only when off_policy names it (not with 'auto'). See docs/algorithms.md."
+            "learner.dtype, else 'none'; 'none' there is a config error. A preset's parameters are its block ("
+            + ", ".join(
+                f"learner.{p.block_field}" + ("" if p.block_field == p.name else f" for {p.name}")
+                for p in OFF_POLICY
+                if p.section
+            )
+            + "), read only when off_policy names it (not with 'auto'), required where the preset says so ("
+            + ", ".join(p.name for p in OFF_POLICY if p.section_required)
+            + "). See docs/algorithms.md."
         ),
     )
     proximal_pass: Literal["auto", "always", "bypass"] = Field(
@@ -295,11 +300,6 @@ class LearnerFields(_Strict):
         description="With proximal_pass 'auto': the first step and one in this many run the proximal pass "
         "anyway and measure the engine-learner logprob gap (rollout/logprob_gap); a gap over 1e-4 nats per "
         "token ends the bypass for the run.",
-    )
-    rollout_correction: RolloutCorrectionConfig | None = Field(
-        None,
-        description="A rollout correction composed of an IS part and a rejection part; read (and allowed) only "
-        "with off_policy: custom.",
     )
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty in the reward.")
     lora: LoRAConfig = Field(

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def check_learner(cfg: LearnerFields) -> None:
     """Raise ValueError naming the fields of the first combination of `cfg` that cannot train."""
     check_part_blocks(cfg)
-    _check_rollout_correction(cfg)
+    _check_bypass(cfg)
     estimator = ADVANTAGES[cfg.advantage]
     if cfg.truncation == "bootstrap" and not estimator.critic:
         critics = " or ".join(repr(e.name) for e in ADVANTAGES if e.critic)
@@ -81,18 +81,9 @@ def check_learner(cfg: LearnerFields) -> None:
         )
 
 
-def _check_rollout_correction(cfg: LearnerFields) -> None:
-    """learner.rollout_correction is read only with off_policy 'custom' (never silently ignored), and the
-    explicit bypass mode takes no forward that a critic, a base-weight reference or a correction needs."""
-    if cfg.off_policy == "custom" and cfg.rollout_correction is None:
-        raise ValueError(
-            "learner.off_policy='custom' needs learner.rollout_correction (is_level, is_cap, reject, reject_bounds)"
-        )
-    if cfg.off_policy != "custom" and cfg.rollout_correction is not None:
-        raise ValueError(
-            f"learner.rollout_correction is read only with learner.off_policy: custom (got off_policy="
-            f"{cfg.off_policy!r}); set off_policy: custom, or drop the block and use a preset"
-        )
+def _check_bypass(cfg: LearnerFields) -> None:
+    """The explicit bypass mode takes no forward that a critic, a base-weight reference or a correction
+    needs."""
     if cfg.proximal_pass == "bypass":
         if ADVANTAGES[cfg.advantage].critic:
             raise ValueError(

@@ -271,10 +271,8 @@ def preset_geo_mask(cfg: LearnerConfig) -> Correction:
 
 
 def preset_custom(cfg: LearnerConfig) -> Correction:
-    """'custom': the learner.rollout_correction block."""
-    rc = cfg.rollout_correction
-    if rc is None:
-        raise ValueError("learner.off_policy='custom' reads learner.rollout_correction, which is not set")
+    """'custom': the learner.rollout_correction block (required with it: learner/config_blocks.py)."""
+    rc = cfg.params("custom")
     return Correction(rc.is_level, rc.is_cap, tuple(Reject(x.level, tuple(x.bounds)) for x in rc.reject))
 
 

@@ -14,9 +14,10 @@ without torch (the driver imports no framework).
 
 Adding a part is one entry here, its function and its test; a part with parameters of its own also
 declares their block (`section`, a strict model in a module without torch: learner/estimator_params.py,
-learner/correction_params.py),
-which the learner's section then holds as `learner.<part name>` (learner/config_blocks.py). The function's signature is the
-registry's: `learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
+learner/correction_params.py), which the learner's section then holds as `learner.<part name>`, or
+under the field the part names (`section_field`: 'custom' has `learner.rollout_correction`, required
+with it, `section_required`; learner/config_blocks.py). The function's signature is the registry's:
+`learner.advantages.Estimate`, `learner.losses.Surrogate`, `learner.losses.Aggregate`,
 `learner.losses.Correction`, and `f(d) -> KL_t` for a KL estimator with d = log pi - log pi_ref. This
 module imports nothing of the project but the registry type (`kernel.registry`), so every role may
 import it.
@@ -214,6 +215,9 @@ OFF_POLICY: Registry[Part] = Registry(
             name="custom",
             function="learner.corrections:preset_custom",
             summary="the learner.rollout_correction block: an IS level times any rejections, composed",
+            section="learner.correction_params:RolloutCorrectionConfig",
+            section_field="rollout_correction",
+            section_required=True,
         ),
     ],
 )

@@ -203,11 +203,16 @@ def test_an_off_policy_presets_parameters_are_the_block_its_entry_declares(name)
     if part.section is None:
         assert name not in LearnerConfig.model_fields
         return
-    model = typing.get_args(LearnerConfig.model_fields[name].annotation)[0]
-    assert LearnerConfig(off_policy=name).params(name) == model()
-    assert LearnerConfig(off_policy=name, **{name: {}}).params(name) == model()
+    field = part.block_field  # the preset's name, or the field its entry names ('custom': rollout_correction)
+    model = typing.get_args(LearnerConfig.model_fields[field].annotation)[0]
+    if part.section_required:
+        with pytest.raises(ValueError, match=rf"learner.off_policy='{name}' needs learner.{field} \("):
+            LearnerConfig(off_policy=name)
+    else:
+        assert LearnerConfig(off_policy=name).params(name) == model()
+    assert LearnerConfig(off_policy=name, **{field: {}}).params(name) == model()
     for other in ("auto", "none"):
         with pytest.raises(
-            ValueError, match=rf"learner.{name} is read only with learner.off_policy: {name} "
+            ValueError, match=rf"learner.{field} is read only with learner.off_policy: {name} "
         ):
-            LearnerConfig(off_policy=other, **{name: {}})
+            LearnerConfig(off_policy=other, **{field: {}})
