@@ -12,7 +12,13 @@ Per model (`sentiment-tiny`: the sentiment demo's policy, built by `make assets`
 - warm, `--reps` times, each a new `tinker.ServiceClient` (the real SDK in `.venv-tinker`,
   bench/serve_client.py): `create_lora_training_client` → its first `forward_backward` done, and
   (a second client) `create_lora_training_client` → its first `sample` done, through
-  `save_weights_and_get_sampling_client`; the model's creation alone is shown too;
+  `save_weights_and_get_sampling_client`; the model's creation alone is shown too. Twice per model: the
+  service serves it under its name with no warm pool (`warm: 0`: each tenant's actor starts and loads
+  the model on `create_model`) and as `<name>@pool` with `warm: 2` (each tenant takes a pool actor that
+  has loaded the model already, `cluster.serve.pool`); the bench waits for the service's `warm pool
+  ...: an actor has loaded its base model` lines (every pool before the first timing, a rep's
+  replacements after it), so no rep takes an actor still loading; within a pooled rep the first
+  tenant's replacement loads while the rep goes on, as it would in use;
 - throughput: `forward_backward` (cross_entropy, `--batch` x `--length` random tokens, `--calls` calls
   sent at once after one warm-up call) through the service, against the same calls on the same tenant
   model (`cluster.serve.tenant.TenantModel`, same LoRA, one torch thread as the service's tenants) made
@@ -49,6 +55,30 @@ DEMO = "sentiment-tiny"
 KEY = "tml-bench-serve"
 LORA_RANK = 8  # bench/serve_client.py's rank
 LORA_ALPHA = 32.0
+POOLED, POOL = "@pool", 2  # each model is served again as <name>@pool with a warm pool of 2 actors
+
+
+class PoolLog:
+    """The service's `warm pool <model>: an actor has loaded its base model` lines (`cluster.serve.pool`),
+    counted per model as the bench reads the service's output."""
+
+    def __init__(self, service: subprocess.Popen) -> None:
+        self.service = service
+        self.loaded: dict[str, int] = {}
+
+    def wait(self, model: str, total: int) -> None:
+        """Read the service's output until `model`'s pool actors have loaded `total` times in all."""
+        seen = []
+        while self.loaded.get(model, 0) < total:
+            line = self.service.stdout.readline()
+            if not line:
+                raise RuntimeError("cluster.serve ended while its warm pool loaded:\n" + "".join(seen[-20:]))
+            seen.append(line)
+            if line.startswith("warm pool "):
+                if "has loaded" not in line:
+                    raise RuntimeError(f"a warm pool actor failed: {line}")
+                name = line[len("warm pool ") :].split(":")[0]
+                self.loaded[name] = self.loaded.get(name, 0) + 1
 
 
 @dataclass
@@ -78,6 +108,9 @@ class ModelRow:
     create_s: Spread | None = None
     first_fb_s: Spread | None = None
     first_sample_s: Spread | None = None
+    pool_create_s: Spread | None = None  # the same three, each tenant from the warm pool
+    pool_first_fb_s: Spread | None = None
+    pool_first_sample_s: Spread | None = None
     service_tokens_s: Spread | None = None
     direct_tokens_s: Spread | None = None
     notes: list[str] = field(default_factory=list)
@@ -178,7 +211,8 @@ def start_service(models: list[Model], work: Path) -> tuple[subprocess.Popen, st
             {
                 "port": 0,
                 "api_keys": [KEY],
-                "base_models": [{"name": m.name, "path": str(m.path)} for m in models],
+                "base_models": [{"name": m.name, "path": str(m.path)} for m in models]
+                + [{"name": m.name + POOLED, "path": str(m.path), "warm": POOL} for m in models],
                 "lora_alpha": LORA_ALPHA,
                 "torch_threads": 1,
                 "tenant_cpus": 0.25,  # logical: a rep's two tenants and its sampler fit beside the next rep's
@@ -262,9 +296,10 @@ def table(rows: list[ModelRow], service_s: float) -> str:
     head = (
         "| model | params | cold cluster.train: start-up (s) | cold: first step done (s) "
         "| warm: create_model (s) | warm: create → first forward_backward (s) | warm: create → first sample (s) "
+        "| warm pool: create_model (s) | pool: create → first forward_backward (s) | pool: create → first sample (s) "
         "| forward_backward tokens/s: service | direct | ratio |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         ratio = (
             f"{r.service_tokens_s.mean / r.direct_tokens_s.mean:.2f}"
@@ -277,7 +312,9 @@ def table(rows: list[ModelRow], service_s: float) -> str:
         ]
         lines.append(
             f"| {r.name} | {r.params / 1e6:.2f}M | {cell(r.cold_startup_s)} | {cell(r.cold_first_step_s)} "
-            f"| {cell(r.create_s)} | {cell(r.first_fb_s)} | {cell(r.first_sample_s)} | {tok[0]} | {tok[1]} | {ratio} |"
+            f"| {cell(r.create_s)} | {cell(r.first_fb_s)} | {cell(r.first_sample_s)} "
+            f"| {cell(r.pool_create_s)} | {cell(r.pool_first_fb_s)} | {cell(r.pool_first_sample_s)} "
+            f"| {tok[0]} | {tok[1]} | {ratio} |"
         )
     lines.append(f"\nService start-up (cold, once, all models): {service_s:.2f} s.")
     return "\n".join(lines)
@@ -315,12 +352,22 @@ def main(argv: list[str] | None = None) -> int:
             row.cold_first_step_s = Spread.of([f for _, f in runs])
         proc, url, service_s = start_service(models, work)
         try:
+            pool_log = PoolLog(proc)
+            for m in models:  # every pool loaded before anything is timed
+                pool_log.wait(m.name + POOLED, POOL)
             for m, row in zip(models, rows, strict=True):
                 prompt = json.dumps(batch(m, 1, 8, seed=0)[0])
                 warm = [sdk("warm", url, KEY, m.name, prompt, timeout=args.timeout) for _ in range(args.reps)]
                 row.create_s = Spread.of([w["create_s"] for w in warm])
                 row.first_fb_s = Spread.of([w["first_fb_s"] for w in warm])
                 row.first_sample_s = Spread.of([w["first_sample_s"] for w in warm])
+                pooled = []
+                for i in range(args.reps):  # a rep takes both pool actors; their replacements load after it
+                    pooled.append(sdk("warm", url, KEY, m.name + POOLED, prompt, timeout=args.timeout))
+                    pool_log.wait(m.name + POOLED, POOL * (i + 2))  # loaded before the next timing
+                row.pool_create_s = Spread.of([w["create_s"] for w in pooled])
+                row.pool_first_fb_s = Spread.of([w["first_fb_s"] for w in pooled])
+                row.pool_first_sample_s = Spread.of([w["first_sample_s"] for w in pooled])
                 rows_ = batch(m, args.batch, args.length, seed=1)
                 tokens = args.batch * args.length * args.calls
                 through = [

@@ -92,6 +92,36 @@ def learner_config(path: str | Path):
     return config
 
 
+def load_policy(
+    path: str | Path,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """The HF causal LM of a local folder (nothing downloaded) in `dtype`, gradient checkpointing on where
+    asked: `PolicyWithValueHead.from_pretrained`'s first step (no adapters, no value head yet)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown learner dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    config = learner_config(path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    policy = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
+    )
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return policy
+
+
+def learner_policy(path: str | Path, config: LearnerConfig) -> PreTrainedModel:
+    """`load_policy` with a learner config's fields (dtype, gradient checkpointing, attention): the part of
+    `PolicyWithValueHead.for_learner` that does not depend on the adapter or the seed."""
+    return load_policy(path, config.dtype, config.gradient_checkpointing, config.attn_implementation)
+
+
 class PolicyWithValueHead(nn.Module):
     """Policy logits and values from one forward of the HF model, projected only where response tokens are scored.
 
@@ -137,20 +167,23 @@ class PolicyWithValueHead(nn.Module):
         logits_chunk_tokens: int | str | None = None,
     ) -> PolicyWithValueHead:
         """Load the HF policy from a local folder with dropout off, plus a fresh (or saved) value head;
-        with `lora` of rank > 0 the policy gets PEFT adapters and its own weights freeze (learner.lora)."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown learner dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-        config = learner_config(path)
-        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        policy = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, **extra
-        )
-        if gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(policy, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                policy.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        with `lora` of rank > 0 the policy gets PEFT adapters and its own weights freeze (learner.lora).
+        Two steps, `load_policy` then `around` (a Tinker pool actor runs the first ahead of its request)."""
+        policy = load_policy(path, dtype, gradient_checkpointing, attn_implementation)
+        return cls.around(policy, path, value_head_std, seed, lora, logits_chunk_tokens)
+
+    @classmethod
+    def around(
+        cls,
+        policy: PreTrainedModel,
+        path: str | Path,
+        value_head_std: float = 0.0,
+        seed: int = 0,
+        lora: LoRAConfig | None = None,
+        logits_chunk_tokens: int | str | None = None,
+    ) -> PolicyWithValueHead:
+        """The model on a `load_policy` result from `path`: its LoRA adapters (rank > 0, drawn from `seed`),
+        a fresh value head (or the one saved in `path`). `from_pretrained`'s second step."""
         if lora is not None and lora.rank > 0:
             # PEFT draws each lora_A from torch's global generator: seed it, so the adapters' start
             # follows the run's seed and not whatever this process drew before.
@@ -165,20 +198,16 @@ class PolicyWithValueHead(nn.Module):
         return model
 
     @classmethod
-    def for_learner(cls, path: str | Path, config: LearnerConfig, seed: int = 0) -> PolicyWithValueHead:
+    def for_learner(
+        cls, path: str | Path, config: LearnerConfig, seed: int = 0, policy: PreTrainedModel | None = None
+    ) -> PolicyWithValueHead:
         """`from_pretrained` with every model field of a learner's `config` (dtype, value-head init,
         gradient checkpointing, attention, LoRA, logits chunking): how a learner rank, and a Tinker
-        tenant (`cluster.serve.tenant`), load the model their DeepSpeed engine wraps."""
-        return cls.from_pretrained(
-            path,
-            dtype=config.dtype,
-            value_head_std=config.value_head_std,
-            gradient_checkpointing=config.gradient_checkpointing,
-            seed=seed,
-            attn_implementation=config.attn_implementation,
-            lora=config.lora,
-            logits_chunk_tokens=config.logits_chunk_tokens,
-        )
+        tenant (`cluster.serve.tenant`), load the model their DeepSpeed engine wraps. `policy`: the HF
+        policy `learner_policy(path, config)` loaded already (a tenant's warm pool actor), else loaded here."""
+        if policy is None:
+            policy = learner_policy(path, config)
+        return cls.around(policy, path, config.value_head_std, seed, config.lora, config.logits_chunk_tokens)
 
     def forward(
         self,

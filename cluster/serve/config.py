@@ -6,6 +6,8 @@
     base_models:
       - name: tiny-gpt2        # what `create_lora_training_client(base_model=...)` names
         path: /models/tiny     # a local HF folder (model and tokenizer); nothing is downloaded
+        warm: 0                # tenant actors started with the service, base loaded, waiting for a
+                               # create_model (each holds tenant_cpus while it waits; cluster.serve.pool)
     lora_alpha: 32.0           # every tenant's LoRA alpha (its rank is the request's)
     lora_target_modules: all-linear
     seed: 0                    # a tenant's LoRA init seed when the request gives none
@@ -13,7 +15,8 @@
     zero_stage: 2              # each tenant's DeepSpeed ZeRO stage (2 or 3; the learner's default)
     tenant_cpus: 1.0           # Ray CPUs per tenant actor
     ray_address: local         # 'local' starts a Ray here; an address joins that cluster
-    start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this
+    start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this (a
+                               # create_model the cluster has no CPUs for is refused at once instead)
     call_timeout_s: 600        # one forward_backward / optim_step / sample must finish within this
     order_wait_s: 300          # a call waits this long for its seq_id predecessor, then fails
     session_timeout_s: 300     # a session with no heartbeat for this long is ended (its tenants and samplers
@@ -46,6 +49,7 @@ MIN_SESSION_TIMEOUT_S = 2 * SDK_HEARTBEAT_S  # one late or lost heartbeat never 
 class BaseModelEntry(Strict):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)
+    warm: int = Field(0, ge=0)  # the warm pool's size for this base model (cluster.serve.pool)
 
 
 class SamplingRollout(Strict):

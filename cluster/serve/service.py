@@ -40,6 +40,7 @@ from cluster.serve.checkpoint_routes import add_routes, save_named_sampler
 from cluster.serve.checkpoints import CheckpointPath, CheckpointStore, checkpoint_name
 from cluster.serve.config import ServeConfig
 from cluster.serve.futures import Done, Failed, FutureBook, UserError
+from cluster.serve.pool import Held, WarmPool
 from cluster.serve.recovery import Tenant
 from cluster.serve.sampling import SampleBody, Samplers, sample_call
 from cluster.serve.tenant import AdamStep, TenantModel
@@ -124,6 +125,13 @@ class Service:
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
         self.samplers = Samplers(config.tenant_cpus, config.sampling_rollout(), config.start_timeout_s)
         self.checkpoints = CheckpointStore(config.checkpoint_dir)
+        self.pool = WarmPool(config, self.actor_class, self.held)
+        self.pool.refill()  # the warm pool's actors start loading now
+
+    def held(self) -> Held:
+        """The service's actors that hold `tenant_cpus` each (admission, `cluster.serve.pool`)."""
+        samplers = sum(1 for slot in self.samplers.slots.values() if slot.engine is not None)
+        return Held(len(self.tenants) + self.pool.starting, self.pool.size(), samplers)
 
     def end(self, session_id: str, why: str) -> None:
         """Mark a session ended (`why` is what its heartbeat and lookups answer from then on) and release
@@ -153,6 +161,7 @@ class Service:
         for model_id in [m for m, t in self.tenants.items() if t.session_id == session_id]:
             ray.kill(self.tenants.pop(model_id).actor)
         self.samplers.release(session_id)
+        self.pool.refill()  # CPUs freed: the warm pool's missing actors start
 
     def tenant(self, model_id: str, owner: str) -> Tenant:
         t = self.tenants.get(model_id)
@@ -181,39 +190,31 @@ class Service:
 
     async def new_actor(self, base_model: str, rank: int, seed: int) -> Any:
         """A `TenantModel` actor for `base_model` with a rank-`rank` adapter (LoRA init `seed`), loaded
-        (or its load error raised)."""
-        cfg = LoRAConfig(
+        (or its load error raised): a warm pool actor's if one waits (`cluster.serve.pool`), else a new one."""
+        actor, _pooled = await self.pool.start(base_model, self._lora(rank), seed)
+        return actor
+
+    def _lora(self, rank: int) -> LoRAConfig:
+        return LoRAConfig(
             rank=rank, alpha=self.config.lora_alpha, target_modules=self.config.lora_target_modules
         )
-        actor = self.actor_class.remote(
-            self.config.base_model(base_model).path,
-            cfg,
-            seed,
-            self.config.torch_threads,
-            self.config.zero_stage,
-        )
-        try:  # the model is loaded (or its load error raises here)
-            await asyncio.wait_for(actor.adapter_digest.remote(), self.config.start_timeout_s)
-        except TimeoutError:
-            ray.kill(actor)
-            raise RuntimeError(
-                f"the tenant's actor did not start within {self.config.start_timeout_s:g}s (start_timeout_s): "
-                f"does the cluster have {self.config.tenant_cpus:g} free CPUs (tenant_cpus)? "
-                f"{len(self.tenants)} tenants are held now"
-            ) from None
-        return actor
 
     async def start_tenant(
         self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int
     ) -> str:
-        """A tenant's actor, loaded (or its load error raised); its model_id."""
+        """A tenant's actor, loaded (or its load error raised); its model_id. With no warm pool actor to
+        take and no CPUs for a new one, refused at once (`WarmPool.admit`)."""
         model_id = f"{session_id}:train:{model_seq_id}"
-        actor = await self.new_actor(base_model, rank, seed)
+        if not self.pool.waiting[base_model]:
+            self.pool.admit()
+        actor, pooled = await self.pool.start(base_model, self._lora(rank), seed)
         ended = self.sessions[session_id].ended
         if ended:  # it ended while the actor loaded: nothing would release a tenant registered now
             ray.kill(actor)
             raise UserError(f"session {session_id!r} has ended: {ended}")
         self.tenants[model_id] = Tenant(model_id, owner, session_id, base_model, rank, seed, actor)
+        how = "a warm pool actor" if pooled else "a new actor (cold start)"
+        print(f"tenant {model_id} ({base_model}, rank {rank}, seed {seed}): {how}", flush=True)
         return model_id
 
 

@@ -37,7 +37,7 @@ from learner.deepspeed_setup import single_process_engine
 from learner.forward import anchored_backward, forward_scores
 from learner.gather import cpu_state_dict
 from learner.lora import adapter_bundle
-from learner.model import PolicyWithValueHead
+from learner.model import PolicyWithValueHead, learner_policy
 
 BUCKET_BYTES = 1 << 26  # the gather bucket of the adapter's copies (learner.gather: ZeRO-3 gathers)
 
@@ -76,16 +76,48 @@ def tenant_config(lora: LoRAConfig, torch_threads: int = 1, zero_stage: int = 2)
 
 
 class TenantModel:
+    """Built in two steps, each a method so that a warm pool actor (`cluster.serve.pool`) runs the first
+    before any request: `load_base` (the imports are done by then; threads set, the base model's HF
+    policy loaded) and `attach` (the LoRA adapter drawn from `seed`, the value head, the DeepSpeed
+    engine). `TenantModel(base_path, lora, seed, ...)` runs both (a cold start); with `lora=None` only
+    the first (a pool actor waiting for its request). Either way the same calls in the same order."""
+
     def __init__(
-        self, base_path: str, lora: LoRAConfig, seed: int, torch_threads: int = 1, zero_stage: int = 2
+        self,
+        base_path: str,
+        lora: LoRAConfig | None,
+        seed: int = 0,
+        torch_threads: int = 1,
+        zero_stage: int = 2,
     ) -> None:
-        self.config = tenant_config(lora, torch_threads, zero_stage)
+        self.load_base(base_path, torch_threads, zero_stage)
+        if lora is not None:
+            self.attach(lora, seed)
+
+    def load_base(self, base_path: str, torch_threads: int, zero_stage: int) -> None:
+        self.base_path, self.torch_threads, self.zero_stage = base_path, torch_threads, zero_stage
         torch.set_num_threads(torch_threads)
-        self.model = PolicyWithValueHead.for_learner(base_path, self.config, seed)
+        # the policy's load fields (dtype, checkpointing, attention) do not depend on the adapter
+        self.base = learner_policy(base_path, tenant_config(LoRAConfig(), torch_threads, zero_stage))
+        self.engine = None
+
+    def attach(self, lora: LoRAConfig, seed: int) -> float:
+        """The adapter (LoRA init `seed`) on the loaded base and the engine around it, once; the adapter
+        digest."""
+        if self.engine is not None:
+            raise RuntimeError("this tenant has its adapter already (a pool actor serves one request)")
+        self.config = tenant_config(lora, self.torch_threads, self.zero_stage)
+        self.model = PolicyWithValueHead.for_learner(self.base_path, self.config, seed, policy=self.base)
+        self.base = None  # the model holds it now (with its adapters)
         self.model.value_head.requires_grad_(False)  # no critic: Tinker trains the policy only
         self.engine = single_process_engine(self.model, self.config)
         self.steps = 0
         self.pending = False  # gradients accumulated since the last step
+        return self.adapter_digest()
+
+    def loaded(self) -> str:
+        """The base model's path once `load_base` ran (a pool actor's readiness)."""
+        return self.base_path
 
     def _scores(self, data: list[WireDatum]) -> tuple[torch.Tensor, torch.Tensor]:
         """(lp [B, T] of each datum's target_tokens, mask [B, T])."""
