@@ -11,6 +11,8 @@ real `tinker` SDK (tests/tinker_pool_client.py in `.venv-tinker`) against `pytho
   can get no CPUs and is refused by the service, category user, with the message naming tenant_cpus,
   the cluster's CPUs and what the service holds (not a start that waits out start_timeout_s, which is
   set far beyond the test's own timeout).
+- A pool actor killed while it waits (SIGKILL once the service says it loaded): the client that takes it
+  gets a cold start instead, logged as such, equal to a cold tenant of the same seed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from serve_process import serving_process
 
@@ -103,3 +106,30 @@ def test_a_tenant_the_cluster_cannot_fit_is_refused_at_once(tiny_policy_dir, tmp
         "and this service holds 3 of them (1 tenants, 0 warm pool actors, 0 sampling engines; 1 free)"
     )
     assert expected in failed["message"], failed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TINKER_PY.exists(), reason="the tinker SDK's venv .venv-tinker is missing")
+def test_a_dead_pool_actor_is_replaced_by_a_cold_start(tiny_policy_dir, tmp_path):
+    """The pool actor, once loaded (the service's line), is SIGKILLed: the client that takes it gets a
+    cold-started tenant instead, logged as such, still equal to a cold one of the same seed."""
+    from test_tinker_recovery import _actor_processes, _kill
+
+    path = str(tiny_policy_dir)
+    config = {"api_keys": [KEY], "lora_alpha": 8.0, "tenant_cpus": 0.1,
+              "base_models": [{"name": MODEL, "path": path, "warm": 1}, {"name": COLD, "path": path}]}  # fmt: skip
+    with serving_process(config, tmp_path) as (url, proc):
+        for line in proc.stdout:
+            if line.startswith(f"warm pool {MODEL}: "):
+                assert "has loaded its base model" in line, line
+                break
+        victims = _actor_processes(psutil.Process(proc.pid), "TenantModel")
+        assert len(victims) == 1, [" ".join(p.cmdline()) for p in victims]
+        _kill(victims)
+        seen = _client("pool", url, MODEL, COLD)
+    log = proc.stdout.read()
+    warm, cold = seen["warm"], seen["cold"]
+    assert f"warm pool {MODEL}: the actor taken had died (" in log, log
+    assert f"tenant {warm['model_id']} ({MODEL}, rank 4, seed 7): a new actor (cold start)" in log, log
+    for when in ("before", "after"):
+        np.testing.assert_array_equal(np.concatenate(warm[when]), np.concatenate(cold[when]))

@@ -11,7 +11,8 @@ order as a cold `TenantModel(...)`, so the same tenant bit for bit. The service 
 tenant started (`tenant <model_id> (...): a warm pool actor` / `a new actor (cold start)`). A
 replacement starts at once when the cluster has room for it (`WarmPool.fits`), else when CPUs are
 freed (a session's end, `Service.release`). A tenant's restart after its actor died
-(`cluster.serve.recovery`) takes a pool actor too when one waits. A pooled actor serves one tenant:
+(`cluster.serve.recovery`) takes a pool actor too when one waits; a pool actor found dead when
+taken is logged and replaced by a cold start (`WarmPool.start`). A pooled actor serves one tenant:
 when its session ends it is killed like any tenant's (its weights carry the adapter), never returned
 to the pool.
 
@@ -105,34 +106,43 @@ class WarmPool:
     async def start(self, base_model: str, lora: LoRAConfig, seed: int) -> tuple[Any, bool]:
         """A `TenantModel` actor for `base_model` with `lora`'s adapter (init `seed`), loaded (or its load
         error raised) within `start_timeout_s`: a waiting one's (`take`, then `attach` there) or a new
-        one's; and whether it was a pool actor."""
+        one's; and whether it was a pool actor. A pool actor found dead (killed, or its load failed)
+        is logged and replaced by a cold start, whose own load error (if any) is the one raised."""
         self.starting += 1  # held from here: a pool replacement is placed only if it fits beside it
         try:
             actor = self.take(base_model)
-            pooled = actor is not None
-            if pooled:
-                ready = actor.attach.remote(lora, seed)
-            else:
-                path = self.config.base_model(base_model).path
-                actor = self.actor_class.remote(
-                    path, lora, seed, self.config.torch_threads, self.config.zero_stage
-                )
-                ready = actor.adapter_digest.remote()
-            try:
-                await asyncio.wait_for(ready, self.config.start_timeout_s)
-            except TimeoutError:
-                ray.kill(actor)
-                raise RuntimeError(
-                    f"the tenant's actor did not start within {self.config.start_timeout_s:g}s "
-                    f"(start_timeout_s; tenant_cpus {self.config.tenant_cpus:g}; held now: {self.held()})"
-                ) from None
-            except BaseException:
-                if pooled:  # a pool actor whose load or attach failed serves no one
-                    ray.kill(actor)
-                raise
+            if actor is not None:
+                try:
+                    await self._ready(actor, actor.attach.remote(lora, seed))
+                    return actor, True
+                except ray.exceptions.RayActorError as e:
+                    first = str(e).strip().splitlines()[0]
+                    print(
+                        f"warm pool {base_model}: the actor taken had died ({first}); starting a new one",
+                        flush=True,
+                    )
+            path = self.config.base_model(base_model).path
+            actor = self.actor_class.remote(
+                path, lora, seed, self.config.torch_threads, self.config.zero_stage
+            )
+            await self._ready(actor, actor.adapter_digest.remote())
+            return actor, False
         finally:
             self.starting -= 1
-        return actor, pooled
+
+    async def _ready(self, actor: Any, ready: Any) -> None:
+        """Wait for `ready` (the actor's first call) up to `start_timeout_s`; the actor is killed if it fails."""
+        try:
+            await asyncio.wait_for(ready, self.config.start_timeout_s)
+        except TimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(
+                f"the tenant's actor did not start within {self.config.start_timeout_s:g}s "
+                f"(start_timeout_s; tenant_cpus {self.config.tenant_cpus:g}; held now: {self.held()})"
+            ) from None
+        except BaseException:
+            ray.kill(actor)  # an actor whose load or attach failed serves no one
+            raise
 
     def fits(self) -> bool:
         return room(cluster_cpus(), self.held(), self.config.tenant_cpus)

@@ -17,8 +17,10 @@ Finishing a session (`ServiceClient.close`) ends its tenants and samplers (`Serv
 a session whose heartbeats (the SDK sends one every 10 s) stop for longer than `session_timeout_s`
 (`Service.expire`, run every quarter of it). Any
 other route is a 404 naming it. Each tenant (a LoRA training client) is a `TenantModel` in a Ray actor
-of its own; its calls are ordered and applied once by `cluster.serve.futures.FutureBook`, and a tenant
-whose actor dies is restored from its last saved state (`cluster.serve.recovery`).
+of its own (taken from a warm pool of loaded ones where `base_models[].warm` keeps one, and refused
+at once when the cluster has no CPUs for it: `cluster.serve.pool`); its calls are ordered and applied
+once by `cluster.serve.futures.FutureBook`, and a tenant whose actor dies is restored from its last
+saved state (`cluster.serve.recovery`).
 """
 
 from __future__ import annotations
