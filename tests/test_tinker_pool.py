@@ -10,7 +10,8 @@ real `tinker` SDK (tests/tinker_pool_client.py in `.venv-tinker`) against `pytho
   holds 3; the first client takes it (its replacement does not fit, so none starts); the second client
   can get no CPUs and is refused by the service, category user, with the message naming tenant_cpus,
   the cluster's CPUs and what the service holds (not a start that waits out start_timeout_s, which is
-  set far beyond the test's own timeout).
+  set far beyond the test's own timeout). When that session ends, its tenant's actor goes (not back to
+  the pool) and the pool refills: a new session's client takes the new pool actor.
 - A pool actor killed while it waits (SIGKILL once the service says it loaded): the client that takes it
   gets a cold start instead, logged as such, equal to a cold tenant of the same seed.
 """
@@ -95,7 +96,33 @@ def test_a_tenant_the_cluster_cannot_fit_is_refused_at_once(tiny_policy_dir, tmp
     assert ray_local.cluster_resources()["CPU"] == 4.0
     config = {"api_keys": [KEY], "lora_alpha": 8.0, "tenant_cpus": 3.0, "ray_address": address,
               "start_timeout_s": 3600.0, "base_models": [{"name": MODEL, "path": str(tiny_policy_dir), "warm": 1}]}  # fmt: skip
-    seen, log = _serve_log(config, tmp_path, "refused", MODEL)
+    env = {**os.environ, "TINKER_TELEMETRY": "0"}
+    with serving_process(config, tmp_path) as (url, service):
+        client = subprocess.Popen(
+            [str(TINKER_PY), str(REPO / "tests" / "tinker_pool_client.py"), "refused", url, KEY, MODEL],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        try:
+            seen = []
+            for line in client.stdout:
+                seen.append(line)
+                if line.startswith("CLOSED"):
+                    break
+            assert seen and seen[-1].startswith("CLOSED"), "".join(seen)
+            log = []  # the first session's tenant released, the pool refills: its second actor loads
+            second = f"warm pool {MODEL}: an actor has loaded its base model (2 so far)"
+            for line in service.stdout:
+                log.append(line)
+                if line.startswith(second):
+                    break
+            assert log and log[-1].startswith(second), "".join(log)
+            out, _ = client.communicate("go\n", timeout=600)
+        finally:
+            if client.poll() is None:
+                client.kill()
+        assert client.returncode == 0, "".join(seen) + out
+    log = "".join(log) + service.stdout.read()
+    seen = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[len("RESULT ") :])
     assert f"tenant {seen['first']} ({MODEL}, rank 2, seed 0): a warm pool actor" in log, log
     assert len(seen["first_forward"]) == 2  # the first tenant serves
     failed = seen["failed"]
@@ -106,6 +133,12 @@ def test_a_tenant_the_cluster_cannot_fit_is_refused_at_once(tiny_policy_dir, tmp
         "and this service holds 3 of them (1 tenants, 0 warm pool actors, 0 sampling engines; 1 free)"
     )
     assert expected in failed["message"], failed
+    # the released tenant's actor was not returned to the pool (an attached actor refuses a second
+    # adapter): the new session's client takes the replacement, which scores as the first (same seed)
+    assert f"tenant {seen['later']} ({MODEL}, rank 2, seed 0): a warm pool actor" in log, log
+    np.testing.assert_array_equal(
+        np.concatenate(seen["later_forward"]), np.concatenate(seen["first_forward"])
+    )
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 
     .venv-tinker/bin/python tests/tinker_pool_client.py SCENARIO BASE_URL API_KEY MODEL [MODEL2]
 
-prints one `RESULT <json>` line: what the scenario observed.
+prints one `RESULT <json>` line: what the scenario observed (`refused` prints `CLOSED` midway and waits
+for a line on stdin).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def pool(client, warm_model: str, cold_model: str) -> dict:
     return {"warm": _observed(warm), "cold": _observed(cold)}
 
 
-def refused(client, model: str) -> dict:
-    """One client (it fits), then a second one on a cluster with no CPUs left for it: the SDK's error."""
+def refused(client, model: str, base_url: str, api_key: str) -> dict:
+    """One client (it fits), then a second one on a cluster with no CPUs left for it: the SDK's error.
+    Then the session is closed (its tenant released), `CLOSED` printed, and after a line on stdin (the
+    test writes it once the service says a new pool actor loaded) a new session's client is created."""
     first = client.create_lora_training_client(base_model=model, rank=2, seed=0).result()
     try:
         client.create_lora_training_client(base_model=model, rank=2, seed=1).result()
@@ -43,13 +46,22 @@ def refused(client, model: str) -> dict:
         failed = {**error(e), "category": str(getattr(e, "category", None))}
     else:
         failed = None
-    return {"first": first.get_info().model_id, "failed": failed, "first_forward": _forward(first)}
+    out = {"first": first.get_info().model_id, "failed": failed, "first_forward": _forward(first)}
+    client.close("success").result()
+    print("CLOSED", flush=True)
+    sys.stdin.readline()
+    again = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+    later = again.create_lora_training_client(base_model=model, rank=2, seed=0).result()
+    return out | {"later": later.get_info().model_id, "later_forward": _forward(later)}
 
 
 def main() -> None:
     scenario, base_url, api_key, *models = sys.argv[1:]
     client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    out = {"pool": pool, "refused": refused}[scenario](client, *models)
+    if scenario == "pool":
+        out = pool(client, *models)
+    else:
+        out = refused(client, *models, base_url, api_key)
     print("RESULT " + json.dumps(out), flush=True)
 
 

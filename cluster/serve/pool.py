@@ -1,13 +1,14 @@
 """The service's warm pool of tenant actors, and admission of a new tenant against the cluster's CPUs.
 
 Warm pool: for each `base_models` entry with `warm: N`, N `TenantModel` actors are started when the
-service starts, each running `TenantModel.load_base` (its imports done, the base model's weights
-loaded) and then waiting; each holds `tenant_cpus` of Ray's CPUs while it waits. The service prints
-`warm pool <name>: an actor has loaded its base model` as each is ready (bench/bench_serve.py waits
-for those lines). `create_model` takes the oldest of them (loaded, or still loading: it started before
-a new one would) and calls `attach` there with the request's LoRA rank and seed (the serve config's
-alpha and target modules), which builds its adapter and DeepSpeed engine: the same calls in the same
-order as a cold `TenantModel(...)`, so the same tenant bit for bit. The service prints which way each
+service starts serving (after its `serving <url>` line), each running `TenantModel.load_base` (its
+imports done, the base model's weights loaded) and then waiting; each holds `tenant_cpus` of Ray's
+CPUs while it waits. The service prints `warm pool <name>: an actor has loaded its base model (<n> so
+far)` as each is ready (bench/bench_serve.py waits for those lines). `create_model` takes the oldest
+of them (loaded, or still loading: it started before a new one would) and calls `attach` there with
+the request's LoRA rank and seed (the serve config's alpha and target modules), which builds its
+adapter and DeepSpeed engine: the same calls in the same order as a cold `TenantModel(...)`, so the
+same tenant bit for bit. The service prints which way each
 tenant started (`tenant <model_id> (...): a warm pool actor` / `a new actor (cold start)`). A
 replacement starts at once when the cluster has room for it (`WarmPool.fits`), else when CPUs are
 freed (a session's end, `Service.release`). A tenant's restart after its actor died
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +80,7 @@ class WarmPool:
         self.held = held  # the service's actors now (tenants, this pool, samplers)
         self.waiting: dict[str, list[Any]] = {e.name: [] for e in config.base_models}
         self.starting = 0  # tenants' actors being started or attached (not yet the service's tenants)
+        self.loaded = {e.name: itertools.count(1) for e in config.base_models}  # pool actors loaded so far
 
     def size(self) -> int:
         return sum(len(v) for v in self.waiting.values())
@@ -91,8 +94,20 @@ class WarmPool:
                 )
                 self.waiting[entry.name].append(actor)
                 actor.loaded.remote().future().add_done_callback(
-                    lambda done, name=entry.name: announce(name, done)
+                    lambda done, name=entry.name: self.announce(name, done)
                 )
+
+    def announce(self, base_model: str, done: concurrent.futures.Future) -> None:
+        """The service's log line once a pool actor's `load_base` is done (with how many of `base_model`'s
+        have, so a reader needs no order among lines), or once it ended before."""
+        err = done.exception()
+        if err is None:
+            n = next(
+                self.loaded[base_model]
+            )  # itertools.count: atomic under the GIL (Ray's callback threads)
+            print(f"warm pool {base_model}: an actor has loaded its base model ({n} so far)", flush=True)
+        else:
+            print(f"warm pool {base_model}: an actor ended before loading ({type(err).__name__})", flush=True)
 
     def take(self, base_model: str) -> Any | None:
         """The oldest waiting actor of `base_model` (None if none), a replacement started where it fits."""
@@ -153,15 +168,6 @@ class WarmPool:
         cpus = cluster_cpus()
         if not room(cpus, held, self.config.tenant_cpus):
             raise UserError(refusal(cpus, held, self.config.tenant_cpus))
-
-
-def announce(base_model: str, done: concurrent.futures.Future) -> None:
-    """The service's log line once a pool actor's `load_base` is done (or the actor ended before)."""
-    err = done.exception()
-    if err is None:
-        print(f"warm pool {base_model}: an actor has loaded its base model", flush=True)
-    else:
-        print(f"warm pool {base_model}: an actor ended before loading ({type(err).__name__})", flush=True)
 
 
 def cluster_cpus() -> float:

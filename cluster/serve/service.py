@@ -127,8 +127,7 @@ class Service:
         self.actor_class = ray.remote(num_cpus=config.tenant_cpus)(TenantModel)
         self.samplers = Samplers(config.tenant_cpus, config.sampling_rollout(), config.start_timeout_s)
         self.checkpoints = CheckpointStore(config.checkpoint_dir)
-        self.pool = WarmPool(config, self.actor_class, self.held)
-        self.pool.refill()  # the warm pool's actors start loading now
+        self.pool = WarmPool(config, self.actor_class, self.held)  # filled when the app starts (`build_app`)
 
     def held(self) -> Held:
         """The service's actors that hold `tenant_cpus` each (admission, `cluster.serve.pool`)."""
@@ -224,6 +223,7 @@ def build_app(service: Service) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         watcher = asyncio.create_task(service.watch_heartbeats())
+        service.pool.refill()  # the warm pool's actors start loading (after `serving <url>` is printed)
         yield
         watcher.cancel()
 
