@@ -49,14 +49,20 @@ def _serve(tiny_policy_dir, folder: Path, **more):
         "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
         "lora_alpha": 8.0,
         "tenant_cpus": 0.1,  # logical: the module's tenants and samplers stay until their sessions end
+        "tracking": {"dir": str(folder / "tenants")},
     }
     with serving(config | more, folder) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def service(tiny_policy_dir, tmp_path_factory):
-    yield from _serve(tiny_policy_dir, tmp_path_factory.mktemp("serve"))
+def serve_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def service(tiny_policy_dir, serve_folder):
+    yield from _serve(tiny_policy_dir, serve_folder)
 
 
 HEARTBEAT_TIMEOUT_S = 30.0  # the SDK heartbeats every 10 s: a live session never comes near it
@@ -115,6 +121,27 @@ def test_forward_backward_and_optim_step_lower_the_loss(trained):
     assert not np.allclose(
         np.concatenate(trained["after_logprobs"]), np.concatenate(trained["first_logprobs"])
     )
+
+
+@slow
+@needs_sdk
+def test_each_optim_step_is_a_row_of_the_tenants_tracker_run(trained, serve_folder):
+    """The train scenario: forward, then 3 x (forward_backward + optim_step at lr 0.05), forward, and a
+    forward_backward with no step after it (no row)."""
+    from cluster.serve.tenant_metrics import TenantMetrics, TrackingSection
+
+    folder = TenantMetrics(TrackingSection(dir=str(serve_folder / "tenants"))).folder(
+        KEY, trained["info"]["model_id"]
+    )
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["fb/loss:sum"] for r in rows] == pytest.approx(trained["train_losses"], abs=1e-6)
+    tokens = sum(len(t) for t, _, _ in trained["data"])
+    for i, row in enumerate(rows):
+        assert (row["fb/calls"], row["fb/data"], row["fb/tokens"]) == (1, len(trained["data"]), tokens)
+        assert row["forward/calls"] == (1 if i == 0 else 0)
+        assert row["optim/learning_rate"] == pytest.approx(0.05) and row["optim/step:max"] == i + 1
+        assert row["optim/grad_norm:mean"] > 0
 
 
 @slow

@@ -12,6 +12,18 @@ from cluster.config.sinks import SINKS
 from kernel.strict import Strict as _Strict
 
 
+def check_loggers(names: list[str]) -> list[str]:
+    """`names` if each is a registered sink, none twice and jsonl (the record) among them; else ValueError."""
+    unknown = [n for n in names if n not in SINKS]
+    if unknown:
+        raise ValueError(f"unknown logger(s) {unknown}; allowed: {', '.join(SINKS.names())}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a logger is listed twice: {names}")
+    if "jsonl" not in names:
+        raise ValueError("'jsonl' must be listed: metrics.jsonl is the run's record (resume reads it)")
+    return names
+
+
 class WandbSection(_Strict):
     project: str = Field("rayppo", description="W&B project of the run.")
     entity: str | None = Field(None, description="W&B entity (user or team); none: the account's default.")
@@ -59,14 +71,7 @@ class RunSection(_Strict):
     @field_validator("loggers")
     @classmethod
     def _known_loggers(cls, names: list[str]) -> list[str]:
-        unknown = [n for n in names if n not in SINKS]
-        if unknown:
-            raise ValueError(f"unknown logger(s) {unknown}; allowed: {', '.join(SINKS.names())}")
-        if len(set(names)) != len(names):
-            raise ValueError(f"a logger is listed twice: {names}")
-        if "jsonl" not in names:
-            raise ValueError("'jsonl' must be listed: metrics.jsonl is the run's record (resume reads it)")
-        return names
+        return check_loggers(names)
 
 
 class DemoAssetsSection(_Strict):

@@ -26,6 +26,9 @@
     rollout:                   # the rollout engine sampling clients run on (one per session and base model)
       engine: hf               # a name of rollout_workers.engines.ENGINES (hf, vllm)
       vllm: {}                 # rollout.vllm's options for engine vllm (e.g. max_lora_rank, kv_cache_gib)
+    tracking:                  # each tenant's metrics, one tracker run per training client, one row per
+      loggers: [jsonl]         # optim_step (cluster.serve.tenant_metrics); run.loggers' names but prometheus
+      dir: runs/serve          # <dir>/<sha256(key)[:16]>/<model_id>/metrics.jsonl; wandb: / mlflow: as a run's
 
 A wrong field is an error naming it and what it allows.
 """
@@ -38,6 +41,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
+from cluster.serve.tenant_metrics import TrackingSection
 from kernel.strict import Strict
 from learner.config import LearnerConfig
 from rollout_workers.config import EngineName, RolloutConfig, VLLMConfig
@@ -80,6 +84,7 @@ class ServeConfig(Strict):
     session_timeout_s: float = 300.0
     checkpoint_dir: str | None = None
     rollout: SamplingRollout = Field(default_factory=SamplingRollout)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @field_validator("api_keys")
     @classmethod

@@ -46,6 +46,7 @@ from cluster.serve.pool import Held, WarmPool
 from cluster.serve.recovery import Tenant
 from cluster.serve.sampling import SampleBody, Samplers, sample_call
 from cluster.serve.tenant import AdamStep, TenantModel
+from cluster.serve.tenant_metrics import TenantMetrics
 from cluster.serve.wire import WireError, decode_forward_backward, encode_output
 from learner.config_blocks import LoRAConfig
 
@@ -128,6 +129,7 @@ class Service:
         self.samplers = Samplers(config.tenant_cpus, config.sampling_rollout(), config.start_timeout_s)
         self.checkpoints = CheckpointStore(config.checkpoint_dir)
         self.pool = WarmPool(config, self.actor_class, self.held)  # filled when the app starts (`build_app`)
+        self.metrics = TenantMetrics(config.tracking)  # one tracker run per tenant
 
     def held(self) -> Held:
         """The service's actors that hold `tenant_cpus` each (admission, `cluster.serve.pool`)."""
@@ -161,6 +163,7 @@ class Service:
         recovered), and their ids are unknown from then on."""
         for model_id in [m for m, t in self.tenants.items() if t.session_id == session_id]:
             ray.kill(self.tenants.pop(model_id).actor)
+            self.metrics.close(model_id)
         self.samplers.release(session_id)
         self.pool.refill()  # CPUs freed: the warm pool's missing actors start
 
@@ -214,6 +217,8 @@ class Service:
             ray.kill(actor)
             raise UserError(f"session {session_id!r} has ended: {ended}")
         self.tenants[model_id] = Tenant(model_id, owner, session_id, base_model, rank, seed, actor)
+        about = {"base_model": base_model, "lora_rank": rank, "seed": seed, "session_id": session_id}
+        self.metrics.start(owner, model_id, about)
         how = "a warm pool actor" if pooled else "a new actor (cold start)"
         print(f"tenant {model_id} ({base_model}, rank {rank}, seed {seed}): {how}", flush=True)
         return model_id
@@ -352,6 +357,11 @@ def build_app(service: Service) -> FastAPI:
             out = await tenant.call(
                 service, "forward_backward", req.data, req.loss_fn, req.loss_fn_config, req.forward_only
             )
+            if req.forward_only:
+                service.metrics.forward(req.model_id)
+            else:
+                tokens = sum(len(d.tokens) for d in req.data)
+                service.metrics.forward_backward(req.model_id, out.metrics, len(req.data), tokens)
             return Done(body=encode_output(out.outputs, out.metrics))
 
         return future(request, work, req.model_id, req.seq_id)
@@ -367,6 +377,8 @@ def build_app(service: Service) -> FastAPI:
 
         async def work() -> Done:
             metrics = await tenant.call(service, "optim_step", step)
+            steps = int(metrics["step:max"])
+            service.metrics.optim_step(body.model_id, steps, metrics, step.learning_rate)
             return Done({"metrics": metrics})
 
         return future(request, work, body.model_id, body.seq_id)
