@@ -248,7 +248,8 @@ def sdk(*args: str, timeout: float) -> dict:
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(
-            f"bench/serve_client.py {args[0]} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+            f"bench/serve_client.py {args[0]} failed (exit status {out.returncode}):\n"
+            f"{out.stdout[-3000:]}{out.stderr[-3000:]}"
         )
     return json.loads(lines[-1][len("RESULT ") :])
 

@@ -16,6 +16,7 @@ the first send to the last result.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -85,6 +86,9 @@ SCENARIOS = {"warm": warm, "throughput": throughput}
 def main() -> None:
     scenario, *args = sys.argv[1:]
     print("RESULT " + json.dumps(SCENARIOS[scenario](*args)), flush=True)
+    # The session is closed and the result printed: leave without the interpreter's shutdown, where the
+    # SDK's background threads once ended the process with a non-zero status after a complete result.
+    os._exit(0)
 
 
 if __name__ == "__main__":
