@@ -27,7 +27,12 @@ def serving_process(config: dict, folder: Path) -> Iterator[tuple[str, subproces
     """`serving`, yielding the service's process too (its Ray's workers are its descendants when it
     starts a local Ray)."""
     cfg = folder / "serve.yaml"
-    cfg.write_text(json.dumps({"port": 0, "checkpoint_dir": str(folder / "checkpoints"), **config}))
+    defaults = {
+        "port": 0,
+        "checkpoint_dir": str(folder / "checkpoints"),
+        "tracking": {"dir": str(folder / "tenants")},
+    }
+    cfg.write_text(json.dumps(defaults | config))
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.serve", str(cfg)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -49,7 +49,6 @@ def _serve(tiny_policy_dir, folder: Path, **more):
         "base_models": [{"name": MODEL, "path": str(tiny_policy_dir)}],
         "lora_alpha": 8.0,
         "tenant_cpus": 0.1,  # logical: the module's tenants and samplers stay until their sessions end
-        "tracking": {"dir": str(folder / "tenants")},
     }
     with serving(config | more, folder) as url:
         yield url
@@ -127,7 +126,8 @@ def test_forward_backward_and_optim_step_lower_the_loss(trained):
 @needs_sdk
 def test_each_optim_step_is_a_row_of_the_tenants_tracker_run(trained, serve_folder):
     """The train scenario: forward, then 3 x (forward_backward + optim_step at lr 0.05), forward, and a
-    forward_backward with no step after it (no row)."""
+    forward_backward with no step after it (no row); the rows are under the folder's tenants/
+    (tests/serve_process.py sets tracking.dir there)."""
     from cluster.serve.tenant_metrics import TenantMetrics, TrackingSection
 
     folder = TenantMetrics(TrackingSection(dir=str(serve_folder / "tenants"))).folder(
