@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml
 
 # The real tinker SDK, client side (as a user's script runs it), in its own venv: the service runs in
 # .venv, the tests drive it from .venv-tinker (tinker-cookbook pins transformers<=5.5.4 and pulls CUDA
-# torch, so neither goes into .venv). `make serve` serves the Tinker API (docs/service.md).
+# torch, so neither goes into .venv). `make serve` serves the Tinker API (docs/service.md); `make submit-serve
+# ADDRESS=http://HEAD:8265` submits it to a Ray cluster as a job (default: $RAY_API_SERVER_ADDRESS or 127.0.0.1:8265).
 TINKER_VENV  := .venv-tinker
 TINKER_STAMP := $(TINKER_VENV)/.installed
 SERVE_CONFIG ?= configs/serve/tiny.yaml
-.PHONY: test-tinker serve
+.PHONY: test-tinker serve submit-serve
 
 $(TINKER_STAMP):
 	test -x $(TINKER_VENV)/bin/python || $(PY) -m venv $(TINKER_VENV)
@@ -75,6 +76,9 @@ test-tinker: $(STAMP) $(TINKER_STAMP) $(COOKBOOK_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m cluster.serve $(SERVE_CONFIG)
+
+submit-serve: $(STAMP)
+	$(BIN)/python -m cluster.serve.submit $(if $(ADDRESS),--address $(ADDRESS)) $(SERVE_CONFIG) $(ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow$(if $(AREA), and $(AREA))"

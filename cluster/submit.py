@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -288,11 +289,8 @@ def _run_dir_warning(cfg: RunConfig, run_dir: str | None, working_dir: str | Pat
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m cluster.submit", description="Submit a PPO training run to a Ray cluster as a job."
-    )
-    add_run_arguments(ap)  # CONFIG, --set, --run-dir (on the cluster: shared storage), --resume
+def add_cluster_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every submission takes: the job API, the uploaded working dir, following or not."""
     ap.add_argument(
         "--address",
         default=os.environ.get("RAY_API_SERVER_ADDRESS", DEFAULT_ADDRESS),
@@ -311,19 +309,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--connect-timeout", type=float, default=10.0, help="seconds to wait for the job API (default 10)"
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.submit", description="Submit a PPO training run to a Ray cluster as a job."
+    )
+    add_run_arguments(ap)  # CONFIG, --set, --run-dir (on the cluster: shared storage), --resume
+    add_cluster_arguments(ap)
     return ap.parse_args(argv)
+
+
+def checked_working_dir(args: argparse.Namespace) -> str | None:
+    """The folder to upload (None: `--no-working-dir`); ConfigError unless it is a rayppo checkout."""
+    working_dir = None if args.no_working_dir else args.working_dir
+    if working_dir is not None and not Path(working_dir, "pyproject.toml").is_file():
+        # an installed (non-editable) rayppo would otherwise upload site-packages
+        raise ConfigError(
+            f"--working-dir {working_dir} is not a rayppo checkout (no pyproject.toml): pass the checkout, "
+            "or --no-working-dir when the cluster has rayppo installed"
+        )
+    return working_dir
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    working_dir = None if args.no_working_dir else args.working_dir
     try:
-        if working_dir is not None and not Path(working_dir, "pyproject.toml").is_file():
-            # an installed (non-editable) rayppo would otherwise upload site-packages
-            raise ConfigError(
-                f"--working-dir {working_dir} is not a rayppo checkout (no pyproject.toml): pass the checkout, "
-                "or --no-working-dir when the cluster has rayppo installed"
-            )
+        working_dir = checked_working_dir(args)
         address = normalize_address(args.address)
         cfg = load_config(args.config, args.overrides)
         config_path_on_cluster(args.config, working_dir)
@@ -332,10 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if warning := _run_dir_warning(cfg, args.run_dir, working_dir):
         print(warning, file=sys.stderr)
-    try:
-        headers = check_api(address, args.connect_timeout)
-        client = connect(address, headers=headers)
-        job_id = submit_training(
+
+    def start(client: JobSubmissionClient) -> str:
+        return submit_training(
             address,
             args.config,
             args.overrides,
@@ -344,6 +355,23 @@ def main(argv: list[str] | None = None) -> int:
             working_dir=working_dir,
             client=client,
         )
+
+    return submit_and_follow(address, start, connect_timeout_s=args.connect_timeout, wait=not args.no_wait)
+
+
+def submit_and_follow(
+    address: str,
+    start: Callable[[JobSubmissionClient], str],
+    *,
+    connect_timeout_s: float = 10.0,
+    wait: bool = True,
+) -> int:
+    """Check the job API, submit with `start(client)` (returns the job id), print where to watch and
+    stop the job, then (`wait`) stream its log until it ends; returns the command's exit code."""
+    try:
+        headers = check_api(address, connect_timeout_s)
+        client = connect(address, headers=headers)
+        job_id = start(client)
     except ValueError as err:  # ConfigError, or Ray refusing the working dir (e.g. over its size limit)
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -363,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  dashboard: {address}/#/jobs/{job_id}", flush=True)
     print(f"  logs:      {ray_job('logs --follow')}", flush=True)
     print(f"  stop:      {ray_job('stop')}", flush=True)
-    if args.no_wait:
+    if not wait:
         return EXIT_OK
     try:
         status = follow(client, job_id)

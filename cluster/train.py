@@ -28,9 +28,7 @@ from cluster.prompts.prompt_files import prompt_files
 from cluster.reporting.folder import resolve_paths
 from cluster.reporting.job_env import (
     SharedSessionError,
-    check_every_node_shares,
-    in_place_working_dir,
-    override_job_runtime_env,
+    join_cluster,
 )
 from cluster.reporting.local_ray import dashboard_port, moved_dashboard
 from cluster.roles.registry import ROLES
@@ -141,17 +139,8 @@ def init_ray(cfg: RunConfig) -> str | None:
     if ray.is_initialized():
         return None
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        in_place = in_place_working_dir()  # a job on raylets sharing this machine's session folder
-        if in_place is None:
-            return ray.init(address=address, log_to_driver=True).dashboard_url
-        with override_job_runtime_env():
-            context = ray.init(address=address, log_to_driver=True, runtime_env=in_place)
-        print(
-            f"job working dir used in place by this machine's raylets: {in_place['working_dir']}", flush=True
-        )
-        check_every_node_shares(in_place, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
-        return context.dashboard_url
+    if address:  # a job on raylets sharing this machine's session folder: its working dir in place
+        return join_cluster(address, log_to_driver=True).dashboard_url
     cpus, custom = local_resources(cfg)
     port = dashboard_port(cfg.cluster)
     url = ray.init(

@@ -185,7 +185,8 @@ CLUSTER_FLOORS: tuple[tuple[str, ...], ...] = (
     ("placement", "weights", "reporting"),  # where actors go; how weights reach them; the run's reports
     ("pipeline",),  # the run loop and the two pipelines
     ("train",),  # the main entry point; the others reuse its arguments and preflight
-    ("data", "evaluate", "submit", "scale", "export", "watch", "plot", "examples", "serve"),
+    ("data", "evaluate", "submit", "scale", "export", "watch", "plot", "examples"),
+    ("serve",),  # the Tinker-API service; it is submitted as a Ray job with submit's parts
 )
 
 

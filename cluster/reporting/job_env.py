@@ -13,7 +13,8 @@ FileNotFoundError) and imports from it fail while it is rebuilt.
 
 On such a cluster the driver hands the job that folder in place instead (`local://`): every raylet
 of the machine sees it, Ray neither downloads nor deletes it, and every worker gets the same
-working directory and PYTHONPATH as before. Anywhere else nothing changes.
+working directory and PYTHONPATH as before. Anywhere else nothing changes. `join_cluster` is that
+ray.init, for every job driver that joins its cluster (`cluster.train`, `cluster.serve`).
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ def agent_nodes(session: Path) -> set[str]:
     return {p.name[len(AGENT_PORT_FILE) :] for p in session.glob(AGENT_PORT_FILE + "*")}
 
 
+def in_job() -> bool:
+    """Whether this process is a Ray job's entrypoint (or runs under one): its cluster is the job's."""
+    return JOB_CONFIG_VAR in os.environ
+
+
 def in_place_working_dir(cwd: Path | None = None) -> dict[str, Any] | None:
     """The runtime env a job driver passes to ray.init where other raylets share the session folder
     of the working dir it runs in; None (Ray's own is safe) elsewhere and outside a job."""
-    if JOB_CONFIG_VAR not in os.environ:
+    if not in_job():
         return None
     cwd = cwd or Path.cwd()
     session = session_of(cwd)
@@ -84,3 +90,19 @@ def check_every_node_shares(runtime_env: dict[str, Any], alive_nodes: Iterable[s
             f"cluster has nodes elsewhere ({', '.join(n[:8] for n in elsewhere)}): a job's working dir "
             "cannot serve both. Start each extra raylet on this machine with a --temp-dir of its own"
         )
+
+
+def join_cluster(address: str, **init_kwargs: Any) -> Any:
+    """`ray.init(address, **init_kwargs)` joining a running cluster; a job's driver on raylets that
+    share this machine's session folder hands them its working dir in place (`in_place_working_dir`,
+    said in one printed line) and checks that every node does share it. Returns ray.init's context."""
+    import ray
+
+    in_place = in_place_working_dir()
+    if in_place is None:
+        return ray.init(address=address, **init_kwargs)
+    with override_job_runtime_env():
+        context = ray.init(address=address, runtime_env=in_place, **init_kwargs)
+    print(f"job working dir used in place by this machine's raylets: {in_place['working_dir']}", flush=True)
+    check_every_node_shares(in_place, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
+    return context
