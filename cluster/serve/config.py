@@ -14,7 +14,8 @@
     torch_threads: 1           # per tenant actor
     zero_stage: 2              # each tenant's DeepSpeed ZeRO stage (2 or 3; the learner's default)
     tenant_cpus: 1.0           # Ray CPUs per tenant actor
-    ray_address: local         # 'local' starts a Ray here; an address joins that cluster
+    ray_address: local         # 'local' starts a Ray here; 'auto' joins the cluster this process runs in (a Ray
+                               # job's: cluster.serve.submit passes --ray-address auto); an address joins that cluster
     start_timeout_s: 300       # a tenant's or sampler's actor must start (and load) within this (a
                                # create_model the cluster has no CPUs for is refused at once instead)
     call_timeout_s: 600        # one forward_backward / optim_step / sample must finish within this
